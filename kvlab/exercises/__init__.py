@@ -1,0 +1,47 @@
+"""Exercises that check themselves, one ``nbXX`` module per notebook, and self-test questions.
+
+In a notebook: ``from kvlab.exercises import check, hint, show_solution, self_test``.
+"""
+
+import importlib
+import pkgutil
+
+from kvlab.exercises.core import (
+    EXERCISES,
+    QUESTIONS,
+    Case,
+    CheckResult,
+    Exercise,
+    Question,
+    SelfTest,
+    check,
+    describe,
+    get_exercise,
+    hint,
+    list_exercises,
+    self_test,
+    show_solution,
+    solution,
+)
+
+# Each notebook's exercises live in kvlab/exercises/nbXX.py and register themselves on import.
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("nb")):
+    importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = [
+    "EXERCISES",
+    "QUESTIONS",
+    "Case",
+    "CheckResult",
+    "Exercise",
+    "Question",
+    "SelfTest",
+    "check",
+    "describe",
+    "get_exercise",
+    "hint",
+    "list_exercises",
+    "self_test",
+    "show_solution",
+    "solution",
+]

@@ -1,0 +1,290 @@
+"""Model shapes that decide the KV cache size, read from real Hugging Face ``config.json`` files.
+
+``ModelSpec.from_hf_config`` reads only fields a real checkpoint ships; presets in
+``data/models/`` are those files as published (``get_model`` / ``list_models``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from kvlab._validate import positive_int
+from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
+
+Attention = Literal["mha", "gqa", "mqa", "mla"]
+LayerType = Literal["full_attention", "sliding_attention"]
+
+#: Bytes per weight element for the dtypes checkpoints declare (``torch_dtype`` /
+#: ``dtype``) and for quantization methods (``quantization_config.quant_method``).
+#: mxfp4 is 4-bit values plus one 8-bit scale per 32 values: 4.25 bits.
+WEIGHT_DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0,
+    "fp16": 2.0,
+    "bf16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "mxfp4": 4.25 / 8,
+    "nvfp4": 0.5625,
+}
+_TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+DATA_DIR = Path(os.environ.get("KVLAB_DATA", Path(__file__).resolve().parents[1] / "data"))
+MODELS_DIR = DATA_DIR / "models"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder's attention, as far as the KV cache is concerned.
+
+    ``num_kv_heads`` and ``head_dim`` are what one token stores per layer: for MLA
+    that is one latent (``num_kv_heads == 1``, ``head_dim == kv_lora_rank +
+    qk_rope_head_dim``), whatever ``num_key_value_heads`` the config lists.
+    """
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention: Attention
+    hidden_size: int | None = None
+    weights_dtype: str = "bf16"
+    layer_types: tuple[LayerType, ...] = ()
+    sliding_window: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    mha_head_dim: int | None = None
+    num_params: int | None = None
+    max_position_embeddings: int | None = None
+    config: Mapping[str, Any] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
+            positive_int(field, getattr(self, field))
+        if self.attention not in ("mha", "gqa", "mqa", "mla"):
+            raise UnknownNameError("attention", self.attention, ["mha", "gqa", "mqa", "mla"])
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise KvlabValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}"
+            )
+        if "sliding_attention" in self.layer_types:
+            positive_int("sliding_window", self.sliding_window)
+
+    @property
+    def kv_factor(self) -> int:
+        """f in f x L x Hkv x D x b: 2 (a K and a V) for MHA/GQA/MQA, 1 (one latent) for MLA."""
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def num_sliding_layers(self) -> int:
+        """Layers that keep only the last ``sliding_window`` tokens."""
+        return sum(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def num_full_layers(self) -> int:
+        """Layers that keep every token of the context."""
+        return self.num_layers - self.num_sliding_layers
+
+    def mha_equivalent(self) -> ModelSpec:
+        """The same model with one K/V head per query head (for MLA: heads x ``v_head_dim``)."""
+        return dataclasses.replace(
+            self,
+            name=f"{self.name} (as MHA)",
+            attention="mha",
+            num_kv_heads=self.num_attention_heads,
+            head_dim=self.mha_head_dim or self.head_dim,
+            kv_lora_rank=None,
+            qk_rope_head_dim=None,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike, name: str | None = None) -> ModelSpec:
+        """Build a spec from a Hugging Face ``config.json`` given as a dict or a path.
+
+        Multimodal configs are read through their ``text_config``. Raises
+        ``MissingConfigKeyError`` naming the first required key that is absent.
+        """
+        if isinstance(config, (str, os.PathLike)):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            with open(path, encoding="utf-8") as fh:
+                config = json.load(fh)
+            name = name or (path.parent.name if path.name == "config.json" else path.stem)
+        if not isinstance(config, Mapping):
+            raise KvlabValueError(f"config must be a dict or a path to config.json, got {type(config).__name__}")
+        raw = dict(config)
+        cfg = dict(raw)
+        if isinstance(cfg.get("text_config"), Mapping):
+            cfg = {**cfg, **cfg["text_config"]}
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise MissingConfigKeyError(key)
+            return cfg[key]
+
+        num_layers = positive_int("num_hidden_layers", need("num_hidden_layers"))
+        num_heads = positive_int("num_attention_heads", need("num_attention_heads"))
+        if cfg.get("kv_lora_rank"):
+            kv_lora_rank = positive_int("kv_lora_rank", cfg["kv_lora_rank"])
+            rope_dim = positive_int("qk_rope_head_dim", need("qk_rope_head_dim"))
+            attention: Attention = "mla"
+            num_kv_heads, head_dim = 1, kv_lora_rank + rope_dim
+            mha_head_dim = cfg.get("v_head_dim") or cfg.get("qk_nope_head_dim")
+        else:
+            kv_lora_rank = rope_dim = None
+            num_kv_heads = positive_int(
+                "num_key_value_heads", cfg.get("num_key_value_heads") or num_heads
+            )
+            if cfg.get("head_dim"):
+                head_dim = positive_int("head_dim", cfg["head_dim"])
+            else:
+                head_dim = positive_int("hidden_size", need("hidden_size")) // num_heads
+            if num_heads % num_kv_heads:
+                raise KvlabValueError(
+                    f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+                )
+            attention = "mha" if num_kv_heads == num_heads else ("mqa" if num_kv_heads == 1 else "gqa")
+            mha_head_dim = None
+        layer_types, window = _layer_types(cfg, num_layers)
+        return cls(
+            name=name or cfg.get("_name") or cfg.get("model_type", "model"),
+            num_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            attention=attention,
+            hidden_size=cfg.get("hidden_size"),
+            weights_dtype=_weights_dtype(cfg),
+            layer_types=layer_types,
+            sliding_window=window,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=rope_dim,
+            mha_head_dim=mha_head_dim,
+            num_params=count_parameters(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings"),
+            config=raw,
+        )
+
+
+def _layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[tuple[LayerType, ...], int | None]:
+    """Which layers slide, from ``layer_types`` or the model family's own rule."""
+    window = cfg.get("sliding_window")
+    if cfg.get("layer_types"):
+        types = tuple(cfg["layer_types"])
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise KvlabValueError(
+                f"layer_types contains {unknown}; kvlab sizes only 'full_attention' and "
+                "'sliding_attention' layers"
+            )
+        if len(types) != num_layers:
+            raise KvlabValueError(f"layer_types has {len(types)} entries, num_hidden_layers is {num_layers}")
+        return types, (window if "sliding_attention" in types else None)  # type: ignore[return-value]
+    if not window or cfg.get("use_sliding_window") is False:
+        return ("full_attention",) * num_layers, None
+    family = cfg.get("model_type", "")
+    if family == "gemma2":  # even layers slide, odd layers are global
+        sliding = [i % 2 == 0 for i in range(num_layers)]
+    elif family in ("gemma3", "gemma3_text"):  # five local layers, then one global
+        pattern = cfg.get("sliding_window_pattern", 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", num_layers)
+        sliding = [i >= first for i in range(num_layers)]
+    else:  # Mistral-style: every layer uses the window
+        sliding = [True] * num_layers
+    types = tuple("sliding_attention" if s else "full_attention" for s in sliding)
+    return types, (window if any(sliding) else None)  # type: ignore[return-value]
+
+
+def _weights_dtype(cfg: Mapping[str, Any]) -> str:
+    """The dtype most weights are stored in: a quantization method wins over ``torch_dtype``."""
+    quant = cfg.get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    if method in WEIGHT_DTYPE_BYTES:
+        return method
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return _TORCH_DTYPES.get(str(dtype), "bf16")
+
+
+def count_parameters(cfg: Mapping[str, Any]) -> int | None:
+    """Count a decoder's parameters from its config (embeddings, attention, MLP/MoE, norms).
+
+    Covers the Llama family (Llama, Mistral, Qwen2/3, Gemma 2), DeepSeek-V3 (MLA + MoE)
+    and gpt-oss (MoE); returns None for families it does not know. Multi-token-prediction
+    layers (``num_nextn_predict_layers``) are not counted: serving loads them separately.
+    """
+    family = cfg.get("model_type", "")
+    try:
+        H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+        nq = cfg["num_attention_heads"]
+    except KeyError:
+        return None
+    tied = cfg.get("tie_word_embeddings", family.startswith("gemma"))
+    total = V * H * (1 if tied else 2) + H  # embeddings, lm_head, final norm
+    if family in ("llama", "mistral", "qwen2", "qwen3", "gemma2"):
+        nkv = cfg.get("num_key_value_heads") or nq
+        hd = cfg.get("head_dim") or H // nq
+        attn = 2 * H * nq * hd + 2 * H * nkv * hd
+        if cfg.get("attention_bias") or family == "qwen2":
+            attn += nq * hd + 2 * nkv * hd + (H if cfg.get("attention_bias") else 0)
+        norms = (4 if family == "gemma2" else 2) * H + (2 * hd if family == "qwen3" else 0)
+        return total + L * (attn + 3 * H * cfg["intermediate_size"] + norms)
+    if family == "deepseek_v3":
+        r_q, r_kv = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+        nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        attn = (
+            H * r_q + r_q + r_q * nq * (nope + rope)  # q down, norm, q up
+            + H * (r_kv + rope) + r_kv + r_kv * nq * (nope + vd)  # kv down (+ rope key), norm, kv up
+            + nq * vd * H  # o_proj
+        )
+        experts = cfg["n_routed_experts"]
+        moe = (experts + cfg["n_shared_experts"]) * 3 * H * cfg["moe_intermediate_size"] + experts * H + experts
+        dense_layers = cfg["first_k_dense_replace"]
+        mlp = dense_layers * 3 * H * cfg["intermediate_size"] + (L - dense_layers) * moe
+        return total + L * (attn + 2 * H) + mlp
+    if family == "gpt_oss":
+        nkv, hd, inter = cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"]
+        experts = cfg["num_local_experts"]
+        attn = 2 * H * nq * hd + 2 * H * nkv * hd + (nq * hd + 2 * nkv * hd + H) + nq  # + biases, sinks
+        moe = experts * (H * 2 * inter + 2 * inter + inter * H + H) + experts * H + experts
+        return total + L * (attn + moe + 2 * H)
+    return None
+
+
+def weights_bytes(model: ModelSpec, weights_dtype: str | None = None) -> int:
+    """Estimated bytes of the weights: ``num_params`` x bytes of the weight dtype."""
+    dtype = weights_dtype or model.weights_dtype
+    if dtype not in WEIGHT_DTYPE_BYTES:
+        raise UnknownNameError("weights_dtype", dtype, WEIGHT_DTYPE_BYTES)
+    if model.num_params is None:
+        raise KvlabValueError(
+            f"cannot estimate the weights of {model.name!r}: its config does not allow counting "
+            "parameters; pass the weights size explicitly"
+        )
+    return round(model.num_params * WEIGHT_DTYPE_BYTES[dtype])
+
+
+def list_models() -> list[str]:
+    """The names of the presets shipped in ``data/models/``."""
+    return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+
+
+@functools.cache
+def get_model(name: str) -> ModelSpec:
+    """The preset ``name`` (see ``list_models()``), built from its real ``config.json``."""
+    known = list_models()
+    if name not in known:
+        raise UnknownNameError("name", name, known)
+    return ModelSpec.from_hf_config(MODELS_DIR / f"{name}.json", name=name)

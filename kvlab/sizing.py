@@ -1,0 +1,189 @@
+"""How many bytes the KV cache takes: ``f x L x Hkv x D x b`` per token, then per request.
+
+Everything here is exact integer arithmetic on a ``ModelSpec``; the budget simulator
+(``kvlab.budget``) and every later notebook build on ``kv_bytes_per_token``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from kvlab._validate import positive_int
+from kvlab.errors import KvlabValueError, UnknownNameError
+from kvlab.models import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+#: Bytes per stored KV element. nvfp4 stores 4-bit values plus one 1-byte (fp8) scale
+#: per 16 values: 0.5 + 1/16 = 0.5625 bytes per element, never rounded up to 1.
+KV_DTYPE_BYTES: Mapping[str, Fraction] = {
+    "fp32": Fraction(4),
+    "fp16": Fraction(2),
+    "bf16": Fraction(2),
+    "fp8": Fraction(1),
+    "fp8_e4m3": Fraction(1),
+    "fp8_e5m2": Fraction(1),
+    "int8": Fraction(1),
+    "nvfp4": Fraction(9, 16),
+}
+#: Spellings from torch and vLLM that mean one of the dtypes above.
+KV_DTYPE_ALIASES: Mapping[str, str] = {
+    "float32": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+}
+NVFP4_GROUP = 16  # values that share one scale
+
+
+def canonical_kv_dtype(kv_dtype: str) -> str:
+    """The canonical name of ``kv_dtype`` (aliases resolved); raises listing the known dtypes."""
+    name = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    if name not in KV_DTYPE_BYTES:
+        raise UnknownNameError("kv_dtype", kv_dtype, list(KV_DTYPE_BYTES) + list(KV_DTYPE_ALIASES))
+    return name  # type: ignore[return-value]
+
+
+def dtype_bytes(kv_dtype: str) -> Fraction:
+    """b, the bytes of one stored element, as an exact fraction (nvfp4: 9/16)."""
+    return KV_DTYPE_BYTES[canonical_kv_dtype(kv_dtype)]
+
+
+def vector_bytes(num_elements: int, kv_dtype: str) -> int:
+    """Bytes of one head vector of ``num_elements`` values (nvfp4: one scale per started group of 16)."""
+    n = positive_int("num_elements", num_elements)
+    name = canonical_kv_dtype(kv_dtype)
+    if name == "nvfp4":
+        return math.ceil(n / 2) + math.ceil(n / NVFP4_GROUP)
+    return int(n * KV_DTYPE_BYTES[name])
+
+
+def kv_heads_per_rank(model: ModelSpec, tp: int = 1) -> int:
+    """Hkv on one GPU under tensor parallelism ``tp``.
+
+    MHA/GQA split their KV heads across ranks; with more ranks than heads each rank keeps
+    a replica of one head. MLA's latent is not split: every rank holds the whole of it.
+    """
+    tp = positive_int("tp", tp)
+    if model.attention == "mla":
+        return 1
+    heads = model.num_kv_heads
+    if tp <= heads:
+        if heads % tp:
+            raise KvlabValueError(f"tp={tp} must divide num_kv_heads={heads} of {model.name}")
+        return heads // tp
+    if tp % heads:
+        raise KvlabValueError(f"tp={tp} must be a multiple of num_kv_heads={heads} of {model.name}")
+    return 1
+
+
+def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> int:
+    """Bytes one token's KV takes on one GPU: f x L x Hkv x D x b (summed over all layers)."""
+    return (
+        model.kv_factor
+        * model.num_layers
+        * kv_heads_per_rank(model, tp)
+        * vector_bytes(model.head_dim, kv_dtype)
+    )
+
+
+def kv_bytes(
+    model: ModelSpec, tokens: int, kv_dtype: str = "bf16", requests: int = 1, tp: int = 1
+) -> int:
+    """Bytes on one GPU for ``requests`` requests of ``tokens`` tokens each.
+
+    A sliding-window layer keeps at most ``sliding_window`` tokens, so long contexts cost
+    only the full-attention layers beyond the window.
+    """
+    tokens = positive_int("tokens", tokens)
+    requests = positive_int("requests", requests)
+    per_layer_token = model.kv_factor * kv_heads_per_rank(model, tp) * vector_bytes(model.head_dim, kv_dtype)
+    held = sum(tokens_held_per_layer(model, tokens))
+    return per_layer_token * held * requests
+
+
+def tokens_held_per_layer(model: ModelSpec, tokens: int) -> list[int]:
+    """How many of ``tokens`` each layer keeps: all of them, or the last ``sliding_window``."""
+    tokens = positive_int("tokens", tokens)
+    return [
+        min(tokens, model.sliding_window) if kind == "sliding_attention" else tokens  # type: ignore[type-var]
+        for kind in model.layer_types
+    ]
+
+
+def breakdown(model: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> dict[str, object]:
+    """The factors of the per-token formula, in order, with their product (for tables)."""
+    return {
+        "model": model.name,
+        "attention": model.attention.upper(),
+        "f": model.kv_factor,
+        "L": model.num_layers,
+        "Hkv": kv_heads_per_rank(model, tp),
+        "D": model.head_dim,
+        "b": float(dtype_bytes(kv_dtype)),
+        "bytes_per_token": kv_bytes_per_token(model, kv_dtype, tp),
+    }
+
+
+def mha_ratio(model: ModelSpec, kv_dtype: str = "bf16") -> float:
+    """How many times smaller the model's KV is than the same model with one KV head per query head."""
+    return kv_bytes_per_token(model.mha_equivalent(), kv_dtype) / kv_bytes_per_token(model, kv_dtype)
+
+
+def kv_cache_tensors(
+    model: ModelSpec,
+    tokens: int,
+    kv_dtype: str = "bf16",
+    tp: int = 1,
+    device: str = "meta",
+) -> list[torch.Tensor]:
+    """The cache as real torch tensors, one per layer, shaped ``[f, Hkv, T_layer, D]``.
+
+    A second, independent way to count bytes: allocate (on the meta device, by default)
+    the tensors an engine would hold and add up their ``nbytes``. nvfp4 is two tensors
+    per layer: packed 4-bit values ``[f, Hkv, T, D/2]`` and fp8 scales ``[f, Hkv, T, D/16]``.
+    """
+    import torch
+
+    name = canonical_kv_dtype(kv_dtype)
+    torch_dtypes = {
+        "fp32": torch.float32,
+        "fp16": torch.float16,
+        "bf16": torch.bfloat16,
+        "fp8": torch.float8_e4m3fn,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2,
+        "int8": torch.int8,
+    }
+    heads = kv_heads_per_rank(model, tp)
+    out = []
+    for held in tokens_held_per_layer(model, tokens):
+        shape = (model.kv_factor, heads, held)
+        if name == "nvfp4":
+            out.append(torch.empty(*shape, math.ceil(model.head_dim / 2), dtype=torch.uint8, device=device))
+            groups = math.ceil(model.head_dim / NVFP4_GROUP)
+            out.append(torch.empty(*shape, groups, dtype=torch.float8_e4m3fn, device=device))
+        else:
+            out.append(torch.empty(*shape, model.head_dim, dtype=torch_dtypes[name], device=device))
+    return out
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, as vLLM's ``cdiv``: the blocks needed for ``a`` tokens in blocks of ``b``."""
+    return -(-a // b)
+
+
+def blocks_for_tokens(tokens: int, block_size: int) -> int:
+    """Blocks a request of ``tokens`` tokens occupies: ``ceil(tokens / block_size)``."""
+    return cdiv(positive_int("tokens", tokens), positive_int("block_size", block_size))
+
+
+def tail_waste(tokens: int, block_size: int) -> int:
+    """Empty slots in a request's last block: paging wastes at most ``block_size - 1`` per request."""
+    return blocks_for_tokens(tokens, block_size) * block_size - tokens

@@ -1,0 +1,16 @@
+"""Binary units (KiB = 1024 B, GiB = 1024**3 B) and a formatter, so every notebook counts alike."""
+
+from __future__ import annotations
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+
+
+def format_bytes(num_bytes: float, digits: int = 3) -> str:
+    """``format_bytes(327680) == '320 KiB'``: the largest binary unit that keeps the value >= 1."""
+    value = float(num_bytes)
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(value) >= size:
+            return f"{value / size:.{digits}f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{value:g} B"

@@ -1,0 +1,75 @@
+"""Shared plumbing for widget panels: visible callback errors and in-place figure updates."""
+
+from __future__ import annotations
+
+import functools
+import html
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+ERROR_CSS_CLASS = "kvlab-callback-error"
+
+
+def error_area() -> Any:
+    """An ``ipywidgets.Output`` where a panel's callback errors are shown to the learner."""
+    import ipywidgets as w
+
+    return w.Output(layout=w.Layout(width="100%"))
+
+
+def guarded(callback: Callable[..., Any], errors: Any) -> Callable[..., Any]:
+    """Wrap a widget callback so an exception shows in ``errors`` instead of vanishing.
+
+    ipywidgets sends callback exceptions to the browser's log, where a learner never
+    looks; here the traceback appears as a red box (CSS class ``kvlab-callback-error``,
+    which the UI tests search for) and the panel keeps working. A successful call
+    clears an earlier error.
+    """
+
+    @functools.wraps(callback)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            result = callback(*args, **kwargs)
+        except Exception:
+            from IPython.display import HTML
+
+            # append_display_data works inside a kernel and outside one (tests) alike.
+            errors.outputs = ()
+            errors.append_display_data(
+                HTML(
+                    f'<pre class="{ERROR_CSS_CLASS}" style="color:#b42318;background:#fef3f2;'
+                    f'padding:6px;white-space:pre-wrap">{html.escape(traceback.format_exc())}</pre>'
+                )
+            )
+            return None
+        errors.outputs = ()
+        return result
+
+    return wrapper
+
+
+def figure_widget(figure: Any) -> Any:
+    """A plotly ``FigureWidget`` for ``figure`` (needs anywidget, installed with kvlab)."""
+    import plotly.graph_objects as go
+
+    return go.FigureWidget(figure)
+
+
+def replace_figure(target: Any, figure: Any) -> None:
+    """Redraw ``target`` (a FigureWidget) in place with the traces and layout of ``figure``.
+
+    Traces are updated in one ``batch_update`` when their number and kinds match (a cheap
+    redraw while dragging), else replaced.
+    """
+    same_shape = len(target.data) == len(figure.data) and all(
+        a.type == b.type for a, b in zip(target.data, figure.data, strict=True)
+    )
+    with target.batch_update():
+        if same_shape:
+            for old, new in zip(target.data, figure.data, strict=True):
+                old.update(new.to_plotly_json(), overwrite=True)
+        else:
+            target.data = ()
+            target.add_traces(list(figure.data))
+        target.layout = figure.layout

@@ -1,0 +1,90 @@
+"""The exercise harness: references pass, stubs are 'not attempted', known wrong answers fail as intended.
+
+Each notebook's wrong solutions live in ``tests/wrong_solutions/nbXX.py`` as a dict
+``WRONG = {exercise_id: [(function, text the failure message must contain), ...]}``.
+"""
+
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import kvlab.exercises as ex
+from kvlab.errors import KvlabValueError, UnknownNameError
+
+WRONG: dict = {}
+for _m in pkgutil.iter_modules([str(Path(__file__).parent / "wrong_solutions")]):
+    WRONG.update(importlib.import_module(f"wrong_solutions.{_m.name}").WRONG)
+
+IDS = ex.list_exercises()
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError("your code here")
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_reference_solution_passes_its_own_checker(exercise_id):
+    result = ex.check(exercise_id, ex.solution(exercise_id), seed=1234)
+    assert result.passed, result.message
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_the_shipped_stub_is_reported_as_not_attempted(exercise_id):
+    result = ex.check(exercise_id, _stub)
+    assert result.status == "not attempted" and not result.passed
+    assert "not attempted yet" in str(result)
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_every_exercise_has_two_wrong_solutions_that_fail_with_the_intended_message(exercise_id):
+    wrong = WRONG.get(exercise_id, [])
+    assert len(wrong) >= 2, f"tests/wrong_solutions must hold two wrong answers for {exercise_id}"
+    for fn, expected_text in wrong:
+        result = ex.check(exercise_id, fn, seed=99)
+        assert result.status == "fail", f"{fn.__name__} passed {exercise_id}"
+        assert expected_text in result.message, result.message
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_exercise_is_complete(exercise_id):
+    e = ex.get_exercise(exercise_id)
+    assert e.task and e.hints and e.edge_cases and e.signature.startswith("def ")
+    assert all(c.probes for c in e.edge_cases), "every edge case says what it probes"
+    params = list(inspect.signature(e.reference).parameters)
+    assert e.function_name == e.reference.__name__ or params
+
+
+def test_hints_come_one_at_a_time_and_stop_at_the_last():
+    first = ex.get_exercise(IDS[0])
+    texts = [str(ex.hint(IDS[0], n)) for n in range(1, len(first.hints) + 1)]
+    assert all(f"Hint {n} of {len(first.hints)}" in t for n, t in enumerate(texts, 1))
+    with pytest.raises(KvlabValueError):
+        ex.hint(IDS[0], len(first.hints) + 1)
+
+
+def test_show_solution_shows_the_reference_source():
+    assert "def " in ex.show_solution(IDS[0])
+
+
+def test_a_learner_exception_is_reported_not_raised():
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("oops")
+
+    result = ex.check(IDS[0], broken)
+    assert result.status == "fail" and "ZeroDivisionError: oops" in result.message
+
+
+def test_unknown_exercise_lists_the_known_ones():
+    with pytest.raises(UnknownNameError, match=IDS[0]):
+        ex.check("99.nothing", _stub)
+
+
+def test_every_notebook_with_exercises_has_a_self_test_whose_answers_compute():
+    for notebook in sorted({i.split(".")[0] for i in IDS}):
+        quiz = ex.self_test(notebook)
+        answers = quiz.answers()
+        assert len(answers) >= 2 and all(a.strip() for a in answers.values())
+        assert "Self-test" in repr(quiz)
