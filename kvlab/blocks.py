@@ -1,0 +1,306 @@
+"""The physical block pool: ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` and ``BlockPool``.
+
+Mirrors ``vllm/v1/core/kv_cache_utils.py`` and ``vllm/v1/core/block_pool.py`` (one KV cache
+group, so block hashes carry no group id). Free blocks and cached blocks share one doubly
+linked queue: eviction is what happens when allocation reaches a block that still has a
+hash, and a prefix hit takes a cached block out of the middle of the queue in O(1).
+
+Every operation checks its whole input before it changes anything, so a call that raises
+leaves the pool exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
+
+from kvlab._validate import non_negative_int, positive_int
+from kvlab.errors import BlockStateError, OutOfBlocksError
+
+BlockHash = Hashable  # bytes from kvlab.hashing; any hashable value works for teaching
+
+
+class KVCacheBlock:
+    """Metadata of one physical KV block: its id, who uses it, what it caches, its queue links."""
+
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null", "_pool")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0  # how many requests' block tables (or direct holders) point here
+        self._block_hash: BlockHash | None = None  # set once the block is full and cached
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+        self.is_null = False  # block 0 when reserved: a placeholder that never holds KV
+        self._pool: object | None = None
+
+    @property
+    def block_hash(self) -> BlockHash | None:
+        """The hash of the block's whole prefix, or None while the block is partial or uncached."""
+        return self._block_hash
+
+    @block_hash.setter
+    def block_hash(self, block_hash: BlockHash) -> None:
+        if self._block_hash is not None:
+            raise BlockStateError(f"block {self.block_id} already has a hash; reset it before caching again")
+        self._block_hash = block_hash
+
+    def reset_hash(self) -> None:
+        """Forget the cached content's identity (the block is being evicted or reused)."""
+        self._block_hash = None
+
+    def __repr__(self) -> str:
+        cached = "" if self._block_hash is None else f", hash={_short_hash(self._block_hash)}"
+        null = ", null" if self.is_null else ""
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached}{null})"
+
+
+def _short_hash(block_hash: BlockHash) -> str:
+    """The first bytes of a hash in hex (or its repr), for pictures and messages."""
+    return block_hash[:4].hex() if isinstance(block_hash, bytes) else repr(block_hash)[:10]
+
+
+class FreeKVCacheBlockQueue:
+    """The free blocks as a doubly linked list: O(1) at both ends and from the middle.
+
+    The head is allocated first. A ``deque`` could pop the head, but a prefix hit must take a
+    cached block out of the middle, which only the links make O(1). Two sentinel blocks
+    (ids -1) bound the list, so no operation needs a special case for an empty end.
+    """
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head = KVCacheBlock(-1)
+        self.fake_free_list_tail = KVCacheBlock(-1)
+        chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
+        for left, right in zip(chain, chain[1:], strict=False):
+            left.next_free_block = right
+            right.prev_free_block = left
+        self.fake_free_list_head.prev_free_block = None
+        self.fake_free_list_tail.next_free_block = None
+
+    def popleft(self) -> KVCacheBlock:
+        """Take the block at the head (the least recently freed)."""
+        if self.num_free_blocks == 0:
+            raise OutOfBlocksError("the pool is out of blocks: the free queue is empty")
+        block = self.fake_free_list_head.next_free_block
+        assert block is not None and block is not self.fake_free_list_tail
+        self._unlink(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` blocks from the head, in queue order."""
+        n = non_negative_int("n", n)
+        if n > self.num_free_blocks:
+            raise OutOfBlocksError(
+                f"the pool is out of blocks: asked for {n}, only {self.num_free_blocks} are free"
+            )
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of the middle of the queue (a prefix hit on a free cached block)."""
+        if block.prev_free_block is None or block.next_free_block is None:
+            raise BlockStateError(f"block {block.block_id} is not in the free queue")
+        self._unlink(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the tail: it will be allocated last."""
+        self._insert_before(self.fake_free_list_tail, block)
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the tail, keeping their order."""
+        for block in blocks:
+            self.append(block)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` in front of the head, keeping their order: they are allocated next."""
+        anchor = self.fake_free_list_head.next_free_block
+        assert anchor is not None
+        for block in blocks:
+            self._insert_before(anchor, block)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """The free blocks from head to tail."""
+        out = []
+        block = self.fake_free_list_head.next_free_block
+        while block is not None and block is not self.fake_free_list_tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+    def _unlink(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        assert prev is not None and nxt is not None
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def _insert_before(self, anchor: KVCacheBlock, block: KVCacheBlock) -> None:
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise BlockStateError(f"block {block.block_id} is already in the free queue")
+        prev = anchor.prev_free_block
+        assert prev is not None
+        prev.next_free_block = block
+        block.prev_free_block = prev
+        block.next_free_block = anchor
+        anchor.prev_free_block = block
+        self.num_free_blocks += 1
+
+
+class BlockPool:
+    """All physical blocks, the free queue, and the index of cached (hashed) full blocks.
+
+    ``reserve_null_block`` takes block 0 out at start, as vLLM does: it is the placeholder
+    a block table can point at without holding KV, and it is never handed out, freed or
+    cached. ``get_usage`` therefore counts ``num_blocks - 1`` usable blocks.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = True) -> None:
+        self.num_gpu_blocks = positive_int("num_blocks", num_blocks)
+        if reserve_null_block and num_blocks < 2:
+            raise OutOfBlocksError("num_blocks must be at least 2 when block 0 is reserved as the null block")
+        self.enable_caching = bool(enable_caching)
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        for block in self.blocks:
+            block._pool = self
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # block hash -> {block_id: block}. Several blocks may hold the same content (two
+        # requests computed it before either was cached); any of them serves a hit.
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            self.null_block = self.free_block_queue.popleft()
+            self.null_block.is_null = True
+
+    # ----------------------------------------------------------------- allocation
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue (cached-but-free ones included: they can be evicted)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Share of usable blocks in use, as vLLM reports ``kv_cache_usage``: 1 - free / usable."""
+        usable = self.num_gpu_blocks - (1 if self.null_block is not None else 0)
+        return 1.0 - self.get_num_free_blocks() / usable
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue, each with ``ref_cnt`` 1.
+
+        A block that still carries a hash is evicted on the way: its hash leaves the index.
+        Asking for more than are free raises ``OutOfBlocksError`` and takes nothing.
+        """
+        num_blocks = non_negative_int("num_blocks", num_blocks)
+        if num_blocks > self.get_num_free_blocks():
+            raise OutOfBlocksError(
+                f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} are free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+        return blocks
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per listed block; blocks that reach 0 return to the free queue.
+
+        Blocks without a hash go to the head (reused first, LIFO); cached blocks go to the tail
+        (kept longest for prefix hits, LRU). Callers pass a request's blocks tail first, so its
+        prompt-start blocks are the last to be evicted. A block freed more often than it is
+        referenced, a foreign block or the null block raises ``BlockStateError``, changing nothing.
+        """
+        blocks = list(ordered_blocks)
+        self._check_own(blocks, "free")
+        for block_id, count in Counter(b.block_id for b in blocks).items():
+            block = self.blocks[block_id]
+            if block.ref_cnt < count:
+                raise BlockStateError(
+                    f"cannot free block {block_id} {count} time(s): its ref_cnt is {block.ref_cnt} "
+                    "(a double free?)"
+                )
+        for block in blocks:
+            block.ref_cnt -= 1
+        released = [b for b in blocks if b.ref_cnt == 0]
+        self.free_block_queue.prepend_n([b for b in released if b.block_hash is None])
+        self.free_block_queue.append_n([b for b in released if b.block_hash is not None])
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to each block (a prefix hit); a block at 0 leaves the free queue."""
+        blocks = list(blocks)
+        self._check_own(blocks, "touch")
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    # ----------------------------------------------------------------- the prefix-cache index
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """A block holding the content ``block_hash`` names, or None (a miss)."""
+        candidates = self.cached_block_hash_to_block.get(block_hash)
+        if not candidates:
+            return None
+        return next(iter(candidates.values()))
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Give blocks ``num_cached_blocks .. num_full_blocks - 1`` of a request their hashes.
+
+        ``blocks`` is the request's block table and ``block_hashes`` its chained hashes (one
+        per full block); blocks before ``num_cached_blocks`` are cached already.
+        """
+        if not self.enable_caching:
+            raise BlockStateError("prefix caching is disabled for this pool: nothing can be cached")
+        num_cached_blocks = non_negative_int("num_cached_blocks", num_cached_blocks)
+        num_full_blocks = non_negative_int("num_full_blocks", num_full_blocks)
+        if not num_cached_blocks <= num_full_blocks <= min(len(blocks), len(block_hashes)):
+            raise BlockStateError(
+                f"need num_cached_blocks <= num_full_blocks <= blocks and hashes; got {num_cached_blocks}, "
+                f"{num_full_blocks}, {len(blocks)} blocks, {len(block_hashes)} hashes"
+            )
+        new = list(blocks[num_cached_blocks:num_full_blocks])
+        self._check_own(new, "cache")
+        for block, block_hash in zip(new, block_hashes[num_cached_blocks:num_full_blocks], strict=True):
+            if block.block_hash is not None and block.block_hash != block_hash:
+                raise BlockStateError(f"block {block.block_id} is cached under another hash")
+        for block, block_hash in zip(new, block_hashes[num_cached_blocks:num_full_blocks], strict=True):
+            if block.block_hash is None:
+                block.block_hash = block_hash
+                self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """If ``block`` is cached, drop it from the index and forget its hash (the eviction)."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return False
+        candidates = self.cached_block_hash_to_block.get(block_hash, {})
+        candidates.pop(block.block_id, None)
+        if not candidates:
+            self.cached_block_hash_to_block.pop(block_hash, None)
+        block.reset_hash()
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (returns False) while any block is in use."""
+        usable = self.num_gpu_blocks - (1 if self.null_block is not None else 0)
+        if self.get_num_free_blocks() != usable:
+            return False
+        for block in self.blocks:
+            block.reset_hash()
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    # ----------------------------------------------------------------- checks
+
+    def _check_own(self, blocks: Sequence[KVCacheBlock], action: str) -> None:
+        for block in blocks:
+            if not isinstance(block, KVCacheBlock) or block._pool is not self:
+                raise BlockStateError(f"cannot {action} {block!r}: it does not belong to this pool")
+            if block.is_null:
+                raise BlockStateError(f"cannot {action} the null block (block {block.block_id})")
