@@ -17,7 +17,7 @@ QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 # The stamp is keyed on pyproject.toml and the torch choice: a second run installs nothing.
 STAMP := $(VENV)/.kvlab-$(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)-torch$(TORCH)
 
-.PHONY: venv lab test test-long lint strip clean-venv
+.PHONY: venv lab test test-long bench lint strip clean-venv
 
 venv: $(STAMP)
 
@@ -39,8 +39,11 @@ test: $(STAMP)
 test-long: $(STAMP)
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
+bench: $(STAMP)
+	@for f in benchmarks/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
 lint: $(STAMP)
-	$(BIN)/ruff check kvlab kernels tests notebooks scripts
+	$(BIN)/ruff check kvlab kernels tests notebooks scripts benchmarks
 
 strip: $(STAMP)
 	$(BIN)/python scripts/strip_notebooks.py
