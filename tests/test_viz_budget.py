@@ -14,7 +14,8 @@ def test_panel_state_is_the_library_plan():
     state = panel_state("llama-3-70b", gpu_memory_gib=160, weights_gib=130, max_model_len=8192)
     assert state["plan"] == plan_preset("A")
     assert state["log"] == plan_preset("A").startup_log()
-    assert [t.name for t in state["figure"].data] == list(memory_segments(state["plan"]))
+    bars = [t for t in state["figure"].data if t.type == "bar"]
+    assert [t.name for t in bars] == list(memory_segments(state["plan"]))
 
 
 def test_memory_segments_add_up_to_the_gpu_when_the_plan_fits():
@@ -22,8 +23,19 @@ def test_memory_segments_add_up_to_the_gpu_when_the_plan_fits():
     segments = memory_segments(plan)
     assert sum(segments.values()) == plan.gpu_memory_bytes
     assert segments["KV pool"] == plan.num_blocks * plan.bytes_per_block
-    bar = figure_memory(plan)
-    assert [d.x[0] for d in bar.data] == pytest.approx([v / GiB for v in segments.values()])
+    fig = figure_memory(plan)
+    assert [d.x[0] for d in fig.data if d.type == "bar"] == pytest.approx([v / GiB for v in segments.values()])
+    lines = [d.x[0] for d in fig.data if d.type == "scatter"]
+    assert lines == pytest.approx([plan.requested_bytes / GiB, 141])
+
+
+def test_the_panel_redraws_in_place_with_the_new_numbers():
+    panel = BudgetPanel()
+    widget = panel.figure
+    panel.gpu_memory_gib.value = 200
+    assert panel.figure is widget
+    assert [d.x for d in widget.data] == [d.x for d in panel.state["figure"].data]
+    assert widget.layout.title.text == panel.state["figure"].layout.title.text
 
 
 def test_presets_are_one_call_and_preset_c_shows_its_warning():

@@ -46,32 +46,50 @@ def memory_segments(plan: KVCachePlan) -> dict[str, int]:
 
 
 def figure_memory(plan: KVCachePlan) -> go.Figure:
-    """A stacked bar of one GPU's memory, with the budget ``gpu_memory_utilization x total`` marked."""
+    """A stacked bar of one GPU's memory, with the budget ``gpu_memory_utilization x total`` marked.
+
+    Every setting gives the same traces (five bars, two marker lines), so the panel can redraw
+    by copying coordinates instead of rebuilding the figure.
+    """
     fig = go.Figure()
-    for name, size in memory_segments(plan).items():
+    segments = memory_segments(plan)
+    for name, size in segments.items():
         gib = size / GiB
         fig.add_bar(
-            name=name, y=["GPU"], x=[gib], orientation="h", marker_color=SEGMENTS[name],
+            name=name, y=[0], x=[gib], orientation="h", width=0.6, marker_color=SEGMENTS[name],
             text=[f"{name}<br>{gib:.2f} GiB" if size else ""], textposition="inside", insidetextanchor="middle",
             hovertemplate=f"{name}: %{{x:.3f}} GiB<extra></extra>",
         )
     total, requested = plan.gpu_memory_bytes / GiB, plan.requested_bytes / GiB
+    for x, label, colour, dash, side in ((requested, f"budget {plan.gpu_memory_utilization:g} × GPU", "#111827",
+                                          "dash", "top left"),
+                                         (total, f"GPU {total:g} GiB", "#b42318", "solid", "top right")):
+        fig.add_scatter(x=[x, x], y=[-0.42, 0.42], mode="lines+text", text=["", label], textposition=side,
+                        line=dict(color=colour, dash=dash, width=2), showlegend=False, hoverinfo="skip")
     fig.update_layout(
-        barmode="stack", height=230, margin=dict(t=50, b=40, l=50, r=20),
+        barmode="stack", height=240, margin=dict(t=50, b=40, l=50, r=20),
         title=f"{plan.model}: one GPU's memory ({plan.kv_dtype} KV, block {plan.block_size}, TP={plan.tp})",
-        xaxis=dict(title="GiB", range=[0, max(total, sum(memory_segments(plan).values()) / GiB) * 1.02]),
-        legend=dict(orientation="h", y=-0.45), showlegend=True,
-        shapes=[
-            dict(type="line", x0=requested, x1=requested, y0=-0.5, y1=0.5, line=dict(color="#111827", dash="dash")),
-            dict(type="line", x0=total, x1=total, y0=-0.5, y1=0.5, line=dict(color="#b42318", width=2)),
-        ],
-        annotations=[
-            dict(x=requested, y=0.55, text=f"budget {plan.gpu_memory_utilization:g} × GPU", showarrow=False,
-                 xanchor="right", font=dict(size=11)),
-            dict(x=total, y=0.55, text=f"GPU {total:g} GiB", showarrow=False, xanchor="left", font=dict(size=11)),
-        ],
+        xaxis=dict(title="GiB", range=[0, max(total, sum(segments.values()) / GiB) * 1.04]),
+        yaxis=dict(tickvals=[0], ticktext=["GPU"], range=[-0.6, 0.75], fixedrange=True),
+        legend=dict(orientation="h", y=-0.45),
     )
     return fig
+
+
+def redraw_memory(target: Any, figure: go.Figure) -> None:
+    """Redraw ``target`` (a FigureWidget of ``figure_memory``) in place, in one ``batch_update``.
+
+    Copies only what a setting changes (coordinates, labels, title, x range): several times
+    cheaper than ``replace_figure``, which reassigns the whole layout.
+    """
+    if len(target.data) != len(figure.data):
+        replace_figure(target, figure)
+        return
+    with target.batch_update():
+        for old, new in zip(target.data, figure.data, strict=True):
+            old.x, old.y, old.text = new.x, new.y, new.text
+        target.layout.title.text = figure.layout.title.text
+        target.layout.xaxis.range = figure.layout.xaxis.range
 
 
 def figure_block_size_sweep(plans: Sequence[KVCachePlan]) -> go.Figure:
@@ -263,7 +281,7 @@ class BudgetPanel:
 
     def _render(self) -> None:
         self.summary.value = _summary_html(self.state)
-        replace_figure(self.figure, self.state["figure"])
+        redraw_memory(self.figure, self.state["figure"])
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
