@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Any
 
 from kvlab.budget import PRESETS, max_concurrency, num_gpu_blocks, plan_kv_cache, plan_preset
@@ -129,28 +130,34 @@ register(Exercise(
 # ----------------------------------------------------------------- self-test
 
 
-def _startup_question() -> dict[str, Any]:
+def _ask(question_id: str, text: str, values: Callable[[], dict[str, Any]],
+         answer: Callable[[dict[str, Any]], str]) -> None:
+    """Register a question whose answer is written from the numbers ``values`` computes."""
+    register_question(Question(id=question_id, text=text, answer=lambda: answer(values()), values=values))
+
+
+def _startup_values() -> dict[str, Any]:
     plan = plan_preset("A")
     return {"log": plan.startup_log(), "num_blocks": plan.num_blocks, "usable_tokens": plan.usable_tokens,
             "block_bytes": plan.bytes_per_block, "max_model_len": plan.max_model_len,
             "max_concurrency": plan.max_concurrency, "usable_concurrency": plan.usable_concurrency}
 
 
-register_question(Question(
-    id="02.q1",
-    text=("Preset A: Llama-3-70B in bf16 on a 160 GiB GPU at gpu_memory_utilization 0.92, 130 GiB of weights, "
-          "block 64, max_model_len 8192. What two lines does vLLM print at start-up, and how many token slots "
-          "can requests really use?"),
-    answer=lambda: (lambda v: (
+_ask(
+    "02.q1",
+    "Preset A: Llama-3-70B in bf16 on a 160 GiB GPU at gpu_memory_utilization 0.92, 130 GiB of weights, block 64, "
+    "max_model_len 8192. What two lines does vLLM print at start-up, and how many token slots can requests really use?",
+    _startup_values,
+    lambda v: (
         f"{v['log'][0]} and {v['log'][1]}. The pool has {v['num_blocks']} blocks of {format_bytes(v['block_bytes'])}, "
         f"but block 0 is the null block, so requests can use {v['usable_tokens']:,} token slots: "
         f"{v['usable_concurrency']} requests of {v['max_model_len']:,} tokens held whole at once "
-        f"({v['max_concurrency']:.3f} before rounding down)."))(_startup_question()),
-    values=_startup_question,
-))
+        f"({v['max_concurrency']:.3f} before rounding down)."
+    ),
+)
 
 
-def _pooled_question() -> dict[str, Any]:
+def _pooled_values() -> dict[str, Any]:
     model = get_model("deepseek-v3")
     per_gpu = plan_preset("B")
     pooled = plan_kv_cache(model, gpu_memory_gib=8 * 141, weights_gib=8 * PRESETS["B"]["weights_gib"],
@@ -160,53 +167,54 @@ def _pooled_question() -> dict[str, Any]:
             "per_token_tp8": kv_bytes_per_token(model, "bf16", 8)}
 
 
-register_question(Question(
-    id="02.q2",
-    text=("Pooling 8 x 141 GiB and 625 GiB of DeepSeek-V3 weights gives room for 192 requests of 32K tokens. "
-          "How many does an 8-GPU TP=8 deployment actually hold, and why?"),
-    answer=lambda: (lambda v: (
+_ask(
+    "02.q2",
+    "Pooling 8 x 141 GiB and 625 GiB of DeepSeek-V3 weights gives room for 192 requests of 32K tokens. How many does "
+    "an 8-GPU TP=8 deployment actually hold, and why?",
+    _pooled_values,
+    lambda v: (
         f"{v['per_gpu']}. MLA's latent cannot be split across tensor-parallel ranks: each GPU stores the whole "
         f"{format_bytes(v['per_token_tp8'])} per token (the same as at TP=1, {format_bytes(v['per_token_tp1'])}), "
         f"so every request's KV sits on all 8 GPUs at once. The pooled {v['pooled']} adds up memory that holds "
-        "eight copies of the same tokens."))(_pooled_question()),
-    values=_pooled_question,
-))
+        "eight copies of the same tokens."
+    ),
+)
 
 
-def _block_size_question() -> dict[str, Any]:
+def _block_size_values() -> dict[str, Any]:
     settings = {k: v for k, v in PRESETS["A"].items() if k not in ("model", "block_size")}
     plans = {b: plan_kv_cache("llama-3-70b", block_size=b, **settings) for b in (16, 256)}
     return {b: {"max_concurrency": p.max_concurrency, "usable_tokens": p.usable_tokens} for b, p in plans.items()}
 
 
-register_question(Question(
-    id="02.q3",
-    text="Preset A with block size 256 instead of 16: does vLLM's maximum concurrency go up?",
-    answer=lambda: (lambda v: (
+_ask(
+    "02.q3",
+    "Preset A with block size 256 instead of 16: does vLLM's maximum concurrency go up?",
+    _block_size_values,
+    lambda v: (
         f"No: {v[16]['max_concurrency']:.2f}x at block 16, {v[256]['max_concurrency']:.2f}x at block 256. A block "
         "holds the same bytes per token whatever its size, so bigger blocks only round the pool down more coarsely "
         f"({v[16]['usable_tokens']:,} against {v[256]['usable_tokens']:,} usable slots) and waste more of each "
         "request's last block. Block size buys kernel efficiency and shorter block tables, not capacity."
-    ))(_block_size_question()),
-    values=_block_size_question,
-))
+    ),
+)
 
 
-def _fragmentation_question() -> dict[str, Any]:
+def _fragmentation_values() -> dict[str, Any]:
     requests = sharegpt_like(2000, seed=0)
     pool = plan_preset("A").usable_tokens
     return {p: simulate(requests, pool_tokens=pool, max_model_len=2048, policy=p).utilization
             for p in ("max", "paged")}
 
 
-register_question(Question(
-    id="02.q4",
-    text=("2,000 ShareGPT-like requests share preset A's usable KV slots, max_model_len 2048. Reserving "
-          "max_model_len contiguous slots per request, what share of the pool holds tokens? And with 16-token blocks?"),
-    answer=lambda: (lambda v: (
+_ask(
+    "02.q4",
+    "2,000 ShareGPT-like requests share preset A's usable KV slots, max_model_len 2048. Reserving max_model_len "
+    "contiguous slots per request, what share of the pool holds tokens? And with 16-token blocks?",
+    _fragmentation_values,
+    lambda v: (
         f"About {100 * v['max']:.0f}% against {100 * v['paged']:.1f}%. A reservation of 2,048 slots is mostly "
         "empty: the average request ends near 500 tokens and fills its slots one per step. Paging allocates a "
         "block only when the previous one is full, so fewer than 16 slots per request wait empty."
-    ))(_fragmentation_question()),
-    values=_fragmentation_question,
-))
+    ),
+)
