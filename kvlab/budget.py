@@ -114,8 +114,10 @@ class KVCachePlan:
 
         Formatted as ``_report_kv_cache_config`` does in ``vllm/v1/core/kv_cache_utils.py``:
         "GPU KV cache size" is ``num_blocks x block_size`` tokens, null block included, with
-        thousands separators; concurrency is ``%.2fx``. A plan that does not fit gets the
-        ``ValueError`` of ``_check_enough_kv_cache_memory`` instead.
+        thousands separators; concurrency is ``%.2fx``. (Some later revisions log
+        ``int(max_concurrency x max_model_len)`` tokens: the same number for full attention
+        when ``max_model_len`` is a multiple of ``block_size``.) A plan that does not fit gets
+        the ``ValueError`` of ``_check_enough_kv_cache_memory`` instead.
         """
         if self.available_bytes <= 0:
             return ["ValueError: No available memory for the cache blocks. Try increasing "
