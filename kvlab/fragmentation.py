@@ -58,6 +58,9 @@ CATEGORIES = ("used", "reserved", "internal", "external", "free")
 class FragmentationResult:
     """Where the pool's slots went, averaged over the steps in which a request was waiting.
 
+    Those are the steps in which the pool is the bottleneck; a run in which no request ever
+    waited is averaged over all its steps instead.
+
     ``breakdown`` holds shares of ``pool_tokens`` that sum to 1:
 
     * ``used``: slots holding a token's KV (``utilization`` is this share);
@@ -112,6 +115,7 @@ class _Trace:
         self.external_slots = 0
 
     def begin(self, step: int, tokens: int, final: int, alloc: int = 0) -> int:
+        """Open a residency at ``step`` holding ``tokens``; its end is set when it finishes or is preempted."""
         self.start.append(step)
         self.end.append(-1)
         self.tokens0.append(tokens)
@@ -120,6 +124,7 @@ class _Trace:
         return len(self.start) - 1
 
     def measure(self, first: int, last: int) -> None:
+        """Count steps ``first..last`` toward the averages (adjacent ranges merge)."""
         if last < first:
             return
         if self.windows and self.windows[-1][1] + 1 >= first:

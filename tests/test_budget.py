@@ -175,6 +175,17 @@ def test_plan_invariants(gpu, util, weights, non_kv, block, length, dtype):
     assert plan.max_model_len_for(plan.usable_concurrency + 1) < plan.max_model_len
 
 
+@given(gpu=st.floats(20, 400), more=st.floats(0, 100), length=st.integers(1, 200_000), longer=st.integers(0, 100_000),
+       block=st.sampled_from([16, 64, 256]))
+def test_more_memory_never_fewer_blocks_and_longer_contexts_never_more_requests(gpu, more, length, longer, block):
+    def plan(gpu_gib, max_model_len):
+        return plan_kv_cache("llama-3-8b", gpu_memory_gib=gpu_gib, weights_gib=15, block_size=block,
+                             max_model_len=max_model_len)
+
+    assert plan(gpu + more, length).num_blocks >= plan(gpu, length).num_blocks
+    assert plan(gpu, length + longer).max_concurrency <= plan(gpu, length).max_concurrency
+
+
 def test_max_model_len_for_counts_usable_whole_blocks():
     assert max_model_len_for(880, 64, 6) == 146 * 64
     assert max_model_len_for(4096, 16, 16) == 4080  # the null block costs the 16th request one block
