@@ -103,6 +103,21 @@ def shared_prompt_workload(
 WORKLOADS = {"multi-turn chat": chat_workload, "shared system prompt": shared_prompt_workload}
 
 
+def admit(manager: KVCacheManager, request: Request, num_lookahead_tokens: int = 0) -> int | None:
+    """Admit a waiting request whole, as a scheduler with no token budget would; return its hit tokens.
+
+    Looks up the cached prefix, allocates slots for the rest of the prompt (plus
+    ``num_lookahead_tokens`` reserved), and marks every token computed and the request
+    running. Returns None, with nothing changed, when the pool cannot take it.
+    """
+    hits, num_hits = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits, num_lookahead_tokens)
+    if new is None:
+        return None
+    request.num_computed_tokens, request.status = request.num_tokens, RequestStatus.RUNNING
+    return num_hits
+
+
 def min_num_blocks(requests: list[SimRequest], block_size: int, reserve_null_block: bool = True) -> int:
     """The smallest pool in which the largest request fits on its own (null block included)."""
     block_size = positive_int("block_size", block_size)
@@ -161,13 +176,10 @@ def simulate(
         while waiting and len(running) < max_num_seqs and (waiting[0].after is None or waiting[0].after in finished):
             spec = waiting[0]
             request = Request(spec.request_id, spec.prompt_token_ids)
-            hits, num_hits = manager.get_computed_blocks(request)
-            reserve = len(spec.output_token_ids) - 1
-            new = manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits, reserve)
-            if new is None:
+            num_hits = admit(manager, request, num_lookahead_tokens=len(spec.output_token_ids) - 1)
+            if num_hits is None:
                 break
             waiting.popleft()
-            request.num_computed_tokens, request.status = request.num_tokens, RequestStatus.RUNNING
             prompt_tokens.append(request.num_tokens)
             hit_tokens.append(num_hits)
             running.append((spec, request))

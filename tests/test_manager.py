@@ -6,6 +6,7 @@ from kvlab.collisions import find_block_collision, truncated_hash
 from kvlab.errors import KvlabValueError, RequestStateError, UnknownNameError
 from kvlab.manager import KVCacheManager, Request, RequestStatus, find_longest_cache_hit
 from kvlab.models import get_model
+from kvlab.prefix_sim import admit
 from kvlab.request import MultiModalFeatureSpec, PlaceholderRange
 from kvlab.sizing import kv_bytes
 from kvlab.units import MiB
@@ -32,16 +33,6 @@ def snapshot(manager):
     )
 
 
-def admit(manager, request):
-    """What a scheduler does for a waiting request: look up hits, allocate the rest, mark it computed."""
-    hits, num_hits = manager.get_computed_blocks(request)
-    new = manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits)
-    if new is not None:
-        request.num_computed_tokens = request.num_tokens
-        request.status = RequestStatus.RUNNING
-    return new, num_hits
-
-
 def tokens(start, n):
     return list(range(start, start + n))
 
@@ -53,8 +44,7 @@ def test_eleven_block_pool_shares_a_prefix_and_frees_in_the_documented_order():
     manager = KVCacheManager(num_blocks=11, block_size=16)
     shared = tokens(1, 48)
     req0 = Request("0", shared + tokens(1000, 7))
-    new, hits = admit(manager, req0)
-    assert ids(new) == [1, 2, 3, 4] and hits == 0
+    assert admit(manager, req0) == 0 and manager.get_block_ids("0") == [1, 2, 3, 4]
     req1 = Request("1", shared + tokens(2000, 5))
     computed, num_computed = manager.get_computed_blocks(req1)
     assert ids(computed) == [1, 2, 3] and num_computed == 48
@@ -69,10 +59,11 @@ def test_eleven_block_pool_shares_a_prefix_and_frees_in_the_documented_order():
 def test_six_block_walk_second_half_b_hits_block_0_misses_block_1_and_waits():
     manager = KVCacheManager(num_blocks=6, block_size=16, reserve_null_block=False)
     a = Request("A", tokens(0, 40))  # two full blocks and a partial one
-    assert ids(admit(manager, a)[0]) == [0, 1, 2]
+    assert admit(manager, a) == 0 and manager.get_block_ids("A") == [0, 1, 2]
     manager.free(a)
     c = Request("C", tokens(5000, 70))
-    assert ids(admit(manager, c)[0]) == [2, 3, 4, 5, 1]  # block 1's hash is evicted on the way
+    assert admit(manager, c) == 0
+    assert manager.get_block_ids("C") == [2, 3, 4, 5, 1]  # block 1's hash is evicted on the way
     assert manager.num_evicted_blocks == 1
     b = Request("B", tokens(0, 32) + tokens(9000, 8))  # A's first two blocks, then its own tokens
     computed, num_computed = manager.get_computed_blocks(b)
@@ -95,7 +86,7 @@ def test_system_prompt_of_2000_tokens_is_125_blocks_and_only_full_blocks_hit(sys
     system = tokens(10, system_len)
     admit(manager, Request("first", system + tokens(50_000, 50)))
     second = Request("second", system + tokens(60_000, 50))
-    new, num_hits = admit(manager, second)
+    num_hits = admit(manager, second)
     assert len(second.block_hashes) == (system_len + 50) // 16
     assert num_hits == expected_hit == 125 * 16
     assert second.num_tokens - num_hits == expected_computed
@@ -112,9 +103,9 @@ def test_a_fully_cached_prompt_still_computes_its_last_block():
     manager = KVCacheManager(num_blocks=300, block_size=16)
     system = tokens(10, 2000)
     admit(manager, Request("first", system))
-    _, num_hits = admit(manager, Request("again", system))
+    num_hits = admit(manager, Request("again", system))
     assert num_hits == 1984  # at most num_tokens - 1 = 1999 tokens, in whole blocks: 124
-    _, num_hits = admit(manager, Request("plus-one", system + [7]))
+    num_hits = admit(manager, Request("plus-one", system + [7]))
     assert num_hits == 2000
 
 
@@ -136,9 +127,9 @@ def test_timestamp_first_hits_nothing_timestamp_after_hits_every_instruction_blo
         return (stamp_tokens + rules if first else rules + stamp_tokens) + question
 
     admit(manager, Request("t1-first", prompt(1, True)))
-    assert admit(manager, Request("t2-first", prompt(2, True)))[1] == 0
+    assert admit(manager, Request("t2-first", prompt(2, True))) == 0
     admit(manager, Request("t1-after", prompt(1, False)))
-    assert admit(manager, Request("t2-after", prompt(2, False)))[1] == 480
+    assert admit(manager, Request("t2-after", prompt(2, False))) == 480
 
 
 @pytest.mark.parametrize("kwargs", [{"cache_salt": "tenant-b"}, {"lora_name": "sql-adapter"}])
@@ -147,8 +138,8 @@ def test_same_tokens_with_another_salt_or_adapter_do_not_hit(kwargs):
     prompt = tokens(0, 200)
     admit(manager, Request("plain", prompt))
     other = Request("other", prompt, **kwargs)
-    assert admit(manager, other)[1] == 0
-    assert admit(manager, Request("same", prompt, **kwargs))[1] == 192  # same salt / adapter: hits again
+    assert admit(manager, other) == 0
+    assert admit(manager, Request("same", prompt, **kwargs)) == 192  # same salt / adapter: hits again
 
 
 def test_images_behind_identical_placeholders_do_not_share_blocks():
@@ -159,8 +150,8 @@ def test_images_behind_identical_placeholders_do_not_share_blocks():
         return Request(rid, prompt, mm_features=[MultiModalFeatureSpec(image, PlaceholderRange(20, 40))])
 
     admit(manager, with_image("cat", "sha:cat"))
-    assert admit(manager, with_image("dog", "sha:dog"))[1] == 16  # block 0 (before the image) only
-    assert admit(manager, with_image("cat-again", "sha:cat"))[1] == 64
+    assert admit(manager, with_image("dog", "sha:dog")) == 16  # block 0 (before the image) only
+    assert admit(manager, with_image("cat-again", "sha:cat")) == 64
 
 
 def test_a_second_manager_refuses_a_request_hashed_by_the_first():
@@ -208,7 +199,7 @@ def test_preempted_request_frees_keeps_hashes_and_recomputes_through_its_own_cac
     manager.free(request)  # preemption: blocks back, full ones keep their hashes
     request.status, request.num_computed_tokens = RequestStatus.PREEMPTED, 0
     request.num_preemptions += 1
-    _, num_hits = admit(manager, request)
+    num_hits = admit(manager, request)
     assert num_hits == 8 and request.num_computed_tokens == 12
     stats = manager.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.preempted_requests, stats.preempted_queries,
@@ -247,14 +238,14 @@ def test_reset_prefix_cache_waits_for_every_request_to_free_its_blocks():
     manager.free(request)
     assert manager.reset_prefix_cache() is True
     assert not manager.block_pool.cached_block_hash_to_block and manager.caching_metrics.empty
-    assert admit(manager, Request("again", tokens(0, 9)))[1] == 0
+    assert admit(manager, Request("again", tokens(0, 9))) == 0
 
 
 def test_caching_disabled_hashes_nothing_and_never_hits():
     manager = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
     for rid in ("a", "b"):
         request = Request(rid, tokens(0, 9))
-        assert admit(manager, request)[1] == 0 and request.block_hashes == []
+        assert admit(manager, request) == 0 and request.block_hashes == []
     assert manager.prefix_cache_stats.requests == 0
 
 
@@ -281,7 +272,7 @@ def test_a_weak_hash_lets_a_request_read_another_requests_block_unless_hits_are_
 def test_verified_hits_still_hit_when_contents_agree():
     manager = KVCacheManager(num_blocks=10, block_size=4, verify_hits=True)
     admit(manager, Request("a", tokens(0, 10), lora_name="x"))
-    assert admit(manager, Request("b", tokens(0, 10), lora_name="x"))[1] == 8 and manager.num_rejected_hits == 0
+    assert admit(manager, Request("b", tokens(0, 10), lora_name="x")) == 8 and manager.num_rejected_hits == 0
 
 
 # ----------------------------------------------------------------- bad calls raise and change nothing

@@ -9,6 +9,7 @@ from kvlab.exercises.core import Case, Exercise, Question, register, register_qu
 from kvlab.hashing import get_request_block_hasher, hash_block_tokens, sha256
 from kvlab.manager import KVCacheManager, find_longest_cache_hit
 from kvlab.models import get_model
+from kvlab.prefix_sim import admit
 from kvlab.request import Request
 from kvlab.sizing import kv_bytes
 from kvlab.units import format_bytes
@@ -144,13 +145,6 @@ register(Exercise(
 # ----------------------------------------------------------------- self-test
 
 
-def _admit(manager: KVCacheManager, request: Request) -> int:
-    hits, num_hits = manager.get_computed_blocks(request)
-    manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits)
-    request.num_computed_tokens = request.num_tokens
-    return num_hits
-
-
 def _chain_question() -> dict[str, Any]:
     manager = KVCacheManager(16, 16, hash_seed="quiz")
     block = list(range(100, 116))
@@ -183,9 +177,9 @@ def _system_prompt_question() -> dict[str, Any]:
     for system_len in (2000, 2005):
         manager = KVCacheManager(300, 16, hash_seed="quiz")
         system = list(range(system_len))
-        _admit(manager, Request("first", system + [50_000 + i for i in range(50)]))
+        admit(manager, Request("first", system + [50_000 + i for i in range(50)]))
         second = Request("second", system + [60_000 + i for i in range(50)])
-        hits = _admit(manager, second)
+        hits = admit(manager, second)
         out[system_len] = {"hit_blocks": hits // 16, "prefill_tokens": second.num_tokens - hits}
     return {"hit_blocks": out[2000]["hit_blocks"], "prefill_tokens": out[2000]["prefill_tokens"],
             "hit_blocks_2005": out[2005]["hit_blocks"], "prefill_tokens_2005": out[2005]["prefill_tokens"],
@@ -210,8 +204,8 @@ def _freed_question() -> dict[str, Any]:
     manager = KVCacheManager(6, 16, hash_seed="quiz")
     prompt = list(range(40))
     a, b = Request("a", prompt), Request("b", prompt)
-    _admit(manager, a)
-    _admit(manager, b)
+    admit(manager, a)
+    admit(manager, b)
     shared = manager.block_pool.blocks[manager.get_block_ids("a")[0]]
     content = shared.block_hash
     out: dict[str, Any] = {"ref_cnt_both": shared.ref_cnt}
@@ -221,7 +215,7 @@ def _freed_question() -> dict[str, Any]:
     out["ref_cnt_after_both"] = shared.ref_cnt
     out["in_free_queue"] = shared in manager.block_pool.free_block_queue.get_all_free_blocks()
     out["still_cached"] = shared.block_hash == content
-    _admit(manager, Request("c", list(range(1000, 1080))))  # needs every block of the pool
+    admit(manager, Request("c", list(range(1000, 1080))))  # needs every block of the pool
     out["cached_after_pool_filled"] = shared.block_hash == content
     return out
 
@@ -248,7 +242,7 @@ def _timestamp_question() -> dict[str, Any]:
         for second in (1, 2):
             stamp = [90_000 + second] * 8
             prompt = (stamp + rules if where == "first" else rules + stamp) + [70_000 + second] * 24
-            hits.append(_admit(manager, Request(f"{where}{second}", prompt)))
+            hits.append(admit(manager, Request(f"{where}{second}", prompt)))
         out[where] = hits[1]
     return {"hit_tokens_timestamp_first": out["first"], "hit_tokens_timestamp_after": out["after"],
             "instruction_tokens": len(rules)}
