@@ -43,7 +43,7 @@ def test_block_statuses_and_hit_map():
     second = Request("b", list(range(8)) + [99] * 7)
     assert viz.block_statuses(manager, second) == ["hit", "hit", "computed", "partial"]
     fig = viz.figure_hit_map({"b": viz.block_statuses(manager, second)})
-    assert [t.name for t in fig.data] == ["hit", "computed", "partial"] and list(fig.data[0].base) == [0, 1]
+    assert [t.name for t in fig.data] == ["hit", "computed", "partial"] and list(fig.data[0].base) == [-0.5, 0.5]
 
 
 def test_free_queue_and_hash_cost_figures():
@@ -56,4 +56,4 @@ def test_free_queue_and_hash_cost_figures():
     rows = [{"hash_fn": "sha256", "block_size": 16, "seconds_per_block": 1e-6},
             {"hash_fn": "xxhash", "block_size": 64, "seconds_per_block": 2e-6}]
     fig = viz.figure_hash_cost(rows, {"prefill": 5e-4})
-    assert len(fig.data) == 2 and fig.layout.yaxis.type == "log"
+    assert [t.type for t in fig.data] == ["bar", "bar", "scatter"] and fig.layout.yaxis.type == "log"

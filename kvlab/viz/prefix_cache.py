@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,11 +43,13 @@ def figure_hit_map(rows: dict[str, Sequence[str]], title: str = "Which blocks hi
                 if s == status:
                     xs.append(i)
                     ys.append(label)
-        fig.add_bar(x=[1] * len(xs), base=xs, y=ys, orientation="h", name=status, marker_color=colour,
+        fig.add_bar(x=[1] * len(xs), base=[x - 0.5 for x in xs], y=ys, orientation="h", name=status,
+                    marker_color=colour,
                     marker_line=dict(color="white", width=1), hovertext=[f"block {x}" for x in xs])
     fig.update_layout(
         title=title, barmode="overlay", height=110 + 45 * len(labels), margin=dict(t=50, b=40, l=10),
-        xaxis_title="logical block", yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels),
+        xaxis=dict(title="logical block", dtick=1, zeroline=False),
+        yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels),
         legend=dict(orientation="h", y=-0.35),
     )
     return fig
@@ -57,14 +60,15 @@ def figure_free_queue(pool: BlockPool, title: str = "free_block_queue, head → 
     blocks = pool.free_block_queue.get_all_free_blocks()
     fig = go.Figure()
     fig.add_bar(
-        x=[1] * len(blocks), base=list(range(len(blocks))), y=[""] * len(blocks), orientation="h",
+        x=[1] * len(blocks), base=[i - 0.5 for i in range(len(blocks))], y=[""] * len(blocks), orientation="h",
         marker_color=["#f59e0b" if b.block_hash is not None else "#d1d5db" for b in blocks],
         marker_line=dict(color="white", width=2),
         text=[f"{b.block_id}{'*' if b.block_hash is not None else ''}" for b in blocks], textposition="inside",
         insidetextanchor="middle", hovertext=[repr(b) for b in blocks], showlegend=False,
     )
     fig.update_layout(title=f"{title} (* = still cached, can be hit)", height=150, margin=dict(t=50, b=30, l=10),
-                      xaxis=dict(title="position: head = next to be allocated (and evicted)", dtick=1))
+                      xaxis=dict(title="position in the queue: 0 is the head, allocated (and evicted) next", dtick=1,
+                                 zeroline=False))
     return fig
 
 
@@ -76,11 +80,15 @@ def figure_hash_cost(rows: Sequence[dict[str, Any]], prefill_per_block: dict[str
         fig.add_bar(name=f"block size {block_size}", x=[r["hash_fn"] for r in sel],
                     y=[r["seconds_per_block"] * 1e6 for r in sel],
                     text=[f"{r['seconds_per_block'] * 1e6:.2g}" for r in sel], textposition="outside")
-    for label, seconds in (prefill_per_block or {}).items():
-        fig.add_hline(y=seconds * 1e6, line_dash="dash", line_color="#b42318",
-                      annotation_text=label, annotation_position="top left")
-    fig.update_layout(title="Hashing one block vs prefilling it", barmode="group", height=420,
-                      yaxis=dict(title="µs per block (log scale)", type="log"), margin=dict(t=60, b=40))
+    names = list(dict.fromkeys(r["hash_fn"] for r in rows))
+    for (label, seconds), dash in zip((prefill_per_block or {}).items(), ("dash", "dot", "dashdot"), strict=False):
+        fig.add_scatter(x=[names[0], names[-1]], y=[seconds * 1e6] * 2, mode="lines", name=label,
+                        line=dict(color="#b42318", dash=dash))
+    values = [r["seconds_per_block"] * 1e6 for r in rows] + [s * 1e6 for s in (prefill_per_block or {}).values()]
+    top, bottom = math.log10(max(values)) + 0.8, math.log10(min(values)) - 0.3
+    fig.update_layout(title="Hashing one block vs prefilling it", barmode="group", height=460,
+                      yaxis=dict(title="µs per block (log scale)", type="log", range=[bottom, top]),
+                      margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.15))
     return fig
 
 
@@ -129,7 +137,7 @@ def figure_pool_sweep(workload: str, result: SimResult, sizes: Sequence[int], sw
                 name="prefilled", marker_color="#2563eb", row=2, col=1)
     fig.update_layout(barmode="stack", height=620, margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.12))
     fig.update_yaxes(title_text="hit rate", range=[0, 1], row=1, col=1, secondary_y=False)
-    fig.update_yaxes(title_text="evicted before reuse", row=1, col=1, secondary_y=True)
+    fig.update_yaxes(title_text="evicted before reuse", rangemode="tozero", row=1, col=1, secondary_y=True)
     fig.update_xaxes(title_text="pool size (blocks)", row=1, col=1)
     fig.update_xaxes(title_text="request, in admission order", row=2, col=1)
     fig.update_yaxes(title_text="prompt tokens", row=2, col=1)
