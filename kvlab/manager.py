@@ -256,8 +256,9 @@ class KVCacheManager:
         self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted)
         self._interval_stats.record(request.num_tokens, num_hits, preempted)
         self.caching_metrics.observe(stats)
-        lost = [h for h in request.block_hashes[num_hit_blocks:] if h in self._evicted_hashes]
+        lost = {h for h in request.block_hashes[num_hit_blocks:] if h in self._evicted_hashes}
         self.num_blocks_evicted_before_reuse += len(lost)
+        self._evicted_hashes -= lost  # each eviction is counted once, by the first request that misses it
 
     # ----------------------------------------------------------------- freeing
 

@@ -8,6 +8,7 @@ is exact; no hit ever hands a request a block computed for a different prefix (c
 against a shadow record of what each block holds); queries are never fewer than hits.
 """
 
+import math
 from collections import Counter
 
 from hypothesis import settings
@@ -141,6 +142,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert block.ref_cnt == holders[block.block_id]
         in_use = sum(b.ref_cnt > 0 for b in pool.blocks)
         assert len(free) + in_use == pool.num_gpu_blocks - 1
+        assert math.isclose(self.manager.usage, in_use / (pool.num_gpu_blocks - 1))
 
     @invariant()
     def hash_index_is_exact(self):

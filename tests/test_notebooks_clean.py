@@ -16,6 +16,7 @@ def test_notebooks_are_numbered_from_01_without_gaps():
     planned = {int(n) for n, link in rows if not link}
     gaps = set(range(1, max(numbers) + 1)) - set(numbers)
     assert numbers[0] == 1 and gaps <= planned, [p.name for p in NOTEBOOKS]
+    assert {int(n) for n, link in rows if link} <= set(numbers), "a linked README row names a missing notebook"
     assert all(re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", p.name) for p in NOTEBOOKS)
 
 
