@@ -265,8 +265,8 @@ def _tokens(count: int) -> str:
 
 def _opening(scenario: Scenario, snap: PoolSnapshot) -> str:
     null = " Block 0 is the null block: reserved at start, never handed out." if scenario.reserve_null_block else ""
-    return (f"A fresh pool of {scenario.num_blocks} blocks of {scenario.block_size} token slots: every block is in "
-            f"the free queue, {len(snap.free_queue)} of them.{null}")
+    return (f"A fresh pool of {scenario.num_blocks} blocks of {scenario.block_size} token slots; the free queue holds "
+            f"{len(snap.free_queue)} of them, in id order.{null}")
 
 
 def describe(op: Op, before: PoolSnapshot, after: PoolSnapshot, copies: list[BlockCopy], error: str | None) -> str:
@@ -316,7 +316,9 @@ def _describe_write(op: Op, before: PoolSnapshot, after: PoolSnapshot, copies: l
         parts.append(f"{_blocks(evicted).capitalize()} still carried a hash: handing "
                      f"{'it' if len(evicted) == 1 else 'them'} out evicts that cached content (eviction is just "
                      "allocation reaching a cached block).")
-    parts.append(f"Table {op.seq}: [{_ids(after.tables[op.seq])}].")
+    table, held = after.tables[op.seq], after.num_tokens[op.seq] % after.block_size
+    partial = f" Its last block {table[-1]} holds {held} of {after.block_size} slots." if held else ""
+    parts.append(f"Table {op.seq}: [{_ids(table)}].{partial}")
     return " ".join(parts)
 
 
@@ -366,11 +368,11 @@ def walk_free_queue() -> Scenario:
         "A pool of 6 blocks of 4 slots, no null block. A finishes; C then needs 5 blocks.",
         num_blocks=6, block_size=4, reserve_null_block=False,
         ops=(
-            Op("start", "A", tuple(range(10)), note="Blocks 0 and 1 are full, block 2 holds 2 tokens."),
+            Op("start", "A", tuple(range(10))),
             Op("cache", "A"),
-            Op("release", "A", note="Queue head to tail: 2, 3, 4, 5, 1*, 0*."),
+            Op("release", "A", note="Read the queue from the head: the partial block first, the cached ones last."),
             Op("start", "C", tuple(range(100, 118)),
-               note="C gets 2, 3, 4, 5 and 1; only block 0 is left, still cached for a prefix hit (notebook 04)."),
+               note="Only block 0 is left in the queue, still cached for a prefix hit (notebook 04)."),
         ),
     )
 

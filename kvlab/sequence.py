@@ -105,6 +105,10 @@ def compute_slot_mapping(
     return slots
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 class Sequence:
     """One token stream in a paged KV cache: a block table, a length, forks and copy-on-write.
 
@@ -153,6 +157,7 @@ class Sequence:
 
     def append(self, token_id: int) -> list[BlockCopy]:
         """Write one token; return the copy-on-write copies it caused (at most one)."""
+        self._check_live("append to")
         return self.extend([token_id])
 
     def extend(self, token_ids: Iterable[int]) -> list[BlockCopy]:
@@ -170,10 +175,10 @@ class Sequence:
         fresh = cdiv(self.num_tokens + len(tokens), self.block_size) - cdiv(self.num_tokens, self.block_size)
         free = self.pool.get_num_free_blocks()
         if fresh + copy_first > free:
-            need = f"{fresh} new block(s)" + (" plus 1 for a copy-on-write copy" if copy_first else "")
+            need = _count(fresh, "new block") + (" plus 1 for a copy-on-write copy" if copy_first else "")
             raise OutOfBlocksError(
-                f"cannot write {len(tokens)} token(s): they need {need}, but only {free} block(s) are free; "
-                "nothing was written (release a sequence to free blocks)"
+                f"cannot write {_count(len(tokens), 'token')}: {need} needed, but only {_count(free, 'block')} "
+                f"{'is' if free == 1 else 'are'} free; nothing was written (release a sequence to free blocks)"
             )
         copies = [self._copy_last_block()] if copy_first else []
         for block in self.pool.get_new_blocks(fresh):
