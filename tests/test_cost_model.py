@@ -83,3 +83,17 @@ def test_mixtures_of_experts_need_their_active_parameters():
 def test_bad_parameters_are_refused(name, value):
     with pytest.raises(KvlabValueError, match=name):
         cost_model("llama-3-8b", **{name: value})
+
+
+def test_the_figures_draw_the_cost_models_numbers_and_say_they_are_modelled():
+    from kvlab.viz.cost_model import figure_crossover, figure_swap_vs_recompute, figure_ttft_vs_reuse, ttft_curves
+
+    c = cost_model("llama-3-8b", "H100-SXM-80GB")
+    curves = ttft_curves(c, 4000, num_points=5)
+    assert curves["reuse_rate"] == [0, 0.25, 0.5, 0.75, 3999 / 4000]
+    assert curves["cpu"][2] == c.ttft(4000, 2000, "cpu")
+    for fig in (figure_ttft_vs_reuse(c, 4000), figure_swap_vs_recompute(c, [1000, 8000]),
+                figure_crossover([c], [1000, 8000])):
+        assert fig.layout.title.text.startswith("Modelled, not measured")
+    fig = figure_swap_vs_recompute(c, [1000])
+    assert fig.data[0].y[-1] == 0 and fig.data[1].y[0] == pytest.approx(2000 * c.copy_seconds(1000))
