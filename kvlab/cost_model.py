@@ -24,10 +24,11 @@ from typing import Literal
 from kvlab._validate import fraction_in_unit_interval, non_negative_int, positive_int
 from kvlab.errors import KvlabValueError
 from kvlab.hardware import GPUSpec, LinkSpec, get_gpu, get_link
+from kvlab.hash_cost import ASSUMED_PREFILL_MFU
 from kvlab.models import ModelSpec, get_model
 from kvlab.sizing import kv_bytes_per_token
 
-DEFAULT_PREFILL_MFU = 0.5  # kvlab's assumption, not a measurement
+DEFAULT_PREFILL_MFU = ASSUMED_PREFILL_MFU  # kvlab's assumption (0.5, shared with notebook 04), not a measurement
 DEFAULT_LINK_EFFICIENCY = 1.0  # the theoretical bandwidth: an upper bound on what a copy reaches
 Where = Literal["recompute", "gpu", "cpu"]
 

@@ -210,7 +210,7 @@ _ask(
 def _crossover() -> dict[str, Any]:
     fast = cost_model("llama-3-8b", "H100-SXM-80GB")
     slow = cost_model("llama-3-8b", "H100-SXM-80GB", "PCIe 4.0 x16")
-    return {"fast": fast.crossover_hit_rate(8000), "slow": slow.crossover_hit_rate(8000),
+    return {"fast": fast.crossover_hit_rate(8000), "slow": slow.crossover_hit_rate(8000), "mfu": fast.prefill_mfu,
             "prefill_us": fast.prefill_seconds(8000) / 8000 * 1e6, "copy_us": fast.copy_seconds(8000) / 8000 * 1e6}
 
 
@@ -220,10 +220,11 @@ _ask(
     "recompute (modelled) no slower than swap over PCIe 5? And over PCIe 4?",
     _crossover,
     lambda v: (
-        f"From {100 * v['fast']:.1f} % over PCIe 5 and {100 * v['slow']:.1f} % over PCIe 4 (modelled: 50 % of the "
-        f"dense BF16 peak, the links' theoretical bandwidth). Per token, prefill costs about {v['prefill_us']:.0f} µs "
-        f"and one copy {v['copy_us']:.1f} µs, so swap wins unless the prefix cache still holds almost all of the "
-        "request. In V1 a preempted request's full blocks keep their hashes and usually are still cached when it "
-        "resumes: recompute then redoes little, with no PCIe traffic and no swap state to manage."
+        f"From {100 * v['fast']:.1f} % over PCIe 5 and {100 * v['slow']:.1f} % over PCIe 4 (modelled: "
+        f"{100 * v['mfu']:g} % of the dense BF16 peak, the links' theoretical bandwidth). Per token, prefill "
+        f"costs about {v['prefill_us']:.0f} µs and one copy {v['copy_us']:.1f} µs, so swap wins unless the prefix "
+        "cache still holds almost all of the request. In V1 a preempted request's full blocks keep their hashes "
+        "and usually are still cached when it resumes: recompute then redoes little, with no PCIe traffic and no "
+        "swap state to manage."
     ),
 )
