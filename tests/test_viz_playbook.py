@@ -68,3 +68,12 @@ def test_figures_show_one_row_per_applicable_lever_and_one_group_per_deployment(
     assert len(fig.data) == 2 and len(fig.data[0].y) == 1 + sum(lever.applicable for lever in result.levers)
     assert fig.data[0].x[-1] == result.max_concurrency                       # "as configured" is drawn at the top
     assert len(figure_source_vs_exact(comparison_rows()).data[0].x) == 3
+
+
+def test_the_shared_prefix_figure_rises_from_the_unshared_count():
+    from kvlab.viz.playbook import figure_shared_prefix
+
+    source = reproduce("a")["source"]
+    fig = figure_shared_prefix(source.deployment, source.workload)
+    counts = list(fig.data[0].y)
+    assert counts[0] == reproduce("a")["exact"].concurrency_typical and counts == sorted(counts)

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from kvlab._validate import one_of
 from kvlab.hardware import list_gpus
 from kvlab.models import WEIGHT_DTYPE_BYTES, list_models
-from kvlab.playbook import SOURCE_DEPLOYMENTS, Deployment, PlaybookResult, Workload, plan_deployment
+from kvlab.playbook import SOURCE_DEPLOYMENTS, Deployment, PlaybookResult, Workload, concurrency_at, plan_deployment
 from kvlab.sizing import KV_DTYPE_BYTES
 from kvlab.units import format_bytes
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
@@ -49,6 +49,27 @@ def figure_levers(result: PlaybookResult) -> go.Figure:
         barmode="group", height=120 + 48 * len(rows), margin=dict(t=60, b=40, l=10, r=40),
         title=f"{spec.name} on {result.deployment.tp} x {result.deployment.gpu_spec.name}: what each lever buys",
         xaxis=dict(title="requests", rangemode="tozero"), legend=dict(orientation="h", y=-0.15),
+    )
+    return fig
+
+
+def figure_shared_prefix(deployment: Deployment, workload: Workload, num_points: int = 20) -> go.Figure:
+    """Requests of the workload's typical length held at once, against the share of the prompt they share."""
+    plan = deployment.plan()
+    shares = [i / num_points for i in range(num_points + 1)]
+    counts = [concurrency_at(plan.num_usable_blocks, plan.block_size, workload.typical_tokens,
+                             Workload(workload.mean_prompt_tokens, workload.mean_output_tokens, s).shared_prefix_tokens)
+              for s in shares]
+    fig = go.Figure()
+    fig.add_scatter(x=[100 * s for s in shares], y=counts, mode="lines+markers", name="typical requests at once",
+                    line=dict(color="#16a34a", width=3))
+    fig.add_scatter(x=[0, 100], y=[plan.max_concurrency] * 2, mode="lines", line=dict(color="#2563eb", dash="dash"),
+                    name=f"vLLM's logged max concurrency ({deployment.max_model_len:,} tokens each)")
+    fig.update_layout(
+        title=(f"{deployment.spec.name} on {deployment.gpu_spec.name}: requests of {workload.typical_tokens:,} tokens "
+               "held at once"),
+        xaxis_title="share of the prompt that every request shares (%)", yaxis=dict(title="requests", type="log"),
+        height=380, margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.25),
     )
     return fig
 
