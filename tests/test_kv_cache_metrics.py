@@ -211,3 +211,18 @@ def test_diagnosis_reads_like_a_sentence():
     assert d.too_small and (d.reuse_gap_p90, d.idle_before_evict_p50) == (40, 6)
     assert "too small" in str(d) and "40 steps > median idle before eviction 6 steps" in str(d)
     assert "Not enough to judge" in str(diagnose_pool([], [1]))
+
+
+def test_the_lifetime_figure_marks_the_two_quantiles_the_diagnostic_compares():
+    from kvlab.viz.lifetimes import figure_hit_rates, figure_lifetime_histograms
+
+    c = KVCacheMetricsCollector()
+    for v in (2, 3, 40):
+        c.histogram("reuse_gap").observe(v)
+    for v in (5, 6, 7):
+        c.histogram("idle_before_evict").observe(v)
+    fig = figure_lifetime_histograms(c, "worked example")
+    assert [list(t.x) for t in fig.data] == [[2, 3, 40], [5, 6, 7]]
+    assert [shape.x0 for shape in fig.layout.shapes] == [40, 6] and "too small" in fig.layout.title.text
+    bars = figure_hit_rates({"small": {"gpu": 0.4}, "tiered": {"gpu": 0.4, "cpu": 0.3}})
+    assert [list(t.y) for t in bars.data] == [[40.0, 40.0], [0.0, 30.0]]
