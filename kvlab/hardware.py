@@ -105,6 +105,15 @@ def _links() -> dict[str, LinkSpec]:
             for name, raw in _load("links").items()}
 
 
+def _find(kind: str, name: object, table: dict[str, object], cls: type) -> object:
+    """``table[name]``, or ``name`` itself when it is already a ``cls``; an unknown name lists the known ones."""
+    if isinstance(name, cls):
+        return name
+    if name not in table:
+        raise UnknownNameError(kind, name, table)
+    return table[name]  # type: ignore[index]
+
+
 def list_gpus() -> list[str]:
     """The GPUs in ``data/hardware/gpus.json``."""
     return list(_gpus())
@@ -112,12 +121,7 @@ def list_gpus() -> list[str]:
 
 def get_gpu(name: str | GPUSpec) -> GPUSpec:
     """The GPU called ``name`` (see ``list_gpus()``); a ``GPUSpec`` is returned as it is."""
-    if isinstance(name, GPUSpec):
-        return name
-    gpus = _gpus()
-    if name not in gpus:
-        raise UnknownNameError("gpu", name, gpus)
-    return gpus[name]
+    return _find("gpu", name, _gpus(), GPUSpec)  # type: ignore[arg-type, return-value]
 
 
 def list_links() -> list[str]:
@@ -127,9 +131,4 @@ def list_links() -> list[str]:
 
 def get_link(name: str | LinkSpec) -> LinkSpec:
     """The link called ``name`` (see ``list_links()``); a ``LinkSpec`` is returned as it is."""
-    if isinstance(name, LinkSpec):
-        return name
-    links = _links()
-    if name not in links:
-        raise UnknownNameError("link", name, links)
-    return links[name]
+    return _find("link", name, _links(), LinkSpec)  # type: ignore[arg-type, return-value]

@@ -129,15 +129,19 @@ def test_a_gpu_eviction_becomes_a_store_and_the_metrics_collector_still_sees_it(
     assert collector.histogram("lifetime").count == 3         # the chained observer saw every eviction
 
 
-def test_a_cpu_hit_starts_after_the_gpus_and_never_covers_the_last_token():
+def _first_two_blocks_on_the_cpu_only():
+    """A pool of 3 usable blocks of 4 tokens: tokens 0..7 ran, then another request pushed them to the CPU tier."""
     manager, connector, _ = _manager_with_tier(num_gpu_blocks=4)
-    first = Request("first", list(range(8)) + [50])
-    _admit(manager, first)
-    manager.free(first)
-    other = Request("other", list(range(100, 109)))
-    _admit(manager, other)                                    # evicts first's two full blocks to the CPU
-    connector.build_connector_meta()
-    manager.free(other)
+    for request_id, tokens in (("first", list(range(8)) + [50]), ("other", list(range(100, 109)))):
+        request = Request(request_id, tokens)
+        _admit(manager, request)
+        connector.build_connector_meta()                      # "other" evicts first's two full blocks
+        manager.free(request)
+    return manager, connector
+
+
+def test_a_cpu_hit_starts_after_the_gpus_and_never_covers_the_last_token():
+    manager, connector = _first_two_blocks_on_the_cpu_only()
     again = Request("again", list(range(8)) + [60, 61])
     hits, num_hits = manager.get_computed_blocks(again)
     assert num_hits == 0 and connector.get_num_new_matched_tokens(again, 0) == 8
@@ -147,14 +151,7 @@ def test_a_cpu_hit_starts_after_the_gpus_and_never_covers_the_last_token():
 
 
 def test_loads_go_into_the_blocks_the_scheduler_allocated_and_are_counted_once():
-    manager, connector, _ = _manager_with_tier(num_gpu_blocks=4)
-    first = Request("first", list(range(8)) + [50])
-    _admit(manager, first)
-    manager.free(first)
-    other = Request("other", list(range(100, 109)))
-    _admit(manager, other)
-    connector.build_connector_meta()
-    manager.free(other)
+    manager, connector = _first_two_blocks_on_the_cpu_only()
     again = Request("again", list(range(8)) + [60, 61])
     manager.get_computed_blocks(again)
     external = connector.get_num_new_matched_tokens(again, 0)

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlab.cost_model import CostModel, cost_model
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, register
+from kvlab.exercises.nb02 import _ask  # notebook 02's helper: a question answered from the numbers it computes
 from kvlab.kv_cache_metrics import nearest_rank
 from kvlab.kv_cache_metrics import pool_too_small as _pool_too_small
 from kvlab.playbook import rank_levers, reproduce
@@ -156,12 +157,6 @@ register(Exercise(
 
 
 # ----------------------------------------------------------------- self-test
-
-
-def _ask(question_id: str, text: str, values: Callable[[], dict[str, Any]],
-         answer: Callable[[dict[str, Any]], str]) -> None:
-    """Register a question whose answer is written from the numbers ``values`` computes."""
-    register_question(Question(id=question_id, text=text, answer=lambda: answer(values()), values=values))
 
 
 def _deployment_c() -> dict[str, Any]:

@@ -6,9 +6,8 @@ it directly, and the panel keeps its last result in ``panel.state``.
 
 from __future__ import annotations
 
-import contextlib
 import html
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import plotly.graph_objects as go
@@ -19,7 +18,7 @@ from kvlab.models import WEIGHT_DTYPE_BYTES, list_models
 from kvlab.playbook import SOURCE_DEPLOYMENTS, Deployment, PlaybookResult, Workload, concurrency_at, plan_deployment
 from kvlab.sizing import KV_DTYPE_BYTES
 from kvlab.units import format_bytes
-from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
+from kvlab.viz.widgets import Panel, error_area, figure_widget, replace_figure
 
 CHECKPOINT = "checkpoint"  # the weights dtype the model's config declares
 TP_SIZES = (1, 2, 4, 8)
@@ -143,7 +142,7 @@ def _summary_html(state: dict[str, Any]) -> str:
     return f"{log}{decision}{facts}<table class='kvlab-levers'><tr>{head}</tr>{body}</table>{warnings}"
 
 
-class PlaybookPanel:
+class PlaybookPanel(Panel):
     """Model, GPU, TP, context, KV dtype, utilization, weights and workload over the playbook's answer."""
 
     def __init__(self, preset: str | None = "a") -> None:
@@ -177,18 +176,9 @@ class PlaybookPanel:
                                for key, source in SOURCE_DEPLOYMENTS.items()}
         self.summary = w.HTML()
         self.errors = error_area()
-        self._holding = False
         self.state: dict[str, Any] = panel_state(**self.settings())
         self.figure = figure_widget(self.state["figure"])
-        update = guarded(self._update, self.errors)
-        for control in self.controls:
-            control.observe(update, names="value")
-        for key, button in self.preset_buttons.items():
-            button.on_click(guarded(lambda _b, key=key: self.apply_preset(key), self.errors))
-        if preset is not None:
-            self.apply_preset(preset)
-        else:
-            self._render()
+        self._connect(self.controls, self.preset_buttons, preset)
         self.view = w.VBox([
             w.HBox(list(self.preset_buttons.values())),
             w.HBox([w.VBox([self.model, self.gpu, self.tp, self.max_model_len]),
@@ -215,16 +205,6 @@ class PlaybookPanel:
             "shared_prefix": self.shared_prefix.value, "rank_by": self.rank_by.value,
         }
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Set several controls at once: one redraw at the end instead of one per control."""
-        self._holding = True
-        try:
-            yield
-        finally:
-            self._holding = False
-        self._update()
-
     def apply_preset(self, key: str) -> None:
         """Load the source material's worked deployment ``key`` ("a", "b" or "c"): what its button does."""
         source = SOURCE_DEPLOYMENTS[one_of("key", key, SOURCE_DEPLOYMENTS)]
@@ -242,17 +222,10 @@ class PlaybookPanel:
             self.mean_output_tokens.value = wl.mean_output_tokens
             self.shared_prefix.value = wl.shared_prefix
 
-    def _update(self, _change: Any = None) -> None:
-        if self._holding:
-            return
-        self.state = panel_state(**self.settings())
-        self._render()
+    def compute(self) -> dict[str, Any]:
+        """``panel_state`` on the controls' values."""
+        return panel_state(**self.settings())
 
     def _render(self) -> None:
         self.summary.value = _summary_html(self.state)
         replace_figure(self.figure, self.state["figure"])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.view)
