@@ -9,13 +9,19 @@ kernels. ``prepare_triton`` sets both the variable and (if triton is already imp
 before that happens. ``import torch`` does not import triton on a CPU build; ``import
 torch._dynamo`` (``torch.compile``) does, which is harmless for the reason above.
 
+One trap remains: Triton's own library functions (``tl.max``, ``tl.sum``, ``tl.cdiv``, ... in
+``triton/language/standard.py``) are ``@jit`` functions too, decorated when triton is imported. If
+something imported triton before the interpreter was switched on (``import torch._dynamo`` does,
+and so does importing a Hugging Face model class), they are compiled-mode functions, and an
+interpreted kernel that calls them fails with "Cannot call @triton.jit'd outside of the scope of a
+kernel". ``prepare_triton`` then re-wraps them for the interpreter (``_interpret_triton_library``).
+
 The choice is made once per process: a decorated kernel cannot change its kind afterwards.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import sys
 
@@ -62,29 +68,71 @@ def prepare_triton(chosen: str) -> None:
     """Make the next ``@triton.jit`` decorations compile (``triton-cuda``) or interpret."""
     interpret = chosen == TRITON_INTERPRETER
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    if "triton" in sys.modules:  # imported earlier: a knob assigned in code would beat the variable
-        sys.modules["triton"].knobs.runtime.interpret = interpret
+    triton = sys.modules.get("triton")
+    if triton is not None:  # imported earlier: a knob assigned in code would beat the variable
+        triton.knobs.runtime.interpret = interpret
+        if interpret:
+            _interpret_triton_library()
+
+
+def _interpret_triton_library() -> int:
+    """Swap triton.language's compiled-mode ``@jit`` helpers for interpreted ones; returns how many.
+
+    Needed only when triton was imported before ``TRITON_INTERPRET`` was set. The helpers call
+    each other through their modules' globals and are also bound as ``tl.tensor`` methods, so
+    every such reference is replaced (with one interpreted wrapper per function).
+    """
+    from triton.language import tensor
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    wrapped: dict[int, InterpretedFunction] = {}
+    modules = [m for name, m in list(sys.modules.items())
+               if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    count = 0
+    for owner in [*modules, tensor]:
+        for name, value in list(vars(owner).items()):
+            if isinstance(value, JITFunction):
+                setattr(owner, name, wrapped.setdefault(id(value), InterpretedFunction(value.fn)))
+                count += 1
+    return count
+
+
+def _import_triton() -> bool:
+    """Whether triton imports here (installed, and built for this platform)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
 def backend() -> str:
     """``"triton-cuda"``, ``"triton-interpreter"`` or ``"torch-reference"``: what runs the kernels here.
 
-    Decided on first use from ``KVLAB_KERNEL_BACKEND`` (default ``auto``), whether Triton is
-    installed and whether torch sees a CUDA device; Triton is set up accordingly before any
-    kvlab kernel is decorated. The answer stays the same for the life of the process.
+    Decided on first use from ``KVLAB_KERNEL_BACKEND`` (default ``auto``), whether torch sees a
+    CUDA device and whether triton imports. ``TRITON_INTERPRET`` is set before triton's first
+    import where that is still ahead, and Triton is set up before any kvlab kernel is decorated.
+    The answer stays the same for the life of the process.
     """
     import torch
 
     requested = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    chosen = choose_backend(
-        requested,
-        triton_available=importlib.util.find_spec("triton") is not None,
-        cuda_available=torch.cuda.is_available(),
-        interpret_requested=os.environ.get("TRITON_INTERPRET", "0").strip() == "1",
-    )
-    if chosen != TORCH_REFERENCE:
-        prepare_triton(chosen)
+    machine = dict(cuda_available=torch.cuda.is_available(),
+                   interpret_requested=os.environ.get("TRITON_INTERPRET", "0").strip() == "1")
+    if choose_backend(requested, triton_available=True, **machine) == TORCH_REFERENCE:
+        return TORCH_REFERENCE                                   # asked for torch: leave triton alone
+    previous = os.environ.get("TRITON_INTERPRET")
+    prepare_triton(choose_backend(requested, triton_available=True, **machine))
+    chosen = choose_backend(requested, triton_available=_import_triton(), **machine)
+    if chosen == TORCH_REFERENCE:                                # no triton after all: undo the flag
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+        return chosen
+    prepare_triton(chosen)
     return chosen
 
 

@@ -59,7 +59,7 @@ def synthetic_kv(num_tokens: int, num_heads: int, head_size: int, magnitude: flo
 
 def fp8_error_sweep(magnitudes: Sequence[float], *, num_seqs: int = 8, seq_len: int = 128,
                     num_kv_heads: int = 2, num_queries_per_kv: int = 4, head_size: int = 64,
-                    block_size: int = 16, seed: int = 0, query_scale: float = 0.05,
+                    block_size: int = 16, seed: int = 0, query_scale: float = 0.02,
                     write: Callable | None = None, attend: Callable | None = None) -> list[dict[str, float]]:
     """Attention error of an FP8 cache against a bf16 cache, for activations of growing magnitude.
 

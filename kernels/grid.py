@@ -60,14 +60,14 @@ class KernelConfig:
 
 
 def choose_config(num_queries_per_kv: int, max_query_len: int, head_size: int) -> KernelConfig:
-    """Tiles for a batch: decode packs one token's query heads; prefill packs 64 rows of tokens x heads.
+    """Tiles for a batch: 16 rows for decode-only batches, 64 for prefill and mixed ones.
 
-    Decode (every query is one token) is memory-bound: a program reads its sequence's K and V
-    once for all ``num_queries_per_kv`` heads, and 64-key tiles keep enough bytes in flight.
-    Prefill and mixed batches reuse each K/V tile across 64 query rows.
+    Rows are ``BLOCK_Q`` tokens x ``num_queries_per_kv`` heads, ``BLOCK_Q = BLOCK_M // group``
+    rounded down to a power of two (as vLLM). Decode is memory-bound: each sequence has one
+    query token, so its program holds that token's heads and reads the sequence's K and V once
+    for all of them. Prefill reuses each K/V tile across 64 rows. Keys come 64 per tile.
     """
-    group_rows = next_power_of_2(num_queries_per_kv)
-    block_m = max(16 if max_query_len == 1 else 64, group_rows)
+    block_m = max(16 if max_query_len == 1 else 64, next_power_of_2(num_queries_per_kv))
     block_q = max(1, block_m // num_queries_per_kv)
     block_q = 1 << (block_q.bit_length() - 1)          # a power of two that fits
     num_warps = 8 if next_power_of_2(head_size) >= 256 else 4
