@@ -20,6 +20,9 @@ still reaches the module.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import torch
 from kvlab.kernels._backend import (
     BACKEND_ENV,
@@ -37,9 +40,12 @@ from kvlab.kernels.layouts import from_legacy_layout, legacy_x, to_legacy_layout
 from kvlab.kernels.reference import (
     compute_slot_mapping,
     gather_kv,
+    masked_attention,
     paged_attention_ref,
     reshape_and_cache_ref,
 )
+
+from kvlab.errors import UnknownNameError
 
 if backend() != TORCH_REFERENCE:
     # Imported here, first, so the submodule binding below is replaced by the function of the same name.
@@ -80,6 +86,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                   config=config, **kwargs)
 
 
+def kernel_source(name: str, module: str = "paged_attention") -> str:
+    """The source of function ``name`` in ``kernels/<module>.py``, decorators included, read from the file.
+
+    Reading instead of importing works where Triton is missing, so the notebook can show the kernel anyway.
+    """
+    path = Path(__file__).with_name(f"{module}.py")
+    text = path.read_text()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            return "\n".join(text.splitlines()[first - 1:node.end_lineno]) + "\n"
+    raise UnknownNameError("name", name, [n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)])
+
+
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
@@ -101,7 +121,9 @@ __all__ = [
     "describe_backend",
     "from_legacy_layout",
     "gather_kv",
+    "kernel_source",
     "legacy_x",
+    "masked_attention",
     "paged_attention",
     "paged_attention_ref",
     "plan_launch",

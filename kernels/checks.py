@@ -176,6 +176,21 @@ def check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale=
 # --------------------------------------------------------------------------- paged attention
 
 
+@dataclasses.dataclass
+class PagedTensors:
+    """The six tensors of a ``paged_attention`` call, in its argument order (tests and benchmarks)."""
+
+    query: torch.Tensor             # [num_tokens, num_q_heads, head_size]
+    key_cache: torch.Tensor         # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor       # [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor          # [num_seqs]
+    query_start_loc: torch.Tensor   # [num_seqs + 1]
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.query_start_loc)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBatch:
     """The host-side description of one varlen batch, as the launcher and the reference need it."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from kvlab.kernels._backend import require_triton
 from kvlab.kernels.paged_attention import online_softmax_update
+from kvlab.kernels.reference import masked_attention  # noqa: F401  (the specification of attention_by_tiles)
 
 from kvlab.errors import KernelInputError
 
@@ -105,11 +106,3 @@ def softmax_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: t
                    tile_n: int = 16, scale: float | None = None) -> torch.Tensor:
     """The running ``(m, l)`` of every row after each tile, ``[num_tiles, M, 2]``, from the kernel itself."""
     return _launch(q, k, v, visible, tile_n, online_softmax_update, scale)[1]
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
-    """The same attention in one go (the specification for ``attention_by_tiles``)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q.float() @ k.float().T * scale).masked_fill(~visible.bool(), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v.float()

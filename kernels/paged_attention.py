@@ -96,7 +96,7 @@ def paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Which sequence, and which of its query blocks, is ours? (vLLM: find_seq_idx)
+    # 1. Which sequence, and which of its query blocks, is ours? (vLLM: find_seq_idx)
     seq = find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -106,7 +106,7 @@ def paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len                # tokens already cached before this step's queries
 
-    # GQA packing: row r is query token r // GROUP, query head kv_head * GROUP + r % GROUP.
+    # 2. GQA packing: row r is query token r // GROUP, query head kv_head * GROUP + r % GROUP.
     rows = tl.arange(0, BLOCK_M)
     q_pos = q_block * BLOCK_Q + rows // GROUP                       # [BLOCK_M] position in the query
     q_head = kv_head * GROUP + rows % GROUP                         # [BLOCK_M]
@@ -117,7 +117,8 @@ def paged_attention_kernel(
     q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + q_head[:, None] * stride_q_head + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(COMPUTE_DTYPE)   # [BLOCK_M, HEAD_PAD]
 
-    # The keys this block may see, cut into tiles, and this split's range of tiles.
+    # 3. The keys this block may see (causal: up to its last query's position), cut into tiles;
+    # 4. and this split's range of those tiles.
     kv_len = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q) if CAUSAL else seq_len
     num_tiles = tl.cdiv(kv_len, TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -129,7 +130,7 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, TILE_N)
     block_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
-    for tile in range(tile_lo, tile_hi):
+    for tile in range(tile_lo, tile_hi):                          # 3. walk the tiles through the block table
         key_pos = tile * TILE_N + offs_n                                       # [TILE_N] logical positions
         key_ok = key_pos < kv_len
         physical = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)

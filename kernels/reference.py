@@ -8,6 +8,8 @@ and they are what runs when Triton is not installed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from kvlab.kernels.checks import cdiv, check_attention, check_cache_write
 from kvlab.kernels.fp8 import dequantize_fp8, quantize_fp8
@@ -89,3 +91,11 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         probs = torch.softmax(scores, dim=-1)
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """``softmax(q k^T * scale, masked by visible) v`` in one go: the specification of ``attention_by_tiles``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q.float() @ k.float().T * scale).masked_fill(~visible.bool(), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v.float()

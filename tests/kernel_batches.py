@@ -11,6 +11,7 @@ import random
 
 import torch
 from kvlab.kernels import TRITON_CUDA, backend
+from kvlab.kernels.checks import PagedTensors
 
 DEVICE = "cuda" if backend() == TRITON_CUDA else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -26,19 +27,10 @@ def fresh_seed() -> int:
 
 
 @dataclasses.dataclass
-class Batch:
-    """Everything ``paged_attention`` takes, plus what the test needs to say what went wrong."""
+class Batch(PagedTensors):
+    """Everything ``paged_attention`` takes, plus the seed that drew it (to replay a failure)."""
 
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
     seed: int
-
-    def args(self) -> tuple:
-        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.query_start_loc)
 
 
 def make_batch(seq_lens, query_lens, *, num_kv_heads=2, group=2, head_size=64, block_size=16,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_batches import make_batch, poisoned_out
+from kernel_batches import DEVICE, make_batch, poisoned_out
 from kvlab.kernels import paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref
 
 from kvlab.errors import KernelInputError, KvlabValueError
@@ -23,7 +23,7 @@ def call(batch, **changes):
     args = dict(query=batch.query, key_cache=batch.key_cache, value_cache=batch.value_cache,
                 block_table=batch.block_table, seq_lens=batch.seq_lens, query_start_loc=batch.query_start_loc)
     kwargs = {k: changes.pop(k) for k in list(changes) if k not in args}
-    args.update(changes)
+    args.update({k: v.to(batch.query.device) for k, v in changes.items()})   # the same device: only the change is wrong
     return args, kwargs
 
 
@@ -100,8 +100,8 @@ WRITE_CASES = [
 @pytest.mark.parametrize(("changes", "message"), [(c[1], c[2]) for c in WRITE_CASES], ids=[c[0] for c in WRITE_CASES])
 @pytest.mark.parametrize("fn", [reshape_and_cache, reshape_and_cache_ref], ids=["kernel", "reference"])
 def test_reshape_and_cache_refuses_bad_input_and_writes_nothing(fn, changes, message):
-    args = write_args()
-    args.update(changes)
+    args = {k: v.to(DEVICE) for k, v in write_args().items()}
+    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in changes.items()})
     with pytest.raises(KernelInputError, match=message):
         fn(**args)
     assert torch.isnan(args["key_cache"]).all() and torch.isnan(args["value_cache"]).all()
