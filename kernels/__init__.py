@@ -86,18 +86,28 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                   config=config, **kwargs)
 
 
-def kernel_source(name: str, module: str = "paged_attention") -> str:
-    """The source of function ``name`` in ``kernels/<module>.py``, decorators included, read from the file.
+def function_sources(module: str) -> dict[str, str]:
+    """Every top-level function of ``kernels/<module>.py`` by name, decorators included, read from the file.
 
-    Reading instead of importing works where Triton is missing, so the notebook can show the kernel anyway.
+    Reading instead of importing works where Triton is missing (the notebook shows the kernels
+    anyway) and where it interprets (``compile_check`` recompiles them from their source).
     """
-    path = Path(__file__).with_name(f"{module}.py")
-    text = path.read_text()
+    text = Path(__file__).with_name(f"{module}.py").read_text()
+    lines = text.splitlines()
+    sources = {}
     for node in ast.parse(text).body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
+        if isinstance(node, ast.FunctionDef):
             first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            return "\n".join(text.splitlines()[first - 1:node.end_lineno]) + "\n"
-    raise UnknownNameError("name", name, [n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)])
+            sources[node.name] = "\n".join(lines[first - 1:node.end_lineno]) + "\n"
+    return sources
+
+
+def kernel_source(name: str, module: str = "paged_attention") -> str:
+    """The source of function ``name`` in ``kernels/<module>.py`` (default: the attention kernels)."""
+    sources = function_sources(module)
+    if name not in sources:
+        raise UnknownNameError("name", name, sources)
+    return sources[name]
 
 
 __all__ = [
@@ -120,6 +130,7 @@ __all__ = [
     "dequantize_fp8",
     "describe_backend",
     "from_legacy_layout",
+    "function_sources",
     "gather_kv",
     "kernel_source",
     "legacy_x",

@@ -35,7 +35,7 @@ def test_the_picture_has_one_labelled_cell_per_tile():
     state = reads_state(**BATCH, tile_n=16, block_q=4, num_kv_splits=1)
     fig = figure_program_reads(state["reads"])
     assert len(fig.layout.annotations) == sum(len(r.tiles) for r in state["reads"])
-    assert fig.layout.annotations[0].text == "5 2"                    # A's first tile: blocks 5 then 2
+    assert fig.layout.annotations[0].text == "5 → 2"                  # A's first tile: blocks 5 then 2
 
 
 def test_panel_controls_rerun_the_pure_function_and_show_errors():
@@ -51,7 +51,7 @@ def test_panel_controls_rerun_the_pure_function_and_show_errors():
 
 def test_other_figures_draw_from_their_data():
     states = torch.tensor([[[0.5, 1.0]], [[2.0, 1.5]]])               # [tiles, rows, (m, l)]
-    assert len(figure_softmax_states(states, rows=(0,)).data) == 2
+    assert [t.y for t in figure_softmax_states(states, rows=(0,)).data] == [(0.5, 2.0), (1.0, 1.5)]
     assert len(figure_layout_offsets(8, 32, legacy_x(torch.float16), 2).data) == 3
     rows = fp8_error_sweep([1e-3, 1.0], num_seqs=2, seq_len=16, write=reshape_and_cache_ref,
                            attend=paged_attention_ref, device="cpu")

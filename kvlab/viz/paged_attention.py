@@ -21,17 +21,18 @@ from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 SEQ_COLOURS = ["#2563eb", "#f59e0b", "#10b981", "#db2777", "#7c3aed", "#0891b2", "#b45309", "#4b5563"]
 
 
-def reads_table(reads: Sequence[ProgramReads]) -> list[dict[str, Any]]:
+def reads_table(reads: Sequence[ProgramReads], seq_names: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """One row per working program: its grid coordinates, its rows and the blocks it reads, in order."""
     return [{
-        "program (b, h, s)": r.program, "sequence": r.seq, "query block": r.q_block,
+        "program (b, h, s)": r.program, "sequence": seq_names[r.seq] if seq_names else r.seq, "query block": r.q_block,
         "query tokens": f"{r.query_tokens[0]}..{r.query_tokens[-1]}",
         "tiles": f"{r.tile_range[0]}..{r.tile_range[1] - 1}" if r.tiles else "none",
         "blocks in order": r.blocks_in_order(),
     } for r in reads]
 
 
-def figure_program_reads(reads: Sequence[ProgramReads], kv_head: int = 0, title: str | None = None) -> go.Figure:
+def figure_program_reads(reads: Sequence[ProgramReads], kv_head: int = 0, title: str | None = None,
+                         seq_names: Sequence[str] | None = None) -> go.Figure:
     """Programs (rows) against loop steps (columns); each cell names the physical blocks of that tile.
 
     Colours mark the sequence; only the programs of one KV head are drawn (the others read the
@@ -40,7 +41,8 @@ def figure_program_reads(reads: Sequence[ProgramReads], kv_head: int = 0, title:
     mine = [r for r in reads if r.program[1] == kv_head]
     steps = max((len(r.tiles) for r in mine), default=0)
     fig = go.Figure()
-    labels = [f"b={r.program[0]} s={r.program[2]} · seq {r.seq} · q {r.query_tokens[0]}..{r.query_tokens[-1]}"
+    names = seq_names or [str(i) for i in range(max((r.seq for r in mine), default=0) + 1)]
+    labels = [f"b={r.program[0]} s={r.program[2]} · seq {names[r.seq]} · q {r.query_tokens[0]}..{r.query_tokens[-1]}"
               for r in mine]
     for row, r in enumerate(mine):
         for step, tile in enumerate(r.tiles):
@@ -50,33 +52,35 @@ def figure_program_reads(reads: Sequence[ProgramReads], kv_head: int = 0, title:
                     blocks.append(b)
             fig.add_shape(type="rect", x0=step - 0.45, x1=step + 0.45, y0=row - 0.4, y1=row + 0.4,
                           fillcolor=SEQ_COLOURS[r.seq % len(SEQ_COLOURS)], opacity=0.75, line_width=0)
-            fig.add_annotation(x=step, y=row, text=" ".join(map(str, blocks)) or "-", showarrow=False,
+            fig.add_annotation(x=step, y=row, text=" → ".join(map(str, blocks)) or "-", showarrow=False,
                                font=dict(color="white", size=12))
+        if not r.tiles:
+            fig.add_annotation(x=0, y=row, text="no tile in this split's range", showarrow=False,
+                               font=dict(color="#6b7280", size=11))
     fig.add_scatter(x=[None], y=[None], showlegend=False)
     fig.update_layout(
         title=title or f"What each program reads, KV head {kv_head}: physical block ids per key tile",
         xaxis=dict(title="loop step (one key tile per step)", range=[-0.6, max(steps, 1) - 0.4], dtick=1),
-        yaxis=dict(tickvals=list(range(len(mine))), ticktext=labels, autorange="reversed"),
+        yaxis=dict(tickvals=list(range(len(mine))), ticktext=labels, range=[len(mine) - 0.5, -0.5]),
         height=110 + 34 * len(mine), margin=dict(l=260, t=60, b=50),
     )
     return fig
 
 
 def figure_softmax_states(states: torch.Tensor, rows: Sequence[int] = (0, 1, 2)) -> go.Figure:
-    """The running maximum m and sum l of a few rows after each key tile, as the kernel kept them."""
-    fig = go.Figure()
+    """The running maximum m (left) and sum l (right) of a few rows after each key tile, as the kernel kept them."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["m: largest score so far", "ℓ = Σ exp(score − m)"])
     tiles = list(range(1, states.shape[0] + 1))
     for i, row in enumerate(rows):
         colour = SEQ_COLOURS[i % len(SEQ_COLOURS)]
-        fig.add_scatter(x=tiles, y=states[:, row, 0].tolist(), mode="lines+markers", name=f"row {row}: m",
-                        line=dict(color=colour))
-        fig.add_scatter(x=tiles, y=states[:, row, 1].tolist(), mode="lines+markers", name=f"row {row}: l",
-                        line=dict(color=colour, dash="dot"), yaxis="y2")
-    fig.update_layout(
-        title="Online softmax: running max m (solid) and running sum l (dotted) after each tile",
-        xaxis=dict(title="tiles folded in", dtick=1), yaxis=dict(title="m (largest score so far)"),
-        yaxis2=dict(title="l = Σ exp(score − m)", overlaying="y", side="right"), height=380,
-    )
+        for col in (1, 2):
+            fig.add_scatter(x=tiles, y=states[:, row, col - 1].tolist(), mode="lines+markers", name=f"row {row}",
+                            line=dict(color=colour), showlegend=col == 1, row=1, col=col)
+    fig.update_xaxes(title_text="key tiles folded in", dtick=1)
+    fig.update_layout(title="Online softmax, row by row: when m rises, ℓ is rescaled by exp(m_old − m_new)",
+                      height=360, margin=dict(t=80))
     return fig
 
 
@@ -84,11 +88,12 @@ def figure_layout_offsets(block_size: int, head_size: int, x: int, num_kv_heads:
     """Where each (token, dimension) of one head's block lives, in three layouts: colour = address order."""
     from plotly.subplots import make_subplots
 
-    panels = [("flash K/V [bs, H, D]: a token's head is contiguous",
+    panels = [("flash K and V [bs, H, D]<br>one token's head is contiguous",
                flash_offsets(block_size, num_kv_heads, head_size)),
-              (f"old K [H, D/x, bs, x], x={x}: chunks of x dims, token by token",
+              (f"old K [H, D/x, bs, x], x = {x}<br>x dims of each token in turn, chunk by chunk",
                legacy_key_offsets(block_size, head_size, x)),
-              ("old V [H, D, bs]: a dimension's tokens contiguous", legacy_value_offsets(block_size, head_size))]
+              ("old V [H, D, bs]<br>one dimension's tokens are contiguous",
+               legacy_value_offsets(block_size, head_size))]
     fig = make_subplots(rows=1, cols=3, subplot_titles=[p[0] for p in panels], horizontal_spacing=0.06)
     for col, (_, offsets) in enumerate(panels, start=1):
         order = offsets.flatten().argsort().argsort().reshape(offsets.shape)      # rank of each address
@@ -96,7 +101,7 @@ def figure_layout_offsets(block_size: int, head_size: int, x: int, num_kv_heads:
                         hovertemplate="token %{y}, dim %{x}: element #%{z} in memory<extra></extra>")
         fig.update_xaxes(title_text="head dimension d", row=1, col=col)
         fig.update_yaxes(title_text="token in block" if col == 1 else None, autorange="reversed", row=1, col=col)
-    fig.update_layout(height=360, margin=dict(t=70), title="Memory order inside one block, one KV head "
+    fig.update_layout(height=400, margin=dict(t=110), title="Memory order inside one block, one KV head "
                       "(dark = low address, bright = high)")
     return fig
 
