@@ -160,5 +160,6 @@ def describe_backend(name: str | None = None) -> str:
         return ("triton-interpreter: no GPU here, so Triton's interpreter (TRITON_INTERPRET=1) runs the "
                 "same kernels on CPU tensors, one program after another: exact, and slow. On a CUDA "
                 "machine the same source compiles and runs natively.")
-    return ("torch-reference: Triton is not installed here, so kvlab.kernels runs its torch reference "
-            "(same answers, none of the kernel's tiling). Install triton on Linux to run the kernels.")
+    return ("torch-reference: Triton is not installed here (or KVLAB_KERNEL_BACKEND=torch asked for the "
+            "reference), so kvlab.kernels runs its torch reference: the same answers, none of the kernel's "
+            "tiling. Install triton on Linux to run the kernels.")
