@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 from kvlab.kernels._backend import require_triton
 from kvlab.kernels.paged_attention import online_softmax_update
-from kvlab.kernels.reference import masked_attention  # noqa: F401  (the specification of attention_by_tiles)
 
 from kvlab.errors import KernelInputError
 
@@ -97,6 +96,7 @@ def attention_by_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
 
     ``q`` is ``[M, D]``, ``k``/``v`` ``[N, D]``, ``visible`` ``[M, N]`` (bool); M, D and ``tile_n``
     are powers of two >= 16. ``update`` is the online-softmax step (default: the paged kernel's).
+    Its specification is ``kvlab.kernels.masked_attention``.
     """
     update = as_kernel_function(update) if update is not None else online_softmax_update
     return _launch(q, k, v, visible, tile_n, update, scale)[0]

@@ -3,7 +3,8 @@
 import pytest
 import torch
 from kernel_batches import DEVICE
-from kvlab.kernels.online_softmax import attention_by_tiles, masked_attention, softmax_states
+from kvlab.kernels import masked_attention
+from kvlab.kernels.online_softmax import attention_by_tiles, softmax_states
 
 from kvlab.errors import KernelInputError
 
