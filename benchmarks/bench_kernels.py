@@ -19,7 +19,7 @@ from kvlab.machine import MEASUREMENTS_DIR, machine_line, save_measurement
 METHOD = (
     "kvlab.kernels.bench: triton.testing.do_bench median (warm-up 25 ms, 100 ms of repeats) of the kernel launch "
     "alone (plan and checks done once), rotating independent input sets to defeat L2; SDPA "
-    "(enable_gqa=True) on a contiguous copy of the same K/V, fastest of the backends torch offers; bandwidth = "
+    "(enable_gqa=True) on a contiguous copy of the same K/V, fastest of torch's fused backends; bandwidth = "
     "(K + V + Q read + output written) / median time, as a share of a 1 GiB device-to-device copy timed in the "
     "same run; scattered block tables; Llama-3-8B heads (32 q / 8 kv, head 128), bf16."
 )

@@ -10,7 +10,7 @@ and one prefill. Method, per shape:
   enough independent input sets are rotated that no call finds the previous one's data in L2;
 * timing: ``triton.testing.do_bench`` (warm-up, then the median) of the kernel launch alone (the
   launch plan and the checks are done once, as an engine does per step), and of SDPA with each
-  backend torch offers for the shape, keeping the fastest;
+  fused backend torch offers for the shape (flash, memory-efficient, cuDNN), keeping the fastest;
 * bandwidth: bytes of K, V and Q read plus output written, over the median time, and its ratio
   to a device-to-device copy (read + write) timed the same way in the same run;
 * correctness: the kernel's output against SDPA's, relative error, on the first input set.
@@ -124,10 +124,11 @@ def kernel_call(plan: LaunchPlan, x: Inputs) -> torch.Tensor:
 
 
 def sdpa_backends() -> list[tuple[str, Any]]:
+    """SDPA's fused GPU backends (the unfused MATH one never wins here, and would copy K/V per query head)."""
     from torch.nn.attention import SDPBackend
 
-    return [(name, getattr(SDPBackend, name)) for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION",
-                                                            "CUDNN_ATTENTION", "MATH") if hasattr(SDPBackend, name)]
+    return [(name, getattr(SDPBackend, name)) for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+            if hasattr(SDPBackend, name)]
 
 
 def sdpa_call(shape: Shape, x: Inputs) -> torch.Tensor:
