@@ -15,7 +15,7 @@ def error_area() -> Any:
     """An ``ipywidgets.Output`` where a panel's callback errors are shown to the learner."""
     import ipywidgets as w
 
-    return w.Output(layout=w.Layout(width="100%"))
+    return w.Output(layout=w.Layout(width="auto"))
 
 
 def guarded(callback: Callable[..., Any], errors: Any) -> Callable[..., Any]:
@@ -60,7 +60,9 @@ def replace_figure(target: Any, figure: Any) -> None:
     """Redraw ``target`` (a FigureWidget) in place with the traces and layout of ``figure``.
 
     Traces are updated in one ``batch_update`` when their number and kinds match (a cheap
-    redraw while dragging), else replaced.
+    redraw while dragging), else replaced. The figure a view *starts* from is refreshed too:
+    plotly sends edits only to views that exist, so a view made later (Voilà draws every
+    widget after all cells ran; a reloaded page) would otherwise show the first figure.
     """
     same_shape = len(target.data) == len(figure.data) and all(
         a.type == b.type for a, b in zip(target.data, figure.data, strict=True)
@@ -73,3 +75,8 @@ def replace_figure(target: Any, figure: Any) -> None:
             target.data = ()
             target.add_traces(list(figure.data))
         target.layout = figure.layout
+    if hasattr(target, "_widget_data"):  # plotly's state for new views (plotly >= 6, anywidget)
+        target._widget_data = [
+            {**new.to_plotly_json(), "uid": old.uid} for old, new in zip(target.data, figure.data, strict=True)
+        ]
+        target._widget_layout = figure.layout.to_plotly_json()
