@@ -180,6 +180,16 @@ def test_a_raising_widget_callback_shows_in_the_page_and_fails_the_check(lab_run
     assert run.problems() == []
 
 
+def test_the_glossary_link_of_notebook_01_opens_the_glossary(lab_runs):
+    page = lab_runs("01").page
+    page.locator(".jp-RenderedMarkdown a", has_text="glossary").first.click()
+    tab = page.locator(".lm-TabBar-tab.lm-mod-current", has_text="GLOSSARY.md")
+    tab.wait_for(timeout=30_000)
+    assert page.locator(".lm-DockPanel-widget:not(.lm-mod-hidden)", has_text="Chinese").count() >= 1
+    tab.locator(".lm-TabBar-tabCloseIcon").click()  # back to the notebook for the tests that follow
+    page.locator(".lm-TabBar-tab.lm-mod-current", has_text=BY_NUMBER["01"].name).wait_for(timeout=30_000)
+
+
 # --------------------------------------------------------------------------- notebook 02: the budget panel
 #
 # Written against issue 3 before notebook 02 exists. What it expects of the panel:
