@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -115,6 +116,12 @@ class Server:
         with urllib.request.urlopen(self.url(path), timeout=10) as response:
             return json.loads(response.read())
 
+    def delete(self, path: str) -> None:
+        """DELETE a REST resource (a session, so that its kernel stops)."""
+        request = urllib.request.Request(self.url(path), method="DELETE")
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+
     def wait_ready(self, path: str, timeout: float = 120.0) -> None:
         """Poll ``path`` until it answers 200; fail with the server's log if it dies or times out."""
         deadline = time.monotonic() + timeout
@@ -208,12 +215,16 @@ def chromium(playwright: Any, profile: Path) -> Iterator[Any]:
 # in short, its title and its traces' types and names. Computed in the kernel for
 # FigureWidgets, from saved outputs for plotly figures, and in the page by PAGE_REPORT_JS,
 # it catches a figure that drew another state than the kernel holds, not only a blank one.
+# An unnamed trace is "trace N" on one side and nameless on the other: both count as nameless.
 FIGURE_KEY_SOURCE = r'''
 def figure_key(figure):
     import json
+    import re
     title = (figure.get("layout") or {}).get("title")
     title = title.get("text") if isinstance(title, dict) else title
-    traces = [f"{t.get('type') or 'scatter'}:{t.get('name') or ''}" for t in figure.get("data") or []]
+    names = [t.get("name") or "" for t in figure.get("data") or []]
+    names = ["" if re.fullmatch(r"trace \d+", n) else n for n in names]
+    traces = [f"{t.get('type') or 'scatter'}:{n}" for t, n in zip(figure.get("data") or [], names)]
     return json.dumps([title or "", traces], separators=(",", ":"), ensure_ascii=False)
 '''
 _namespace: dict[str, Any] = {}
@@ -223,7 +234,7 @@ figure_key = _namespace["figure_key"]  # (figure: dict) -> str
 # Sent (silently) to a notebook's kernel: walks the widget trees a notebook displayed, from
 # the model ids of its widget outputs, and counts what the browser must render. Plotly's
 # FigureWidget is an anywidget and draws a plot, not an ipywidgets view; every other
-# DOMWidget draws one element of CSS class ``jupyter-widgets`` (ipywidgets' own rule).
+# DOMWidget draws one root element, found in the page by VIEW_SELECTOR.
 KERNEL_PROBE = FIGURE_KEY_SOURCE + r'''
 def _kvlab_ui_probe(model_ids):
     import json
@@ -253,13 +264,18 @@ def _kvlab_ui_probe(model_ids):
             return
         found["views"] += 1
         found["names"][w._view_name] = found["names"].get(w._view_name, 0) + 1
-        for key in w.keys:
-            if key.startswith("_") or key in ("layout", "style"):
-                continue
-            value = getattr(w, key, None)
-            for child in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(child, DOMWidget):
-                    visit(child)
+        if w._view_name == "StackView":  # a Stack draws only its selected child
+            index = w.selected_index
+            shown = [] if index is None else [w.children[index]]
+        else:
+            shown = []
+            for key in w.keys:
+                if not key.startswith("_") and key not in ("layout", "style"):
+                    value = getattr(w, key, None)
+                    shown += value if isinstance(value, (list, tuple)) else [value]
+        for child in shown:
+            if isinstance(child, DOMWidget):
+                visit(child)
         for out in w.outputs if w._view_name == "OutputView" else ():
             view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
             if view and view.get("model_id") in _instances:
@@ -350,10 +366,14 @@ def notebook_outputs_summary(nb: dict[str, Any]) -> dict[str, Any]:
 
 # Run in the page on the element that holds a notebook's outputs (JupyterLab's notebook
 # panel, or Voilà's body): what rendered, what failed, and what sticks out at the side.
+# ipywidgets marks the root element of almost every view with ``jupyter-widgets``; the
+# views that do not (ToggleButtons, RadioButtons, the selection sliders) by their own class.
+VIEW_SELECTOR = ".jupyter-widgets, .widget-toggle-buttons, .widget-radio, .widget-slider"
+
 PAGE_REPORT_JS = r"""
 (root) => {
   const width = window.innerWidth;
-  const views = [...root.querySelectorAll('.jp-OutputArea-output .jupyter-widgets')];
+  const views = [...root.querySelectorAll('.jp-OutputArea-output :is(VIEW_SELECTOR)')];
   const plots = [...root.querySelectorAll('.js-plotly-plot')];
   const drawn = plots.filter(p => {
     const box = p.getBoundingClientRect();
@@ -381,8 +401,9 @@ PAGE_REPORT_JS = r"""
     }
   }
   const title = l => (l && l.title && typeof l.title === 'object' ? l.title.text : l && l.title) || '';
+  const name = t => (/^trace \d+$/.test(t.name || '') ? '' : t.name || '');
   const plotKeys = plots.map(p => JSON.stringify([title(p.layout),
-    (p.data || []).map(t => `${t.type || 'scatter'}:${t.name || ''}`)]));
+    (p.data || []).map(t => `${t.type || 'scatter'}:${name(t)}`)]));
   return {views: views.length, plots: plots.length, drawn: drawn.length, widgetErrors, tracebacks,
           callbackErrors, overflow, plotKeys};
 }
@@ -391,7 +412,7 @@ PAGE_REPORT_JS = r"""
 
 def page_report(page: Any, root_selector: str) -> dict[str, Any]:
     """Run ``PAGE_REPORT_JS`` on the first element matching ``root_selector``."""
-    return page.locator(root_selector).first.evaluate(PAGE_REPORT_JS)
+    return page.locator(root_selector).first.evaluate(PAGE_REPORT_JS.replace("VIEW_SELECTOR", VIEW_SELECTOR))
 
 
 def problems(report: dict[str, Any], expected_views: int, expected_plots: int,
@@ -399,8 +420,10 @@ def problems(report: dict[str, Any], expected_views: int, expected_plots: int,
     """Every way the page falls short of what the kernel created, in words; empty when it is all there."""
     found = []
     if expected_keys is not None and sorted(report["plotKeys"]) != sorted(expected_keys):
-        shown, held = set(report["plotKeys"]), set(expected_keys)
-        found.append(f"plotly figures show {sorted(shown - held)} where the kernel holds {sorted(held - shown)}")
+        shown, held = Counter(report["plotKeys"]), Counter(expected_keys)
+        found.append(f"plotly figures show {sorted((shown - held).elements())} where the kernel holds "
+                     f"{sorted((held - shown).elements())} (title, traces); a stale figure is a panel redrawn "
+                     "without kvlab.viz.widgets.keep_for_new_views")
     if report["views"] != expected_views:
         found.append(f"{report['views']} ipywidgets views rendered, the notebook displays {expected_views}")
     if report["plots"] != expected_plots:
