@@ -150,32 +150,31 @@ class Server:
 
 
 @contextmanager
-def jupyterlab(home: Path, root: Path) -> Iterator[Server]:
+def serve(home: Path, root: Path, argv: Any, ready_path: str, name: str) -> Iterator[Server]:
+    """Run ``argv(port, token)`` in ``root`` with an isolated environment under ``home``, until the block ends."""
+    port, token = free_port(), secrets.token_hex(16)
+    server = Server(argv(port, token), isolated_env(home), root, port, token, home / f"{name}.log")
+    try:
+        server.wait_ready(ready_path)
+        yield server
+    finally:
+        server.stop()
+
+
+def jupyterlab(home: Path, root: Path) -> Any:
     """JupyterLab serving ``root``, headless, on a free loopback port with a fresh token."""
-    port, token = free_port(), secrets.token_hex(16)
-    argv = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
-            *_as_root()]
-    server = Server(argv, isolated_env(home), root, port, token, home / "jupyterlab.log")
-    try:
-        server.wait_ready("api/status")
-        yield server
-    finally:
-        server.stop()
+    return serve(home, root, lambda port, token: [
+        sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
+        *_as_root()], "api/status", "jupyterlab")
 
 
-@contextmanager
-def voila(home: Path, root: Path) -> Iterator[Server]:
+def voila(home: Path, root: Path) -> Any:
     """Voilà serving the notebooks under ``root`` (code hidden, tracebacks shown), on a free loopback port."""
-    port, token = free_port(), secrets.token_hex(16)
-    argv = [sys.executable, "-m", "voila", "--no-browser", "--Voila.ip=127.0.0.1", f"--port={port}",
-            f"--Voila.token={token}", "--show_tracebacks=True", "--Voila.port_retries=0", str(root)]
-    server = Server(argv, isolated_env(home), root, port, token, home / "voila.log")
-    try:
-        server.wait_ready("")
-        yield server
-    finally:
-        server.stop()
+    return serve(home, root, lambda port, token: [
+        sys.executable, "-m", "voila", "--no-browser", "--Voila.ip=127.0.0.1", f"--port={port}",
+        f"--Voila.token={token}", "--show_tracebacks=True", "--Voila.port_retries=0",
+        f"--Voila.connection_dir_root={home / 'runtime'}", str(root)], "", "voila")
 
 
 def _as_root() -> list[str]:

@@ -56,8 +56,10 @@ sync_playwright = pytest.importorskip("playwright.sync_api", reason="UI tests sk
 def _say(request: pytest.FixtureRequest, line: str) -> None:
     """Print past pytest's capture, so CI's log shows it."""
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(line)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line)
 
 
 def _notebook(number: str) -> Path:
@@ -72,13 +74,17 @@ def _notebook(number: str) -> Path:
 @pytest.fixture(scope="module")
 def home(request: pytest.FixtureRequest):
     """A temporary home for the servers, the browser profile and a staged copy of the workbook."""
+    start = time.monotonic()
     path = Path(tempfile.mkdtemp(prefix="kvlab-ui-"))
     ui.stage_workbook(path / "workbook", NOTEBOOKS)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    for old in [*SCREENSHOTS.glob("lab-*.png"), *SCREENSHOTS.glob("voila-*.png")]:
+        old.unlink()  # the folder shows this run only
     _say(request, f"\nUI screenshots go to {SCREENSHOTS}")
     yield path
     shots = sorted(p.name for p in SCREENSHOTS.glob("*.png"))
-    _say(request, f"\nUI screenshots ({len(shots)}) are in {SCREENSHOTS}: {', '.join(shots)}")
+    _say(request, f"\nUI tests took {time.monotonic() - start:.0f} s; screenshots ({len(shots)}) are in "
+                  f"{SCREENSHOTS}: {', '.join(shots)}")
     shutil.rmtree(path, ignore_errors=True)
 
 
