@@ -221,7 +221,9 @@ class BlockPool:
                 )
         for block in blocks:
             block.ref_cnt -= 1
-        released = [b for b in blocks if b.ref_cnt == 0]
+        # A block listed twice (two references dropped in one call) re-enters the queue once,
+        # at the place of its last reference: dict.fromkeys over the reversed list keeps that one.
+        released = [b for b in reversed(dict.fromkeys(reversed(blocks))) if b.ref_cnt == 0]
         self.free_block_queue.prepend_n([b for b in released if b.block_hash is None])
         self.free_block_queue.append_n([b for b in released if b.block_hash is not None])
 

@@ -121,3 +121,13 @@ def test_bad_sizes_are_refused():
         BlockPool(0)
     with pytest.raises(KvlabValueError, match="num_blocks"):
         BlockPool(4).get_new_blocks(-1)
+
+
+def test_a_block_listed_twice_returns_to_the_queue_once_where_its_last_reference_drops():
+    pool = BlockPool(5, reserve_null_block=False)
+    a, b, c = pool.get_new_blocks(3)
+    pool.touch([a])  # a is held twice
+    pool.free_blocks([a, b, a])
+    assert a.ref_cnt == b.ref_cnt == 0
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [1, 0, 3, 4]
+    assert pool.get_num_free_blocks() == 4 and c.ref_cnt == 1

@@ -11,7 +11,12 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 def test_notebooks_are_numbered_from_01_without_gaps():
     numbers = [int(p.name[:2]) for p in NOTEBOOKS]
-    assert numbers == list(range(1, len(numbers) + 1)), [p.name for p in NOTEBOOKS]
+    # A number may be missing only while that notebook is being written elsewhere: its README row has no link yet.
+    rows = re.findall(r"^\| (\d\d) \| (\[?)", (NOTEBOOKS[0].parents[1] / "README.md").read_text(), re.M)
+    planned = {int(n) for n, link in rows if not link}
+    gaps = set(range(1, max(numbers) + 1)) - set(numbers)
+    assert numbers[0] == 1 and gaps <= planned, [p.name for p in NOTEBOOKS]
+    assert {int(n) for n, link in rows if link} <= set(numbers), "a linked README row names a missing notebook"
     assert all(re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", p.name) for p in NOTEBOOKS)
 
 

@@ -9,6 +9,7 @@ the failing case probes. A stub that still raises ``NotImplementedError`` is
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import html
@@ -159,9 +160,9 @@ def _call(fn: Callable[..., Any], case: Case) -> Any:
 
 
 def _format_inputs(case: Case, signature: str) -> str:
-    params = signature.split("(", 1)[1].rsplit(")", 1)[0]
-    names = [p.split(":")[0].split("=")[0].strip().lstrip("*") for p in params.split(",") if p.strip()]
-    names = [n for n in names if n and n != "/"]
+    # Parsed, not split on commas: a hint such as dict[str, list[int]] holds commas of its own.
+    args = ast.parse(signature.strip() + "\n    pass").body[0].args  # type: ignore[attr-defined]
+    names = [a.arg for a in args.posonlyargs + args.args]
     parts = [f"{names[i] if i < len(names) else f'arg{i}'}={short_repr(a)}" for i, a in enumerate(case.args)]
     parts += [f"{k}={short_repr(v)}" for k, v in case.kwargs.items()]
     return ", ".join(parts)

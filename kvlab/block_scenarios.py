@@ -1,0 +1,456 @@
+"""Scripted walks through a block pool, recorded step by step and replayed from the start.
+
+A ``Scenario`` is a pool's parameters and a list of ``Op``s on named sequences. ``record``
+runs it on a fresh pool and returns one ``Step`` per operation: a sentence saying what the
+step did and why, and a ``PoolSnapshot`` of the pool and every live sequence afterwards.
+``step_at(scenario, k)`` replays the first ``k`` operations on a fresh pool, so going back a
+step is a replay from the start, never an undo. A refused operation (the pool is out of
+blocks, a released sequence is used) becomes a step too: its text quotes the error and its
+snapshot shows that nothing changed.
+
+The step-through visualizer (``kvlab.viz.block_pool``) only draws these snapshots; tests and
+notebooks assert on them directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import random
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from types import MappingProxyType
+
+from kvlab._validate import non_negative_int, one_of, positive_int
+from kvlab.blocks import BlockPool
+from kvlab.errors import KvlabError, KvlabValueError
+from kvlab.sequence import BlockCopy, Sequence, contents_of
+
+OP_KINDS = ("start", "append", "extend", "fork", "cache", "release")
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One operation on the sequence called ``seq``.
+
+    ``start`` creates it with ``tokens`` as its prompt; ``append`` writes one token, ``extend``
+    several; ``fork`` creates ``seq`` as a child of ``parent``; ``cache`` hashes its full blocks
+    into the prefix-cache index; ``release`` gives its blocks back. ``note`` is the scenario's
+    own word on why the step matters, added after the generated description.
+    """
+
+    kind: str
+    seq: str
+    tokens: tuple[int, ...] = ()
+    parent: str | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        one_of("kind", self.kind, OP_KINDS)
+        if not isinstance(self.seq, str) or not self.seq:
+            raise KvlabValueError(f"seq must be a non-empty name, got {self.seq!r}")
+        object.__setattr__(self, "tokens", tuple(non_negative_int("tokens", t) for t in self.tokens))
+        if (self.kind == "fork") != (self.parent is not None):
+            raise KvlabValueError("parent is required for kind='fork' and only for it")
+        if self.kind == "append" and len(self.tokens) != 1:
+            raise KvlabValueError(f"kind='append' writes exactly one token, got {len(self.tokens)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A pool (``num_blocks``, ``block_size``, null block or not) and the operations to run on it."""
+
+    name: str
+    description: str
+    num_blocks: int
+    block_size: int
+    ops: tuple[Op, ...]
+    reserve_null_block: bool = True
+
+    def __post_init__(self) -> None:
+        positive_int("num_blocks", self.num_blocks)
+        positive_int("block_size", self.block_size)
+        object.__setattr__(self, "ops", tuple(self.ops))
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockView:
+    """One physical block at one moment: what the picture draws in its cell."""
+
+    block_id: int
+    ref_cnt: int
+    block_hash: Hashable | None
+    is_null: bool
+    num_tokens: int  # tokens its contents hold (0 unless some sequence wrote into it)
+    holders: tuple[str, ...]  # live sequences whose table points here
+
+    @property
+    def state(self) -> str:
+        """``null``, ``in use`` (ref_cnt > 0), ``cached`` (free, still hashed) or ``free``."""
+        if self.is_null:
+            return "null"
+        if self.ref_cnt > 0:
+            return "in use"
+        return "free" if self.block_hash is None else "cached"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSnapshot:
+    """The pool and its live sequences at one moment, as plain values (compare with ``==``)."""
+
+    block_size: int
+    blocks: tuple[BlockView, ...]
+    free_queue: tuple[int, ...]  # head (allocated next) to tail
+    tables: Mapping[str, tuple[int, ...]]
+    num_tokens: Mapping[str, int]
+    token_ids: Mapping[str, tuple[int, ...]]
+    cached_index: Mapping[Hashable, tuple[int, ...]]  # block hash -> ids of the blocks holding it
+    usage: float
+
+    @property
+    def ref_counts(self) -> dict[int, int]:
+        """``{block_id: ref_cnt}`` of every block in use (the null block left out)."""
+        return {b.block_id: b.ref_cnt for b in self.blocks if b.ref_cnt > 0 and not b.is_null}
+
+    @property
+    def num_live_blocks(self) -> int:
+        """Physical blocks in use by some sequence or holder."""
+        return len(self.ref_counts)
+
+    @property
+    def free_queue_labels(self) -> list[str]:
+        """The free queue head to tail, a cached block marked ``*`` (as in ``[2][3][1*][0*]``)."""
+        return [f"{i}*" if self.blocks[i].block_hash is not None else str(i) for i in self.free_queue]
+
+
+def snapshot(pool: BlockPool, sequences: Mapping[str, Sequence], block_size: int) -> PoolSnapshot:
+    """Freeze ``pool``, its block contents and the live ones of ``sequences`` into plain values."""
+    contents = contents_of(pool, block_size)
+    live = {name: seq for name, seq in sequences.items() if not seq.released}
+    holders: dict[int, list[str]] = {}
+    for name, seq in live.items():
+        for block_id in seq.block_table:
+            holders.setdefault(block_id, []).append(name)
+    views = tuple(
+        BlockView(b.block_id, b.ref_cnt, b.block_hash, b.is_null, len(contents.read(b.block_id)),
+                  tuple(holders.get(b.block_id, ())))
+        for b in pool.blocks
+    )
+    return PoolSnapshot(
+        block_size=contents.block_size,
+        blocks=views,
+        free_queue=tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
+        tables=MappingProxyType({n: tuple(s.block_table) for n, s in live.items()}),
+        num_tokens=MappingProxyType({n: s.num_tokens for n, s in live.items()}),
+        token_ids=MappingProxyType({n: tuple(s.token_ids()) for n, s in live.items()}),
+        cached_index=MappingProxyType({h: tuple(sorted(d)) for h, d in pool.cached_block_hash_to_block.items()}),
+        usage=pool.get_usage(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The state after operation ``index`` (0: the fresh pool), with what it did and why."""
+
+    index: int
+    total: int  # operations in the scenario
+    op: Op | None
+    text: str
+    snapshot: PoolSnapshot
+    copies: tuple[BlockCopy, ...] = ()
+    error: str | None = None  # the refusal, when the operation raised
+
+
+# --------------------------------------------------------------------------- running
+
+
+def stand_in_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chained hashes of the full blocks of ``token_ids``: each covers its whole prefix.
+
+    A stand-in for ``kvlab.hashing`` (notebook 04), enough to mark blocks as cached here:
+    ``sha256(parent hash, this block's tokens)``.
+    """
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hashlib.sha256(parent + repr(tuple(token_ids[start:start + block_size])).encode()).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def _apply(op: Op, pool: BlockPool, sequences: dict[str, Sequence], block_size: int) -> list[BlockCopy]:
+    """Run one operation; raise a ``KvlabError`` (changing nothing) when it is refused."""
+    if op.kind in ("start", "fork") and op.seq in sequences and not sequences[op.seq].released:
+        raise KvlabValueError(f"a live sequence is already called {op.seq!r}; pick another name")
+    if op.kind == "start":
+        seq = Sequence(pool, block_size)
+        copies = seq.extend(op.tokens)
+        sequences[op.seq] = seq  # only once the prompt fitted
+        return copies
+    if op.kind == "fork":
+        sequences[op.seq] = _get(sequences, op.parent).fork()  # type: ignore[arg-type]
+        return []
+    seq = _get(sequences, op.seq)
+    if op.kind in ("append", "extend"):
+        return seq.append(op.tokens[0]) if op.kind == "append" else seq.extend(op.tokens)
+    if op.kind == "cache":
+        hashes = stand_in_block_hashes(seq.token_ids(), block_size)
+        pool.cache_full_blocks(seq.blocks, hashes, 0, seq.num_full_blocks)
+        return []
+    seq.release()
+    return []
+
+
+def _get(sequences: Mapping[str, Sequence], name: str) -> Sequence:
+    if name not in sequences:
+        raise KvlabValueError(f"no sequence called {name!r}; known: {', '.join(sorted(sequences)) or 'none'}")
+    return sequences[name]
+
+
+def _run(scenario: Scenario, stop: int | None = None) -> Iterator[Step]:
+    """Yield the fresh pool's step, then one step per operation, up to ``stop`` operations."""
+    pool = BlockPool(scenario.num_blocks, reserve_null_block=scenario.reserve_null_block)
+    sequences: dict[str, Sequence] = {}
+    total = len(scenario.ops)
+    before = snapshot(pool, sequences, scenario.block_size)
+    yield Step(0, total, None, _opening(scenario, before), before)
+    for index, op in enumerate(scenario.ops[:stop], start=1):
+        copies: list[BlockCopy] = []
+        error = None
+        try:
+            copies = _apply(op, pool, sequences, scenario.block_size)
+        except KvlabError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        after = snapshot(pool, sequences, scenario.block_size)
+        text = describe(op, before, after, copies, error)
+        yield Step(index, total, op, text, after, tuple(copies), error)
+        before = after
+
+
+def record(scenario: Scenario) -> list[Step]:
+    """Every step of ``scenario``: ``record(s)[k]`` is the state after ``k`` operations."""
+    return list(_run(scenario))
+
+
+def step_at(scenario: Scenario, index: int) -> Step:
+    """The state after the first ``index`` operations, replayed from a fresh pool."""
+    index = non_negative_int("index", index)
+    if index > len(scenario.ops):
+        raise KvlabValueError(f"index must be between 0 and {len(scenario.ops)} for {scenario.name!r}, got {index}")
+    *_, last = _run(scenario, index)
+    return last
+
+
+# --------------------------------------------------------------------------- describing
+
+
+def _ids(block_ids: list[int] | tuple[int, ...]) -> str:
+    return ", ".join(str(i) for i in block_ids) if block_ids else "none"
+
+
+def _blocks(block_ids: list[int], singular: str = "", plural: str = "") -> str:
+    """``block 1 has`` / ``blocks 2, 0 have``: a block list with its verb in agreement."""
+    one = len(block_ids) == 1
+    verb = (singular if one else plural) and f" {singular if one else plural}"
+    return f"{'block' if one else 'blocks'} {_ids(block_ids)}{verb}"
+
+
+def _tokens(count: int) -> str:
+    return f"{count} token" if count == 1 else f"{count} tokens"
+
+
+def _opening(scenario: Scenario, snap: PoolSnapshot) -> str:
+    null = " Block 0 is the null block: reserved at start, never handed out." if scenario.reserve_null_block else ""
+    return (f"A fresh pool of {scenario.num_blocks} blocks of {scenario.block_size} token slots; the free queue holds "
+            f"{len(snap.free_queue)} of them, in id order.{null}")
+
+
+def describe(op: Op, before: PoolSnapshot, after: PoolSnapshot, copies: list[BlockCopy], error: str | None) -> str:
+    """One or two sentences: what ``op`` did to the pool, and the rule that made it so."""
+    if error is not None:
+        text = (f"{op.kind} {op.seq} is refused ({error}). Nothing changed: the pool and every block table are "
+                "exactly as before.")
+    elif op.kind in ("start", "append", "extend"):
+        text = _describe_write(op, before, after, copies)
+    elif op.kind == "fork":
+        table = after.tables[op.seq]
+        refs = ", ".join(f"block {i}: {after.blocks[i].ref_cnt}" for i in dict.fromkeys(table))
+        text = (f"{op.seq} forks from {op.parent}: it gets a copy of the block table [{_ids(table)}] and no KV is "
+                f"copied; each block gains a reference (ref_cnt now {refs or 'unchanged: the table is empty'}).")
+    elif op.kind == "cache":
+        new = [i for i in after.tables[op.seq] if after.blocks[i].block_hash is not None
+               and before.blocks[i].block_hash is None]
+        text = (f"{op.seq}'s full blocks get their hashes and enter the prefix-cache index: "
+                f"{_blocks(new) if new else 'no new block'}. A partly filled block is never hashed: "
+                "its content will still change.")
+    else:
+        text = _describe_release(op, before, after)
+    return f"{text} {op.note}".strip()
+
+
+def _describe_write(op: Op, before: PoolSnapshot, after: PoolSnapshot, copies: list[BlockCopy]) -> str:
+    start = before.num_tokens.get(op.seq, 0)
+    count = len(op.tokens)
+    where = f"position {start}" if count == 1 else f"positions {start}–{start + count - 1}"
+    verb = "starts with a prompt of" if op.kind == "start" else "writes"
+    parts = [f"{op.seq} {verb} {_tokens(count)} at {where}."]
+    for src, dst in copies:
+        parts.append(
+            f"Its last block {src} was shared (ref_cnt {before.blocks[src].ref_cnt}) and only partly full, so it is "
+            f"copied to block {dst} before the write (copy-on-write); block {src} drops to ref_cnt "
+            f"{after.blocks[src].ref_cnt}."
+        )
+    old = before.tables.get(op.seq, ())
+    fresh = list(after.tables[op.seq][len(old):])
+    if fresh:
+        parts.append(f"It takes {_blocks(fresh)} from the head of the free queue.")
+    elif not copies and old:
+        parts.append(f"The {'token fits' if count == 1 else 'tokens fit'} in its last block {old[-1]}, which only "
+                     f"{op.seq} holds: written in place.")
+    evicted = [i for i in fresh + [d for _, d in copies] if before.blocks[i].block_hash is not None]
+    if evicted:
+        parts.append(f"{_blocks(evicted).capitalize()} still carried a hash: handing "
+                     f"{'it' if len(evicted) == 1 else 'them'} out evicts that cached content (eviction is just "
+                     "allocation reaching a cached block).")
+    table, held = after.tables[op.seq], after.num_tokens[op.seq] % after.block_size
+    partial = f" Its last block {table[-1]} holds {held} of {after.block_size} slots." if held else ""
+    parts.append(f"Table {op.seq}: [{_ids(table)}].{partial}")
+    return " ".join(parts)
+
+
+def _describe_release(op: Op, before: PoolSnapshot, after: PoolSnapshot) -> str:
+    order = list(reversed(before.tables[op.seq]))
+    freed = [i for i in dict.fromkeys(order) if after.blocks[i].ref_cnt == 0]
+    to_head = [i for i in freed if after.blocks[i].block_hash is None]
+    to_tail = [i for i in freed if after.blocks[i].block_hash is not None]
+    shared = [i for i in dict.fromkeys(order) if after.blocks[i].ref_cnt > 0]
+    parts = [f"{op.seq} is released: its blocks are freed tail first ({_ids(order)})."]
+    if to_head:
+        parts.append(f"{_blocks(to_head, 'has', 'have').capitalize()} no hash: to the head of the free queue, "
+                     "reused first.")
+    if to_tail:
+        last = " (the block nearest the prompt's start goes last of all)" if len(to_tail) > 1 else ""
+        parts.append(f"{_blocks(to_tail, 'is', 'are').capitalize()} cached: to the tail, evicted last{last}.")
+    if shared:
+        parts.append(f"{_blocks(shared, 'is', 'are').capitalize()} still referenced by another table and "
+                     f"{'stays' if len(shared) == 1 else 'stay'} in use.")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------- the scenarios
+
+
+def walk_fork() -> Scenario:
+    """The source's tiny allocator: A holds tokens 0–5, B forks, B appends 6, A then B released."""
+    return Scenario(
+        "walk 1: fork and copy-on-write",
+        "Block size 4, no null block. A holds 6 tokens; B forks from A and writes one more token.",
+        num_blocks=8, block_size=4, reserve_null_block=False,
+        ops=(
+            Op("start", "A", tuple(range(6))),
+            Op("fork", "B", parent="A",
+               note="Two tables, two physical blocks: sharing costs nothing until someone writes."),
+            Op("append", "B", (6,), note="A still reads 0–5 from block 1; B reads 0–6 through block 2."),
+            Op("release", "A"),
+            Op("release", "B", note="No block is in use any more."),
+        ),
+    )
+
+
+def walk_free_queue() -> Scenario:
+    """Walk 2: A's cached full blocks go to the tail, its partial block to the head; C evicts block 1."""
+    return Scenario(
+        "walk 2: free queue and eviction",
+        "A pool of 6 blocks of 4 slots, no null block. A finishes; C then needs 5 blocks.",
+        num_blocks=6, block_size=4, reserve_null_block=False,
+        ops=(
+            Op("start", "A", tuple(range(10))),
+            Op("cache", "A"),
+            Op("release", "A", note="Read the queue from the head: the partial block first, the cached ones last."),
+            Op("start", "C", tuple(range(100, 118)),
+               note="Only block 0 is left in the queue, still cached for a prefix hit (notebook 04)."),
+        ),
+    )
+
+
+def parallel_sampling(n: int = 4, prompt_tokens: int = 40, block_size: int = 16, new_tokens: int = 12) -> Scenario:
+    """``n`` samples forked from one prompt; each writes ``1 + new_tokens`` tokens, then all finish."""
+    n = positive_int("n", n)
+    names = [f"S{i}" for i in range(n)]
+    ops = [Op("start", names[0], tuple(range(prompt_tokens)),
+              note=f"The prompt is written once, as sample {names[0]}.")]
+    ops += [Op("fork", name, parent=names[0]) for name in names[1:]]
+    ops += [Op("append", name, (1000 * (i + 1),)) for i, name in enumerate(names)]
+    ops += [Op("extend", name, tuple(range(1000 * (i + 1) + 1, 1000 * (i + 1) + 1 + new_tokens)))
+            for i, name in enumerate(names)]
+    ops += [Op("release", name) for name in names]
+    return Scenario(
+        f"parallel sampling (n = {n})",
+        f"{n} samples from one {prompt_tokens}-token prompt, block size {block_size}.",
+        num_blocks=16, block_size=block_size, ops=tuple(ops),
+    )
+
+
+def random_workload(seed: int = 0, num_ops: int = 30, num_blocks: int = 12, block_size: int = 4) -> Scenario:
+    """A seeded random mix of starts, writes, forks, caching and releases, a few of them refused.
+
+    Each operation is drawn against the state the earlier ones left (run on a pool as they are
+    drawn), so the mix stays plausible: a nearly full pool mostly releases, a sequence is
+    cached only when it has an unhashed full block, and now and then a released sequence is
+    used again, to show the refusal.
+    """
+    rng = random.Random(non_negative_int("seed", seed))
+    pool = BlockPool(positive_int("num_blocks", num_blocks))
+    sequences: dict[str, Sequence] = {}
+    names = (f"{letter}{round_ or ''}" for round_ in range(10**6) for letter in "ABCDEFGHJKLMNPQRSTUVWXYZ")
+    tokens = itertools.count()
+    ops: list[Op] = []
+    for _ in range(positive_int("num_ops", num_ops)):
+        live = [n for n, s in sequences.items() if not s.released]
+        released = [n for n, s in sequences.items() if s.released]
+        cacheable = [n for n in live if _has_unhashed_full_block(sequences[n])]
+        kinds = ["append", "append", "extend", "release"] + ["cache"] * bool(cacheable)
+        kinds += ["start", "fork"] * (len(live) < 4)
+        if not live:
+            kinds = ["start"]
+        elif pool.get_num_free_blocks() < 3 and rng.random() < 0.6:
+            kinds = ["release"]
+        kind = rng.choice(kinds)
+        if kind == "start":
+            op = Op(kind, next(names), tuple(itertools.islice(tokens, rng.randint(1, 3 * block_size))))
+        elif kind == "fork":
+            op = Op(kind, next(names), parent=rng.choice(live))
+        elif kind in ("append", "extend"):
+            count = 1 if kind == "append" else rng.randint(2, 2 * block_size)
+            name = rng.choice(released) if released and rng.random() < 0.04 else rng.choice(live)
+            op = Op(kind, name, tuple(itertools.islice(tokens, count)))
+        else:
+            op = Op(kind, rng.choice(cacheable if kind == "cache" else live))
+        with contextlib.suppress(KvlabError):  # a refused operation stays in the list: the replay shows it
+            _apply(op, pool, sequences, block_size)
+        ops.append(op)
+    return Scenario(f"random workload (seed {seed})",
+                    f"{num_ops} random operations on a pool of {num_blocks} blocks of {block_size} slots.",
+                    num_blocks=num_blocks, block_size=block_size, ops=tuple(ops))
+
+
+def _has_unhashed_full_block(seq: Sequence) -> bool:
+    return any(block.block_hash is None for block in seq.blocks[:seq.num_full_blocks])
+
+
+SCENARIOS: Mapping[str, Callable[..., Scenario]] = MappingProxyType({
+    "walk 1: fork and copy-on-write": walk_fork,
+    "walk 2: free queue and eviction": walk_free_queue,
+    "parallel sampling (n = 4)": parallel_sampling,
+    "random workload": random_workload,
+})
+
+
+def get_scenario(name: str, seed: int = 0) -> Scenario:
+    """A scenario by its name in ``SCENARIOS`` (``seed`` is used by the random workload only)."""
+    builder = SCENARIOS[one_of("name", name, SCENARIOS)]
+    return builder(seed) if builder is random_workload else builder()

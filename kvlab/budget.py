@@ -1,0 +1,307 @@
+"""The KV cache budget as vLLM V1 computes it at start-up: bytes, blocks and concurrency on one GPU.
+
+vLLM V1 measures the GPU, takes ``requested = ceil(total x gpu_memory_utilization)``
+(``vllm/v1/worker/utils.py``, ``request_memory``), subtracts what profiling finds outside
+the KV cache (weights, the activation peak, non-torch memory, the CUDA-graph estimate;
+``gpu_worker.py``, ``determine_available_memory``) and cuts the rest into blocks of
+``block_size`` tokens (``kv_cache_utils.py``: ``num_blocks = available // page_size //
+num_layers``). ``kv_cache_memory_bytes`` replaces all of that arithmetic with one number.
+
+kvlab plans instead of profiling: the non-KV figures are inputs, and weights default to
+parameter count x weight dtype bytes (divided by TP). Every layer is sized as full
+attention (vLLM's single KV cache group, what ``--disable-hybrid-kv-cache-manager`` gives
+sliding-window models). A plan that would not start is returned with ``warnings`` rather
+than raised, so a learner can look at it; ``startup_log`` then shows vLLM's error line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from kvlab._validate import (
+    fraction_in_unit_interval,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    positive_int,
+    positive_number,
+)
+from kvlab.errors import KvlabValueError
+from kvlab.models import ModelSpec, get_model, weights_bytes
+from kvlab.sizing import canonical_kv_dtype, cdiv, kv_bytes_per_token
+from kvlab.units import GiB, format_bytes
+
+#: vLLM's default ``gpu_memory_utilization`` (``vllm/config/cache.py``) and ``block_size`` (64).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+DEFAULT_BLOCK_SIZE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    """One GPU's KV cache budget, in bytes, blocks and requests (all memory figures per GPU).
+
+    ``num_blocks`` counts block 0, the null block that never holds KV, exactly as vLLM's
+    ``num_gpu_blocks`` does; the ``usable`` figures leave it out. ``max_concurrency`` is
+    vLLM's figure (``num_blocks / blocks_per_request``, null block included) and
+    ``concurrency`` its floor; ``usable_concurrency`` is how many requests of
+    ``max_model_len`` tokens can hold all their blocks at the same time.
+    """
+
+    model: str
+    kv_dtype: str
+    block_size: int
+    max_model_len: int
+    tp: int
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float
+    requested_bytes: int  # ceil(total x gpu_memory_utilization)
+    weights_bytes: int
+    non_kv_peak_bytes: int  # activation peak and non-torch memory
+    cudagraph_bytes: int
+    kv_cache_memory_bytes: int | None  # the override, when given
+    available_bytes: int  # what the KV cache may take (negative: over budget)
+    kv_bytes_per_token: int
+    bytes_per_block: int  # kv_bytes_per_token x block_size
+    num_blocks: int  # available // bytes_per_block, null block included
+    num_usable_blocks: int  # num_blocks - 1
+    usable_tokens: int  # num_usable_blocks x block_size
+    blocks_per_request: int  # ceil(max_model_len / block_size)
+    max_concurrency: float  # num_blocks / blocks_per_request, as vLLM logs it
+    concurrency: int  # floor(max_concurrency)
+    usable_concurrency: int  # num_usable_blocks // blocks_per_request
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def kv_bytes_per_request(self) -> int:
+        """KV of one request of ``max_model_len`` tokens, counted token by token."""
+        return self.kv_bytes_per_token * self.max_model_len
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes the block pool actually allocates: ``num_blocks x bytes_per_block``."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def unrounded_blocks(self) -> float:
+        """``available / bytes_per_block`` before the floor."""
+        return max(self.available_bytes, 0) / self.bytes_per_block
+
+    @property
+    def unrounded_concurrency(self) -> float:
+        """``available / kv_bytes_per_request``: the byte arithmetic, no blocks, no floor."""
+        return max(self.available_bytes, 0) / self.kv_bytes_per_request
+
+    @property
+    def headroom_bytes(self) -> int:
+        """GPU memory nobody takes: the ``1 - gpu_memory_utilization`` share plus the sub-block remainder."""
+        taken = self.weights_bytes + self.non_kv_peak_bytes + self.cudagraph_bytes + self.kv_pool_bytes
+        return self.gpu_memory_bytes - taken
+
+    @property
+    def fits(self) -> bool:
+        """Whether vLLM would start: some KV memory, and one request of ``max_model_len`` fits."""
+        return self.available_bytes > 0 and self.concurrency >= 1
+
+    def max_model_len_for(self, concurrency: int) -> int:
+        """The largest ``max_model_len`` at which ``concurrency`` requests all hold their blocks at once."""
+        return max_model_len_for(self.num_blocks, self.block_size, concurrency)
+
+    def startup_log(self) -> list[str]:
+        """The lines vLLM prints (or raises) at start-up for this plan.
+
+        Formatted as ``_report_kv_cache_config`` does in ``vllm/v1/core/kv_cache_utils.py``:
+        "GPU KV cache size" is ``num_blocks x block_size`` tokens, null block included, with
+        thousands separators; concurrency is ``%.2fx``. (Some later revisions log
+        ``int(max_concurrency x max_model_len)`` tokens: the same number for full attention
+        when ``max_model_len`` is a multiple of ``block_size``.) A plan that does not fit gets
+        the ``ValueError`` of ``_check_enough_kv_cache_memory`` instead.
+        """
+        if self.available_bytes <= 0:
+            return ["ValueError: No available memory for the cache blocks. Try increasing "
+                    "`gpu_memory_utilization` when initializing the engine."]
+        needed = self.blocks_per_request * self.bytes_per_block
+        if needed > self.available_bytes:
+            estimate = min(self.num_blocks * self.block_size, self.max_model_len)
+            hint = (f"Based on the available memory, the estimated maximum model length is {estimate}. "
+                    if estimate > 0 else "")
+            return [f"ValueError: To serve at least one request with the models's max seq len "
+                    f"({self.max_model_len}), ({needed / GiB:.2f} GiB KV cache is needed, which is larger "
+                    f"than the available KV cache memory ({self.available_bytes / GiB:.2f} GiB). {hint}"
+                    "Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when "
+                    "initializing the engine."]
+        return [
+            f"GPU KV cache size: {self.num_blocks * self.block_size:,} tokens",
+            f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x",
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field and derived figure, for a table."""
+        out = dataclasses.asdict(self)
+        for name in ("kv_bytes_per_request", "kv_pool_bytes", "unrounded_blocks", "unrounded_concurrency",
+                     "headroom_bytes", "fits"):
+            out[name] = getattr(self, name)
+        return out
+
+
+def _gib_to_bytes(name: str, value: object, *, allow_zero: bool = True) -> int:
+    """``value`` GiB as whole bytes (GiB = 1024**3 B), refusing negatives and non-numbers."""
+    number = non_negative_number(name, value) if allow_zero else positive_number(name, value)
+    return round(number * GiB)
+
+
+def _resolve_model(model: ModelSpec | str) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        return get_model(model)
+    raise KvlabValueError(f"model must be a ModelSpec or a preset name, got {type(model).__name__}")
+
+
+def plan_kv_cache(
+    model: ModelSpec | str,
+    *,
+    gpu_memory_gib: float,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    weights_gib: float | None = None,
+    weights_dtype: str | None = None,
+    non_kv_peak_gib: float = 0.0,
+    cudagraph_gib: float = 0.0,
+    kv_cache_memory_gib: float | None = None,
+    kv_dtype: str = "bf16",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_model_len: int,
+    tp: int = 1,
+) -> KVCachePlan:
+    """Plan one GPU's KV cache the way vLLM V1 sizes it at start-up.
+
+    All memory is per GPU, in GiB (1024**3 B). ``weights_gib=None`` estimates the weights
+    as ``weights_bytes(model, weights_dtype) // tp`` (``weights_dtype`` defaults to the
+    checkpoint's). ``kv_cache_memory_gib`` replaces the whole budget, as vLLM's
+    ``kv_cache_memory_bytes`` does (then a model whose parameters cannot be counted
+    is planned with 0 bytes of weights). Invalid input raises ``KvlabValueError`` naming the
+    parameter; a plan that does not fit is returned with ``warnings`` saying why.
+    """
+    spec = _resolve_model(model)
+    total = _gib_to_bytes("gpu_memory_gib", gpu_memory_gib, allow_zero=False)
+    utilization = fraction_in_unit_interval("gpu_memory_utilization", gpu_memory_utilization)
+    non_kv = _gib_to_bytes("non_kv_peak_gib", non_kv_peak_gib)
+    cudagraph = _gib_to_bytes("cudagraph_gib", cudagraph_gib)
+    override = None if kv_cache_memory_gib is None else _gib_to_bytes("kv_cache_memory_gib", kv_cache_memory_gib)
+    kv_dtype = canonical_kv_dtype(kv_dtype)
+    block_size = positive_int("block_size", block_size)
+    max_model_len = positive_int("max_model_len", max_model_len)
+    tp = positive_int("tp", tp)
+    if weights_gib is not None and weights_dtype is not None:
+        raise KvlabValueError("give weights_gib or weights_dtype, not both: weights_dtype only sets the estimate")
+    if weights_gib is None and override is not None and spec.num_params is None:
+        weights = 0  # the override sizes the pool; weights only matter for the picture
+    elif weights_gib is None:
+        weights = weights_bytes(spec, weights_dtype) // tp
+    else:
+        weights = _gib_to_bytes("weights_gib", weights_gib)
+    per_token = kv_bytes_per_token(spec, kv_dtype, tp)
+
+    # vllm/v1/worker/utils.py: requested_memory = math.ceil(total_memory * gpu_memory_utilization)
+    requested = math.ceil(total * utilization)
+    available = override if override is not None else requested - weights - non_kv - cudagraph
+    bytes_per_block = per_token * block_size
+    num_blocks = num_gpu_blocks(available, bytes_per_block)
+    blocks_per_request = cdiv(max_model_len, block_size)
+    concurrency = max_concurrency(num_blocks, max_model_len, block_size)
+    num_usable = max(num_blocks - 1, 0)
+    plan = KVCachePlan(
+        model=spec.name, kv_dtype=kv_dtype, block_size=block_size, max_model_len=max_model_len, tp=tp,
+        gpu_memory_bytes=total, gpu_memory_utilization=utilization, requested_bytes=requested,
+        weights_bytes=weights, non_kv_peak_bytes=non_kv, cudagraph_bytes=cudagraph,
+        kv_cache_memory_bytes=override, available_bytes=available, kv_bytes_per_token=per_token,
+        bytes_per_block=bytes_per_block, num_blocks=num_blocks, num_usable_blocks=num_usable,
+        usable_tokens=num_usable * block_size, blocks_per_request=blocks_per_request,
+        max_concurrency=concurrency, concurrency=math.floor(concurrency),
+        usable_concurrency=num_usable // blocks_per_request,
+    )
+    return dataclasses.replace(plan, warnings=tuple(_warnings(plan, spec)))
+
+
+def _warnings(plan: KVCachePlan, spec: ModelSpec) -> list[str]:
+    """Why a plan would not start, or where its figures mislead, in words."""
+    out = []
+    taken = plan.weights_bytes + plan.non_kv_peak_bytes + plan.cudagraph_bytes
+    if plan.kv_cache_memory_bytes is not None and taken + plan.kv_cache_memory_bytes > plan.gpu_memory_bytes:
+        out.append(
+            f"kv_cache_memory ({format_bytes(plan.kv_cache_memory_bytes)}) plus weights and non-KV memory "
+            f"({format_bytes(taken)}) exceed the GPU's {format_bytes(plan.gpu_memory_bytes)}: the pool "
+            "could not be allocated."
+        )
+    if plan.available_bytes <= 0:
+        out.append(
+            f"Weights ({format_bytes(plan.weights_bytes)}) plus non-KV peak and CUDA graphs "
+            f"({format_bytes(plan.non_kv_peak_bytes + plan.cudagraph_bytes)}) take the whole budget of "
+            f"{plan.gpu_memory_utilization:g} x {format_bytes(plan.gpu_memory_bytes)} = "
+            f"{format_bytes(plan.requested_bytes)}: nothing is left for the KV cache, and vLLM refuses to start."
+        )
+    elif plan.concurrency == 0:
+        longest = plan.max_model_len_for(1)
+        out.append(
+            f"One request of max_model_len={plan.max_model_len:,} tokens needs {plan.blocks_per_request:,} "
+            f"blocks ({format_bytes(plan.blocks_per_request * plan.bytes_per_block)}) but the pool holds "
+            f"{plan.num_blocks:,} ({format_bytes(plan.kv_pool_bytes)}): concurrency is 0 and vLLM refuses "
+            f"to start. The longest max_model_len that fits is {longest:,} tokens (vLLM's own estimate, "
+            f"{plan.num_blocks * plan.block_size:,}, counts the null block as usable)."
+        )
+    elif plan.usable_concurrency == 0:
+        out.append(
+            f"vLLM would start (max_concurrency {plan.max_concurrency:.2f}x counts the null block), but only "
+            f"{plan.num_usable_blocks:,} blocks hold KV: one request of {plan.max_model_len:,} tokens "
+            f"({plan.blocks_per_request:,} blocks) can never be held whole."
+        )
+    if spec.num_sliding_layers:
+        out.append(
+            f"{spec.name} has {spec.num_sliding_layers} sliding-window layers; this plan sizes them as full "
+            "attention (vLLM with --disable-hybrid-kv-cache-manager). vLLM's hybrid manager holds more tokens."
+        )
+    return out
+
+
+def num_gpu_blocks(available_bytes: int, bytes_per_block: int) -> int:
+    """Blocks the pool gets: ``available // bytes_per_block``, and none when nothing is available."""
+    return max(int(available_bytes), 0) // positive_int("bytes_per_block", bytes_per_block)
+
+
+def max_concurrency(num_blocks: int, max_model_len: int, block_size: int) -> float:
+    """vLLM's "Maximum concurrency": ``num_blocks / ceil(max_model_len / block_size)``, null block included."""
+    return non_negative_int("num_blocks", num_blocks) / cdiv(positive_int("max_model_len", max_model_len),
+                                                             positive_int("block_size", block_size))
+
+
+def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int:
+    """The largest ``max_model_len`` for which ``concurrency`` requests all hold their blocks at once.
+
+    Counts only usable blocks (``num_blocks - 1``: block 0 is the null block) and whole blocks
+    per request, so the answer is a multiple of ``block_size``; 0 when not even one block each fits.
+    """
+    num_blocks = non_negative_int("num_blocks", num_blocks)
+    block_size = positive_int("block_size", block_size)
+    concurrency = positive_int("concurrency", concurrency)
+    return (max(num_blocks - 1, 0) // concurrency) * block_size
+
+
+#: The source material's three scenarios, one click each in the panel. A: Llama-3-70B in bf16
+#: on 160 GiB; B: one GPU of a TP=8 DeepSeek-V3 deployment on 8 x 141 GiB (weights 625/8 GiB);
+#: C: preset A at a 128K context, where not even one request fits.
+PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "A": {"model": "llama-3-70b", "gpu_memory_gib": 160, "gpu_memory_utilization": 0.92, "weights_gib": 130,
+          "kv_dtype": "bf16", "block_size": 64, "max_model_len": 8192, "tp": 1},
+    "B": {"model": "deepseek-v3", "gpu_memory_gib": 141, "gpu_memory_utilization": 0.92, "weights_gib": 78.125,
+          "kv_dtype": "bf16", "block_size": 64, "max_model_len": 32768, "tp": 8},
+    "C": {"model": "llama-3-70b", "gpu_memory_gib": 160, "gpu_memory_utilization": 0.92, "weights_gib": 130,
+          "kv_dtype": "bf16", "block_size": 64, "max_model_len": 131072, "tp": 1},
+}
+
+
+def plan_preset(name: str) -> KVCachePlan:
+    """The plan of preset ``name`` ("A", "B" or "C")."""
+    settings = dict(PRESETS[one_of("name", name, PRESETS)])
+    return plan_kv_cache(settings.pop("model"), **settings)

@@ -1,0 +1,72 @@
+"""Hash collisions on purpose: a deliberately weak block hash and a seeded search for blocks it confuses.
+
+A prefix-cache hit trusts the hash: equal hashes are taken to mean equal prefixes, and the
+request reads the cached block's K and V. With a 16-bit hash, two different blocks share a
+hash after a few hundred random tries (the birthday bound, about sqrt(pi/2 x 2^16) = 321);
+with SHA-256 no collision has ever been found. xxh3-128 is wide enough that random collisions
+are negligible, but it is not cryptographic: someone who chooses the tokens can build one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterable
+
+from kvlab._validate import positive_int
+from kvlab.errors import KvlabError, KvlabValueError
+from kvlab.hashing import BlockHash, HashFn, get_hash_fn_by_name, hash_block_tokens
+
+
+def truncated_hash(hash_fn_name: str = "sha256", bits: int = 16) -> HashFn:
+    """``hash_fn_name``'s digest cut to its first ``bits`` bits (a multiple of 8): weak on purpose."""
+    base = get_hash_fn_by_name(hash_fn_name)
+    bits = positive_int("bits", bits)
+    if bits % 8 or bits > 8 * len(base(b"")):
+        raise KvlabValueError(f"bits must be a multiple of 8 no larger than {hash_fn_name}'s digest, got {bits}")
+    num_bytes = bits // 8
+
+    def weak_hash(input: object) -> bytes:
+        return base(input)[:num_bytes]
+
+    weak_hash.__name__ = f"{hash_fn_name}_first_{bits}_bits"
+    return weak_hash
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCollision:
+    """Two different blocks with the same hash after the same parent, and every block tried on the way."""
+
+    tokens_a: tuple[int, ...]
+    tokens_b: tuple[int, ...]
+    block_hash: BlockHash
+    tried: tuple[tuple[int, ...], ...]
+
+
+def find_block_collision(
+    hash_fn: HashFn,
+    block_size: int,
+    parent_block_hash: BlockHash,
+    seed: int = 0,
+    max_tries: int = 1_000_000,
+    vocab_size: int = 32_000,
+) -> BlockCollision:
+    """Draw random full blocks (seeded) until two different ones hash alike after ``parent_block_hash``."""
+    block_size, max_tries = positive_int("block_size", block_size), positive_int("max_tries", max_tries)
+    vocab_size = positive_int("vocab_size", vocab_size)
+    rng = random.Random(seed)
+    seen: dict[BlockHash, tuple[int, ...]] = {}
+    tried: list[tuple[int, ...]] = []
+    for _ in range(max_tries):
+        tokens = tuple(rng.randrange(vocab_size) for _ in range(block_size))
+        tried.append(tokens)
+        block_hash = hash_block_tokens(hash_fn, parent_block_hash, tokens)
+        other = seen.setdefault(block_hash, tokens)
+        if other != tokens:
+            return BlockCollision(other, tokens, block_hash, tuple(tried))
+    raise KvlabError(f"no collision among {max_tries} random blocks: the hash is stronger than this search")
+
+
+def count_distinct_hashes(hash_fn: HashFn, parent_block_hash: BlockHash, blocks: Iterable[tuple[int, ...]]) -> int:
+    """How many different hashes ``hash_fn`` gives the distinct ``blocks`` after one parent."""
+    return len({hash_block_tokens(hash_fn, parent_block_hash, tokens) for tokens in set(blocks)})

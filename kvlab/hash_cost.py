@@ -1,0 +1,94 @@
+"""What prefix caching costs (hashing every full block) against what a hit saves (a block's prefill).
+
+Hashing is measured here, on this CPU, with ``measure_hash_cost``. Prefill is estimated from
+arithmetic: a forward pass costs about ``2 x num_params`` FLOPs per token (the matmuls; the
+attention term grows with context and is left out, so the estimate is a floor), divided by an
+assumed GPU throughput, stated with its source below. Change the assumption to your own GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import random
+import time
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+from kvlab._validate import fraction_in_unit_interval, positive_int, positive_number
+from kvlab.errors import KvlabValueError
+from kvlab.hashing import HASH_FUNCTIONS, get_hash_fn_by_name, hash_block_tokens
+from kvlab.models import ModelSpec
+
+#: NVIDIA H100 SXM, dense BF16 Tensor Core peak: 989 TFLOP/s (the datasheet's 1,979 TFLOP/s is
+#: "with sparsity", i.e. twice the dense rate). Source: NVIDIA H100 Tensor Core GPU datasheet.
+H100_SXM_BF16_DENSE_FLOPS = 989e12
+#: Share of peak a large prefill sustains (model FLOPs utilisation); 0.5 is an assumption.
+ASSUMED_PREFILL_MFU = 0.5
+
+
+def measure_hash_cost(
+    hash_fn_names: Sequence[str] = tuple(HASH_FUNCTIONS),
+    block_sizes: Sequence[int] = (16, 64),
+    number: int = 2000,
+    repeat: int = 5,
+    seed: int = 0,
+    include_digest_only: bool = True,
+) -> list[dict[str, object]]:
+    """Seconds per ``hash_block_tokens`` call for each hash function and block size, on this machine.
+
+    Each figure is the best of ``repeat`` runs of ``number`` calls on random 32-byte parents and
+    random token ids below 32,000 (best-of is the usual way to read a timing on a shared
+    machine: noise only ever adds time). With ``include_digest_only`` two more rows time the
+    bare SHA-256 and xxh3-128 digests of the already pickled input, to show how much of a
+    call is serialisation.
+    """
+    number, repeat = positive_int("number", number), positive_int("repeat", repeat)
+    rng = random.Random(seed)
+    rows = []
+    for block_size in block_sizes:
+        block_size = positive_int("block_size", block_size)
+        inputs = [(rng.randbytes(32), tuple(rng.randrange(32_000) for _ in range(block_size))) for _ in range(number)]
+        for name in hash_fn_names:
+            fn = get_hash_fn_by_name(name)
+            best = float("inf")
+            for _ in range(repeat):
+                start = time.perf_counter()
+                for parent, tokens in inputs:
+                    hash_block_tokens(fn, parent, tokens)
+                best = min(best, time.perf_counter() - start)
+            rows.append({"hash_fn": name, "block_size": block_size, "seconds_per_block": best / number})
+        if include_digest_only:
+            payloads = [pickle.dumps((parent, tokens, None), protocol=pickle.HIGHEST_PROTOCOL)
+                        for parent, tokens in inputs]
+            for name, digest in (("sha256 digest only", lambda b: hashlib.sha256(b).digest()),
+                                 ("xxh3_128 digest only", xxhash.xxh3_128_digest)):
+                best = min(_time_calls(digest, payloads) for _ in range(repeat))
+                rows.append({"hash_fn": name, "block_size": block_size, "seconds_per_block": best / number})
+    return rows
+
+
+def _time_calls(fn: Callable[[bytes], bytes], payloads: list[bytes]) -> float:
+    start = time.perf_counter()
+    for payload in payloads:
+        fn(payload)
+    return time.perf_counter() - start
+
+
+def prefill_flops(model: ModelSpec, num_tokens: int) -> float:
+    """Approximate FLOPs to prefill ``num_tokens`` tokens: ``2 x num_params`` per token (matmuls only)."""
+    if model.num_params is None:
+        raise KvlabValueError(f"{model.name} has no parameter count; prefill FLOPs cannot be estimated")
+    return 2.0 * model.num_params * positive_int("num_tokens", num_tokens)
+
+
+def prefill_seconds(
+    model: ModelSpec,
+    num_tokens: int,
+    peak_flops: float = H100_SXM_BF16_DENSE_FLOPS,
+    mfu: float = ASSUMED_PREFILL_MFU,
+) -> float:
+    """Estimated GPU seconds to prefill ``num_tokens`` tokens at ``mfu`` of ``peak_flops``."""
+    return prefill_flops(model, num_tokens) / (positive_number("peak_flops", peak_flops)
+                                               * fraction_in_unit_interval("mfu", mfu))

@@ -1,0 +1,204 @@
+"""Chained block hashes: the identity of a KV block is its whole prefix, not its own tokens.
+
+Mirrors ``vllm/v1/core/kv_cache_utils.py`` (``NONE_HASH``, ``init_none_hash``,
+``hash_block_tokens``, ``generate_block_hash_extra_keys``, ``get_request_block_hasher``) and
+``vllm/utils/hashing.py`` (the four hash functions and ``get_hash_fn_by_name``):
+
+    h_0 = H((NONE_HASH, tokens_0, extra_0)),   h_i = H((h_{i-1}, tokens_i, extra_i))
+
+Only full blocks are hashed. ``NONE_HASH``, the seed of every chain, is process state in
+vLLM; here it is set once at import, and every ``KVCacheManager`` derives its own seed (as a
+separate vLLM process would), so nothing a notebook cell does to this module changes
+another cell's results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import cbor2
+import xxhash as _xxhash
+
+from kvlab._validate import non_negative_int, one_of, positive_int
+from kvlab.errors import KvlabValueError
+
+if TYPE_CHECKING:
+    from kvlab.request import Request
+
+BlockHash = bytes
+HashFn = Callable[[Any], bytes]
+
+
+# ----------------------------------------------------------------- the hash functions
+
+
+def sha256(input: Any) -> bytes:
+    """Pickle, then SHA-256: vLLM's default. Stable for one Python version; collision-resistant."""
+    return hashlib.sha256(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def sha256_cbor(input: Any) -> bytes:
+    """Canonical CBOR, then SHA-256: the same bytes from any language, process or Python version."""
+    return hashlib.sha256(cbor2.dumps(input, canonical=True)).digest()
+
+
+def xxhash(input: Any) -> bytes:
+    """Pickle, then xxh3-128: several times faster, but anyone can construct collisions."""
+    return _xxhash.xxh3_128_digest(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(input: Any) -> bytes:
+    """Canonical CBOR, then xxh3-128: portable and fast, not collision-resistant."""
+    return _xxhash.xxh3_128_digest(cbor2.dumps(input, canonical=True))
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {
+    "sha256": sha256,
+    "sha256_cbor": sha256_cbor,
+    "xxhash": xxhash,
+    "xxhash_cbor": xxhash_cbor,
+}
+
+
+def get_hash_fn_by_name(hash_fn_name: str) -> HashFn:
+    """The hash function vLLM's ``--prefix-caching-hash-algo`` names; unknown names list the known."""
+    return HASH_FUNCTIONS[one_of("hash_fn_name", hash_fn_name, HASH_FUNCTIONS)]
+
+
+def hash_fn_name(hash_fn: HashFn) -> str:
+    """The name of ``hash_fn`` (its registry name, else its ``__name__``)."""
+    for name, fn in HASH_FUNCTIONS.items():
+        if fn is hash_fn:
+            return name
+    return getattr(hash_fn, "__name__", repr(hash_fn))
+
+
+# ----------------------------------------------------------------- the seed of every chain
+
+
+def none_hash_from_seed(hash_fn: HashFn, hash_seed: str | None) -> bytes:
+    """``NONE_HASH`` as vLLM derives it: ``hash_fn(hash_seed)`` if a seed is set, else 32 random bytes.
+
+    vLLM reads the seed from ``PYTHONHASHSEED``. A random seed means nobody outside the
+    process can predict a block hash (so a tenant cannot probe for another's prompt); a
+    shared seed is what lets several processes or nodes agree on hashes and share a cache.
+    """
+    if hash_seed is None:
+        return os.urandom(32)
+    if not isinstance(hash_seed, str):
+        raise KvlabValueError(f"hash_seed must be a string (as PYTHONHASHSEED is) or None, got {hash_seed!r}")
+    return hash_fn(hash_seed)
+
+
+def init_none_hash(hash_fn: HashFn) -> bytes:
+    """Set this process's ``NONE_HASH`` from ``PYTHONHASHSEED`` (or randomly) and return it."""
+    global NONE_HASH
+    NONE_HASH = none_hash_from_seed(hash_fn, os.getenv("PYTHONHASHSEED"))
+    return NONE_HASH
+
+
+NONE_HASH: bytes = b""
+init_none_hash(sha256)  # once, at import, as vLLM's engine does at start-up
+
+
+# ----------------------------------------------------------------- one block
+
+
+def hash_block_tokens(
+    hash_function: HashFn,
+    parent_block_hash: BlockHash | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """The hash of a full block: ``hash_function((parent or NONE_HASH, tuple(tokens), extra_keys))``.
+
+    The parent's hash folds the whole prefix in, so equal hashes mean equal prefixes (up to
+    collisions): the same 16 tokens after a different prefix have different K and V.
+    """
+    if not parent_block_hash:
+        parent_block_hash = NONE_HASH
+    return hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
+
+
+# ----------------------------------------------------------------- what else a block's identity holds
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0
+) -> tuple[tuple[Any, ...] | None, int]:
+    """Keys besides the tokens that decide a block's KV, and the next multimodal index to look at.
+
+    In vLLM's order: the LoRA adapter's name (every block: the adapter changes every K and V),
+    each multimodal item overlapping the block as ``(identifier, offset - start_token_idx)``
+    (the same placeholder tokens stand for different images), and the cache salt on the first
+    block only (the chain carries it into every later hash). ``None`` when there are none.
+    """
+    start_token_idx = non_negative_int("start_token_idx", start_token_idx)
+    end_token_idx = positive_int("end_token_idx", end_token_idx)
+    if end_token_idx <= start_token_idx:
+        raise KvlabValueError(f"end_token_idx={end_token_idx} must be greater than start_token_idx={start_token_idx}")
+    mm_keys, next_mm_idx = _mm_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
+    lora_keys = [request.lora_name] if request.lora_name else []
+    salt_keys = [request.cache_salt] if (start_token_idx == 0 and request.cache_salt) else []
+    extra_keys = lora_keys + mm_keys + salt_keys
+    return (tuple(extra_keys) if extra_keys else None), next_mm_idx
+
+
+def _mm_extra_keys(request: Request, start: int, end: int, mm_idx: int) -> tuple[list[Any], int]:
+    features = request.mm_features
+    if not features:
+        return [], mm_idx
+    if mm_idx < 0:  # -1: start from the last item, as vLLM does for blocks completed by output tokens
+        mm_idx = len(features) + mm_idx
+    keys: list[Any] = []
+    while mm_idx < len(features):
+        feature = features[mm_idx]
+        offset, length = feature.mm_position.offset, feature.mm_position.length
+        if end <= offset:  # the block ends before this item begins
+            break
+        if start >= offset + length:  # the block starts after this item ends
+            mm_idx += 1
+            continue
+        keys.append((feature.identifier, offset - start))
+        if end >= offset + length:  # the item ends inside the block: the next may start here too
+            mm_idx += 1
+        else:
+            break
+    return keys, mm_idx
+
+
+# ----------------------------------------------------------------- a request's blocks
+
+
+def get_request_block_hasher(
+    block_size: int, caching_hash_fn: HashFn, none_hash: BlockHash | None = None
+) -> Callable[[Request], list[BlockHash]]:
+    """A function returning the hashes of a request's full blocks not yet in ``request.block_hashes``.
+
+    ``none_hash`` is the chain's seed (default: this process's ``NONE_HASH``); passing it as
+    the first block's parent gives exactly the hash vLLM computes when its ``NONE_HASH`` is
+    that seed.
+    """
+    block_size = positive_int("block_size", block_size)
+
+    def request_block_hasher(request: Request) -> list[BlockHash]:
+        start_token_idx = len(request.block_hashes) * block_size
+        parent = request.block_hashes[-1] if request.block_hashes else none_hash
+        mm_idx = 0
+        new_hashes: list[BlockHash] = []
+        while start_token_idx + block_size <= request.num_tokens:
+            end_token_idx = start_token_idx + block_size
+            extra_keys, mm_idx = generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, mm_idx)
+            block_hash = hash_block_tokens(
+                caching_hash_fn, parent, request.token_ids(start_token_idx, end_token_idx), extra_keys
+            )
+            new_hashes.append(block_hash)
+            parent = block_hash
+            start_token_idx = end_token_idx
+        return new_hashes
+
+    return request_block_hasher

@@ -1,0 +1,165 @@
+"""A request as the KV cache manager sees it: token ids, how many are computed, and block hashes.
+
+Mirrors ``vllm/v1/request.py`` with what the prefix cache and a scheduler need: the prompt,
+the output tokens appended one by one, ``num_computed_tokens``, the chained ``block_hashes``
+of its full blocks, the keys that isolate it (``cache_salt``, ``lora_name``, multimodal
+items), ``status`` and ``num_preemptions``. vLLM keeps a whole ``LoRARequest``; kvlab keeps
+only the adapter's name, the one field that enters the block hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable, Sequence
+
+from kvlab._validate import non_negative_int, positive_int
+from kvlab.errors import KvlabValueError, RequestStateError
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaceholderRange:
+    """Where a multimodal item's placeholder tokens sit in the prompt: ``offset``, ``length``."""
+
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        non_negative_int("offset", self.offset)
+        positive_int("length", self.length)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiModalFeatureSpec:
+    """One image (or audio clip...) of a prompt: a content ``identifier`` and its placeholder range.
+
+    The placeholder tokens are the same for every image; only ``identifier`` (vLLM uses a
+    hash of the pixels) tells two images apart, so it must enter the block hash.
+    """
+
+    identifier: str
+    mm_position: PlaceholderRange
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life, as vLLM's ``RequestStatus`` names it (a subset)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        """True for the three finished states."""
+        return status.value.startswith("finished")
+
+
+class Request:
+    """Token ids, progress and block hashes of one request.
+
+    ``block_hashes`` holds one chained hash per *full* block of ``all_token_ids``. The
+    ``KVCacheManager`` fills it the first time it sees the request and installs its hasher,
+    so ``append_output_token_ids`` extends it whenever a block fills up (vLLM passes the
+    hasher to the constructor; kvlab lets the manager that owns the hash seed provide it).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_features: Sequence[MultiModalFeatureSpec] = (),
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise KvlabValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        tokens = list(prompt_token_ids)
+        if not tokens:
+            raise KvlabValueError(f"prompt_token_ids of request {request_id!r} must hold at least one token")
+        _check_token_ids("prompt_token_ids", tokens)
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise KvlabValueError(f"{name} must be None or a non-empty string, got {value!r}")
+        features = sorted(mm_features, key=lambda f: f.mm_position.offset)
+        for feature in features:
+            if not isinstance(feature, MultiModalFeatureSpec):
+                raise KvlabValueError(f"mm_features must hold MultiModalFeatureSpec items, got {feature!r}")
+            if feature.mm_position.offset + feature.mm_position.length > len(tokens):
+                raise KvlabValueError(
+                    f"multimodal item {feature.identifier!r} ends at token "
+                    f"{feature.mm_position.offset + feature.mm_position.length}, past the prompt's {len(tokens)}"
+                )
+        self.request_id = request_id
+        self.prompt_token_ids: tuple[int, ...] = tuple(tokens)
+        self._all_token_ids: list[int] = tokens
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.mm_features: tuple[MultiModalFeatureSpec, ...] = tuple(features)
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[bytes] = []
+        self._block_hasher: Callable[[Request], list[bytes]] | None = None
+        self._hasher_owner: object | None = None
+
+    # ----------------------------------------------------------------- tokens
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        """Prompt then output tokens (a copy: append with ``append_output_token_ids``)."""
+        return tuple(self._all_token_ids)
+
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens ``start .. end - 1`` without copying the whole sequence (one block, say)."""
+        return tuple(self._all_token_ids[start:end])
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """The tokens generated so far."""
+        return tuple(self._all_token_ids[len(self.prompt_token_ids):])
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens: everything whose KV the request will need."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._all_token_ids) - len(self.prompt_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append sampled tokens; hashes every block they complete (once a manager has seen the request)."""
+        new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        _check_token_ids("token_ids", new)
+        if self.is_finished():
+            raise RequestStateError(f"request {self.request_id!r} is {self.status.value}: it takes no more tokens")
+        self._all_token_ids.extend(new)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    # ----------------------------------------------------------------- state
+
+    def is_finished(self) -> bool:
+        """True once the request stopped, hit its length cap or was aborted."""
+        return RequestStatus.is_finished(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens} (prompt {self.num_prompt_tokens}), "
+            f"computed={self.num_computed_tokens}, full blocks hashed={len(self.block_hashes)}, "
+            f"{self.status.value})"
+        )
+
+
+def _check_token_ids(name: str, tokens: Sequence[object]) -> None:
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise KvlabValueError(f"{name} must hold non-negative integer token ids, got {t!r}")

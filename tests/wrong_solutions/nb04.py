@@ -1,0 +1,48 @@
+"""Plausible wrong answers to notebook 04's exercises, each failing for a reason the checker names."""
+
+from kvlab.hashing import hash_block_tokens, sha256
+
+
+def _blocks(token_ids, block_size):
+    return [token_ids[i:i + block_size] for i in range(0, len(token_ids) - block_size + 1, block_size)]
+
+
+def unchained(token_ids, block_size, none_hash):
+    """Hashes every block on its own, as if a block's identity were its own tokens."""
+    return [hash_block_tokens(sha256, none_hash, block) for block in _blocks(token_ids, block_size)]
+
+
+def hashes_partial_block(token_ids, block_size, none_hash):
+    """Hashes the trailing partial block too."""
+    hashes, parent = [], none_hash
+    for start in range(0, len(token_ids), block_size):
+        parent = hash_block_tokens(sha256, parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def no_last_token_rule(block_hashes, cached, num_tokens, block_size):
+    """Lets every cached leading block hit, even when that covers the prompt's last token."""
+    n = 0
+    for h in block_hashes:
+        if h not in cached:
+            break
+        n += 1
+    return n * block_size
+
+
+def does_not_stop_at_miss(block_hashes, cached, num_tokens, block_size):
+    """Counts every cached block, as if hits did not have to be a prefix."""
+    return sum(h in cached for h in block_hashes[: (num_tokens - 1) // block_size]) * block_size
+
+
+WRONG = {
+    "04.chained_hashes": [
+        (unchained, "must chain from the previous block's hash"),
+        (hashes_partial_block, "only full blocks are hashed"),
+    ],
+    "04.longest_cached_prefix": [
+        (no_last_token_rule, "at most num_tokens - 1 tokens may hit"),
+        (does_not_stop_at_miss, "stop at the first miss"),
+    ],
+}
