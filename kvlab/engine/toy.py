@@ -39,7 +39,7 @@ def save_tiny_llama(
     path: str | os.PathLike,
     *,
     seed: int = 0,
-    attention_gain: float = 12.0,
+    attention_gain: float = 8.0,
     logit_gain: float = 20.0,
     num_hidden_layers: int = 2,
 ) -> Path:
@@ -62,3 +62,9 @@ def save_tiny_llama(
     path = Path(path)
     model.save_pretrained(path)
     return path
+
+
+def random_token_ids(length: int, seed: int, vocab_size: int = TINY_LLAMA["vocab_size"]) -> list[int]:
+    """``length`` reproducible token ids in ``[3, vocab_size)`` (0, 1 and 2 are pad, BOS and EOS)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (positive_int("length", length),), generator=generator).tolist()

@@ -1,9 +1,10 @@
 """Fixtures of the engine tests: one tiny seeded Llama checkpoint per session, and its transformers twin."""
 
-import pytest
-import torch
+import functools
 
-from kvlab.engine import save_tiny_llama
+import pytest
+
+from kvlab.engine import evaluation, save_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -23,13 +24,4 @@ def hf_model(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model):
     """``hf_greedy(prompt, max_tokens)``: transformers' own greedy generate, with its regular contiguous cache."""
-
-    def generate(prompt, max_tokens):
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
-        tokens = out[0, len(prompt):].tolist()
-        eos = hf_model.generation_config.eos_token_id
-        return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens  # drop the padding after EOS
-
-    return generate
-
+    return functools.partial(evaluation.hf_greedy, hf_model)

@@ -5,13 +5,14 @@ import shutil
 
 import pytest
 import torch
-from engine_helpers import random_prompt
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kvlab.engine import AttentionMetadata, DecoderConfig, load_model
 from kvlab.engine.config import rope_config
+from kvlab.engine.evaluation import relative_error
 from kvlab.engine.rope import rope_inv_freq
+from kvlab.engine.toy import random_token_ids
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -34,10 +35,6 @@ def paged_forward(model, token_ids, block_ids, block_size=16, chunks=None):
             logits.append(model.compute_logits(model(torch.tensor(token_ids[done:done + size]), pos, caches, meta)))
         done += size
     return torch.cat(logits)
-
-
-def relative_error(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 # ----------------------------------------------------------------- config.json
@@ -113,7 +110,7 @@ def test_tied_embeddings_are_one_matrix(tiny_llama_dir):
 
 
 def test_logits_match_transformers_on_a_scattered_block_table(tiny_llama_dir, hf_model):
-    prompt = random_prompt(40, seed=1)
+    prompt = random_token_ids(40, seed=1)
     ours = paged_forward(load_model(tiny_llama_dir), prompt, block_ids=[7, 2, 5])  # 40 tokens: 3 blocks of 16
     with torch.no_grad():
         reference = hf_model(torch.tensor([prompt])).logits[0]
@@ -121,7 +118,7 @@ def test_logits_match_transformers_on_a_scattered_block_table(tiny_llama_dir, hf
 
 
 def test_a_prefill_in_chunks_gives_the_logits_of_one_pass(tiny_llama_dir):
-    model, prompt = load_model(tiny_llama_dir), random_prompt(40, seed=2)
+    model, prompt = load_model(tiny_llama_dir), random_token_ids(40, seed=2)
     whole = paged_forward(model, prompt, block_ids=[3, 1, 4])
     chunked = paged_forward(model, prompt, block_ids=[3, 1, 4], chunks=[13, 16, 1, 10])  # chunks cross blocks
     assert relative_error(chunked, whole) < 1e-5
@@ -144,7 +141,7 @@ def test_qwen_biases_and_qk_norms_match_transformers(family, tmp_path):
     model = load_model(tmp_path)
     assert hasattr(model.model.layers[0].self_attn, "q_norm") == (family == "qwen3")
     assert (model.model.layers[0].self_attn.q_proj.bias is not None) == (family == "qwen2")
-    prompt = random_prompt(20, seed=3)
+    prompt = random_token_ids(20, seed=3)
     with torch.no_grad():
         reference = hf(torch.tensor([prompt])).logits[0]
     assert relative_error(paged_forward(model, prompt, block_ids=[2, 1]), reference) < 1e-5
