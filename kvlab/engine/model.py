@@ -125,6 +125,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if len(kv_caches) != len(self.layers):
+            raise KvlabValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
         hidden_states = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
@@ -144,23 +146,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Embedding(config.vocab_size, config.hidden_size)  # only .weight is used
 
-    @property
-    def attention_layers(self) -> list[Attention]:
-        """Each layer's ``Attention`` (where an engine sets FP8 scales)."""
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` of the flat batch; K/V are written to ``kv_caches``."""
-        if len(kv_caches) != len(self.model.layers):
-            raise KvlabValueError(
-                f"kv_caches has {len(kv_caches)} entries; the model has {len(self.model.layers)} layers"
-            )
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
