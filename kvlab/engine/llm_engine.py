@@ -49,6 +49,8 @@ _SIZING_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "
                  torch.float8_e4m3fn: "fp8_e4m3"}
 #: kvlab's default token budget: small, because every token costs a lot on a CPU.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+#: The most memory a default-sized pool takes (a real checkpoint would otherwise ask for many GiB).
+DEFAULT_KV_CACHE_MEMORY_GIB = 1
 
 
 def _host_memory_gib() -> float:
@@ -64,9 +66,10 @@ class LLMEngine:
 
     The pool holds ``num_gpu_blocks`` blocks (vLLM's ``num_gpu_blocks_override``), or as many
     as ``kv_cache_memory_gib`` buys (vLLM's ``kv_cache_memory_bytes``), or by default enough
-    for ``max_num_seqs`` requests of ``max_model_len`` tokens. Block 0 is the null block,
-    as in vLLM. ``kv_cache_dtype="fp8"`` stores K and V as float8 e4m3 with scale 1.0
-    (vLLM's default) and the kernels dequantize on load.
+    for ``max_num_seqs`` requests of ``max_model_len`` tokens, capped at 1 GiB (vLLM would
+    measure the GPU instead; kvlab plans for a CPU). Block 0 is the null block, as in vLLM.
+    ``kv_cache_dtype="fp8"`` stores K and V as float8 e4m3 with scale 1.0 (vLLM's default)
+    and the kernels dequantize on load. The model and the cache live on the CPU.
     """
 
     def __init__(
@@ -101,7 +104,8 @@ class LLMEngine:
         self.block_size = block_size
         per_block = kv_bytes_per_token(self.config.spec, _SIZING_NAMES[self.cache_dtype]) * block_size
         if num_gpu_blocks is None and kv_cache_memory_gib is None:
-            num_gpu_blocks = 1 + positive_int("max_num_seqs", max_num_seqs) * cdiv(self.max_model_len, block_size)
+            wanted = 1 + positive_int("max_num_seqs", max_num_seqs) * cdiv(self.max_model_len, block_size)
+            num_gpu_blocks = max(2, min(wanted, DEFAULT_KV_CACHE_MEMORY_GIB * GiB // per_block))
         if num_gpu_blocks is not None:
             kv_cache_memory_gib = positive_int("num_gpu_blocks", num_gpu_blocks) * per_block / GiB  # exact: GiB = 2**30
         self.plan: KVCachePlan = plan_kv_cache(
