@@ -1,1 +1,145 @@
-"""kvlab.kernels: Triton paged-attention kernels (filled in by notebook 05's work)."""
+"""kvlab.kernels: the paged attention kernel and the cache write, in Triton, with a torch reference.
+
+* ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)`` writes
+  each token's K and V into its slot of the paged cache (``cache_write.py``).
+* ``paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, ...)``
+  attends every query token to its sequence's keys, read through the block table
+  (``paged_attention.py``; its grid and index arithmetic: ``grid.py``).
+* ``paged_attention_ref`` / ``reshape_and_cache_ref``: the torch specification (``reference.py``).
+* ``backend()``: ``"triton-cuda"``, ``"triton-interpreter"`` or ``"torch-reference"``; choose one with
+  ``KVLAB_KERNEL_BACKEND=cuda|interpreter|torch`` before importing this package.
+
+Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (vLLM V1's flash layout); index
+tensors may be int32 or int64. Importing this package sets Triton up (``TRITON_INTERPRET=1`` when
+there is no GPU) and then imports the kernel modules, before anything else can decorate them.
+
+Note: the function ``kvlab.kernels.paged_attention`` shadows the module of the same name as an
+attribute of this package; ``from kvlab.kernels.paged_attention import paged_attention_kernel``
+still reaches the module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+from kvlab.kernels._backend import (
+    BACKEND_ENV,
+    BACKENDS,
+    TORCH_REFERENCE,
+    TRITON_CUDA,
+    TRITON_INTERPRETER,
+    backend,
+    describe_backend,
+)
+from kvlab.kernels.checks import AttentionBatch, check_attention, check_cache_write
+from kvlab.kernels.fp8 import E4M3_MAX, calibrated_scale, dequantize_fp8, quantize_fp8
+from kvlab.kernels.grid import KernelConfig, LaunchPlan, choose_config, choose_num_kv_splits, plan_launch
+from kvlab.kernels.layouts import from_legacy_layout, legacy_x, to_legacy_layout
+from kvlab.kernels.reference import (
+    compute_slot_mapping,
+    gather_kv,
+    masked_attention,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+)
+
+from kvlab.errors import UnknownNameError
+
+if backend() != TORCH_REFERENCE:
+    # Imported here, first, so the submodule binding below is replaced by the function of the same name.
+    from kvlab.kernels.cache_write import reshape_and_cache_triton
+    from kvlab.kernels.paged_attention import paged_attention_triton
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write token ``t``'s K and V ``[num_tokens, num_kv_heads, head_size]`` into slot ``slot_mapping[t]``.
+
+    Slot ``s`` is ``cache[s // block_size, s % block_size]``; -1 is padding and is skipped. An FP8
+    (e4m3) cache stores ``value / scale``. Runs the Triton kernel, or the reference on ``torch-reference``.
+    """
+    if backend() == TORCH_REFERENCE:
+        return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+                    scale: float | None = None, causal: bool = True, k_scale: float = 1.0, v_scale: float = 1.0,
+                    num_kv_splits: int | None = None, out: torch.Tensor | None = None,
+                    config: KernelConfig | None = None) -> torch.Tensor:
+    """Varlen paged attention for a batch mixing prefill chunks and decode steps.
+
+    ``query`` is ``[num_tokens, num_q_heads, head_size]``; sequence ``i``'s query tokens are
+    ``query[query_start_loc[i]:query_start_loc[i + 1]]``, its *last* tokens, so its cached context
+    is ``seq_lens[i] - query_len``. ``block_table[i]`` lists its physical blocks. ``scale`` defaults
+    to ``1/sqrt(head_size)``; FP8 caches are dequantized with ``k_scale``/``v_scale``;
+    ``num_kv_splits`` (default: chosen) splits each sequence's keys across programs. ``out``, if
+    given, is written in place; ``config`` overrides the tile sizes. Returns ``[num_tokens, Hq, D]``.
+    """
+    kwargs = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out)
+    if backend() == TORCH_REFERENCE:
+        return paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
+    return paged_attention_triton(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                  config=config, **kwargs)
+
+
+def function_sources(module: str) -> dict[str, str]:
+    """Every top-level function of ``kernels/<module>.py`` by name, decorators included, read from the file.
+
+    Reading instead of importing works where Triton is missing (the notebook shows the kernels
+    anyway) and where it interprets (``compile_check`` recompiles them from their source).
+    """
+    text = Path(__file__).with_name(f"{module}.py").read_text()
+    lines = text.splitlines()
+    sources = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            sources[node.name] = "\n".join(lines[first - 1:node.end_lineno]) + "\n"
+    return sources
+
+
+def kernel_source(name: str, module: str = "paged_attention") -> str:
+    """The source of function ``name`` in ``kernels/<module>.py`` (default: the attention kernels)."""
+    sources = function_sources(module)
+    if name not in sources:
+        raise UnknownNameError("name", name, sources)
+    return sources[name]
+
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "E4M3_MAX",
+    "TORCH_REFERENCE",
+    "TRITON_CUDA",
+    "TRITON_INTERPRETER",
+    "AttentionBatch",
+    "KernelConfig",
+    "LaunchPlan",
+    "backend",
+    "calibrated_scale",
+    "check_attention",
+    "check_cache_write",
+    "choose_config",
+    "choose_num_kv_splits",
+    "compute_slot_mapping",
+    "dequantize_fp8",
+    "describe_backend",
+    "from_legacy_layout",
+    "function_sources",
+    "gather_kv",
+    "kernel_source",
+    "legacy_x",
+    "masked_attention",
+    "paged_attention",
+    "paged_attention_ref",
+    "plan_launch",
+    "quantize_fp8",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "to_legacy_layout",
+]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import random
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -25,6 +24,7 @@ from types import MappingProxyType
 from kvlab._validate import non_negative_int, one_of, positive_int
 from kvlab.blocks import BlockPool
 from kvlab.errors import KvlabError, KvlabValueError
+from kvlab.hashing import hash_token_blocks
 from kvlab.sequence import BlockCopy, Sequence, contents_of
 
 OP_KINDS = ("start", "append", "extend", "fork", "cache", "release")
@@ -168,20 +168,6 @@ class Step:
 # --------------------------------------------------------------------------- running
 
 
-def stand_in_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks of ``token_ids``: each covers its whole prefix.
-
-    A stand-in for ``kvlab.hashing`` (notebook 04), enough to mark blocks as cached here:
-    ``sha256(parent hash, this block's tokens)``.
-    """
-    hashes: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hashlib.sha256(parent + repr(tuple(token_ids[start:start + block_size])).encode()).digest()
-        hashes.append(parent)
-    return hashes
-
-
 def _apply(op: Op, pool: BlockPool, sequences: dict[str, Sequence], block_size: int) -> list[BlockCopy]:
     """Run one operation; raise a ``KvlabError`` (changing nothing) when it is refused."""
     if op.kind in ("start", "fork") and op.seq in sequences and not sequences[op.seq].released:
@@ -198,7 +184,7 @@ def _apply(op: Op, pool: BlockPool, sequences: dict[str, Sequence], block_size: 
     if op.kind in ("append", "extend"):
         return seq.append(op.tokens[0]) if op.kind == "append" else seq.extend(op.tokens)
     if op.kind == "cache":
-        hashes = stand_in_block_hashes(seq.token_ids(), block_size)
+        hashes = hash_token_blocks(seq.token_ids(), block_size)
         pool.cache_full_blocks(seq.blocks, hashes, 0, seq.num_full_blocks)
         return []
     seq.release()

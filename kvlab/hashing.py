@@ -124,6 +124,20 @@ def hash_block_tokens(
     return hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
 
 
+def hash_token_blocks(
+    token_ids: Sequence[int], block_size: int, hash_function: HashFn | None = None, none_hash: BlockHash | None = None
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of a bare token list (no extra keys): one per full block."""
+    block_size = positive_int("block_size", block_size)
+    hash_function = hash_function or sha256
+    hashes: list[BlockHash] = []
+    parent = none_hash
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(hash_function, parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 # ----------------------------------------------------------------- what else a block's identity holds
 
 

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvlab.block_scenarios import snapshot, stand_in_block_hashes
+from kvlab.block_scenarios import snapshot
 from kvlab.blocks import BlockPool
 from kvlab.errors import BlockStateError, KvlabError, OutOfBlocksError, RequestStateError
+from kvlab.hashing import hash_token_blocks
 from kvlab.sequence import Sequence
 from kvlab.sizing import cdiv
 
@@ -156,7 +157,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def cache_sequence(self, data):
         seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
-        hashes = stand_in_block_hashes(seq.token_ids(), self.block_size)
+        hashes = hash_token_blocks(seq.token_ids(), self.block_size)
         cache = lambda: self.pool.cache_full_blocks(seq.blocks, hashes, 0, seq.num_full_blocks)  # noqa: E731
         if any(b.block_hash not in (None, h) for b, h in zip(seq.blocks, hashes, strict=False)):
             self.refused(BlockStateError, cache)

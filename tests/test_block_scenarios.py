@@ -10,12 +10,12 @@ from kvlab.block_scenarios import (
     parallel_sampling,
     random_workload,
     record,
-    stand_in_block_hashes,
     step_at,
     walk_fork,
     walk_free_queue,
 )
 from kvlab.errors import KvlabValueError, UnknownNameError
+from kvlab.hashing import hash_token_blocks
 
 
 def test_walk_1_snapshots_are_the_source_table():
@@ -95,6 +95,6 @@ def test_bad_operations_and_indices_are_refused():
 
 
 def test_stand_in_hashes_cover_full_blocks_only_and_chain():
-    hashes = stand_in_block_hashes(list(range(10)), 4)
-    assert len(hashes) == 2 and hashes[0] == stand_in_block_hashes([0, 1, 2, 3], 4)[0]
-    assert stand_in_block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4)[1] != hashes[1]  # a different prefix
+    hashes = hash_token_blocks(list(range(10)), 4)
+    assert len(hashes) == 2 and hashes[0] == hash_token_blocks([0, 1, 2, 3], 4)[0]
+    assert hash_token_blocks([9, 1, 2, 3, 4, 5, 6, 7], 4)[1] != hashes[1]  # a different prefix

@@ -40,7 +40,9 @@ class Exercise:
 
     ``random_case(rng)`` draws a fresh case; ``compare(expected, actual)`` decides
     agreement (default ``==``); ``explain(case, expected, actual)`` may return a
-    sharper diagnosis than "the results differ" for a known mistake.
+    sharper diagnosis than "the results differ" for a known mistake. ``prepare(fn)``,
+    if set, turns the learner's function and the reference into what the cases call
+    (notebook 05: a Triton kernel launch that calls the learner's ``@triton.jit`` helper).
     """
 
     id: str
@@ -54,6 +56,7 @@ class Exercise:
     num_random: int = 25
     compare: Callable[[Any, Any], bool] | None = None
     explain: Callable[[Case, Any, Any], str | None] | None = None
+    prepare: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
 
     @property
     def function_name(self) -> str:
@@ -185,10 +188,12 @@ def check(exercise_id: str, learner_fn: Callable[..., Any], *, seed: int | None 
     if exercise.random_case is not None:
         cases += [exercise.random_case(rng) for _ in range(exercise.num_random)]
     head = f"{exercise_id} ({exercise.title})"
+    prepare = exercise.prepare or (lambda fn: fn)
+    reference, learner = prepare(exercise.reference), prepare(learner_fn)
     for number, case in enumerate(cases, start=1):
-        expected = _call(exercise.reference, case)
+        expected = _call(reference, case)
         try:
-            actual = _call(learner_fn, case)
+            actual = _call(learner, case)
         except NotImplementedError:
             if number == 1:
                 return CheckResult(

@@ -1,0 +1,323 @@
+"""Input checks for the cache write and paged attention, run before anything is launched or written.
+
+The kernels trust their inputs: a block id outside the cache or a sequence longer than its block
+table would read or write foreign memory silently. So every entry point (the Triton kernels and
+the torch reference alike) first passes its tensors through here. A failed check raises
+``KernelInputError`` naming the argument and what is allowed, and nothing has been written.
+
+The checks read a few small integer tensors on the host (``seq_lens``, ``query_start_loc``, the
+used part of ``block_table``); on a GPU that is one synchronisation per call. vLLM keeps these
+numbers on the host already (its ``CommonAttentionMetadata``); ``AttentionBatch`` is our version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+from kvlab.errors import KernelInputError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPE = torch.float8_e4m3fn
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division (``triton.cdiv``, vLLM's ``cdiv``); kept here so the kernels need nothing else from kvlab."""
+    return -(-a // b)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_ndim(name: str, tensor: object, ndim: int, layout: str) -> torch.Tensor:
+    """``tensor`` must be a torch tensor with ``ndim`` dimensions (``layout`` names them)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise KernelInputError(f"{name} must be a torch.Tensor shaped {layout}, got {type(tensor).__name__}")
+    if tensor.dim() != ndim:
+        raise KernelInputError(f"{name} must be {ndim}-D {layout}, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def check_index_tensor(name: str, tensor: object, ndim: int, layout: str) -> torch.Tensor:
+    """An integer tensor (int32 or int64) with ``ndim`` dimensions."""
+    check_ndim(name, tensor, ndim, layout)
+    if tensor.dtype not in INDEX_DTYPES:
+        raise KernelInputError(f"{name}.dtype must be int32 or int64, got {_name(tensor.dtype)}")
+    return tensor
+
+
+def check_kv_scales(cache_dtype: torch.dtype, k_scale: object, v_scale: object) -> tuple[float, float]:
+    """Per-tensor FP8 scales: finite and > 0, and left at 1.0 unless the cache is FP8."""
+    scales = []
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+            raise KernelInputError(f"{name} must be a finite number > 0, got {value!r}")
+        if cache_dtype != FP8_DTYPE and value != 1.0:
+            raise KernelInputError(
+                f"{name}={value!r} only applies to an FP8 cache; this cache is {_name(cache_dtype)}, "
+                "so leave it at 1.0"
+            )
+        scales.append(float(value))
+    return scales[0], scales[1]
+
+
+def check_cache_pair(key_cache: object, value_cache: object, compute_dtype: torch.dtype) -> None:
+    """K and V caches: 4-D ``[num_blocks, block_size, num_kv_heads, head_size]``, same shape and dtype."""
+    layout = "[num_blocks, block_size, num_kv_heads, head_size]"
+    check_ndim("key_cache", key_cache, 4, layout)
+    check_ndim("value_cache", value_cache, 4, layout)
+    if key_cache.shape != value_cache.shape:
+        raise KernelInputError(
+            f"key_cache and value_cache must have the same shape, got {tuple(key_cache.shape)} "
+            f"and {tuple(value_cache.shape)}"
+        )
+    if key_cache.dtype != value_cache.dtype:
+        raise KernelInputError(
+            f"key_cache and value_cache must share a dtype, got {_name(key_cache.dtype)} and {_name(value_cache.dtype)}"
+        )
+    if key_cache.dtype not in (compute_dtype, FP8_DTYPE):
+        raise KernelInputError(
+            f"key_cache.dtype must be {_name(compute_dtype)} (as the activations) or float8_e4m3fn, "
+            f"got {_name(key_cache.dtype)}"
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise KernelInputError("key_cache and value_cache must be contiguous in head_size (stride 1)")
+
+
+def check_float_activations(name: str, tensor: torch.Tensor) -> None:
+    """Activations are float32, float16 or bfloat16 and contiguous in their last dimension."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise KernelInputError(
+            f"{name}.dtype={_name(tensor.dtype)} is not supported; choose one of float32, float16, bfloat16"
+        )
+    if tensor.stride(-1) != 1:
+        raise KernelInputError(f"{name} must be contiguous in its last dimension (stride 1)")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Every tensor on one device (the kernels cannot follow a pointer into another one)."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise KernelInputError(f"all tensors must be on one device, got {listed}")
+
+
+# --------------------------------------------------------------------------- cache write
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheWrite:
+    """What ``reshape_and_cache`` learned from its inputs (host-side numbers)."""
+
+    num_tokens: int
+    num_kv_heads: int
+    head_size: int
+    num_blocks: int
+    block_size: int
+    fp8: bool
+    k_scale: float
+    v_scale: float
+
+
+def check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> CacheWrite:
+    """Validate ``reshape_and_cache``'s arguments; return their sizes."""
+    layout = "[num_tokens, num_kv_heads, head_size]"
+    check_ndim("key", key, 3, layout)
+    check_ndim("value", value, 3, layout)
+    if key.shape != value.shape:
+        raise KernelInputError(
+            f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    check_float_activations("key", key)
+    check_float_activations("value", value)
+    if key.dtype != value.dtype:
+        raise KernelInputError(f"key and value must share a dtype, got {_name(key.dtype)} and {_name(value.dtype)}")
+    check_cache_pair(key_cache, value_cache, key.dtype)
+    check_index_tensor("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    num_tokens, num_kv_heads, head_size = key.shape
+    num_blocks, block_size, cache_heads, cache_head_size = key_cache.shape
+    if (cache_heads, cache_head_size) != (num_kv_heads, head_size):
+        raise KernelInputError(
+            f"key is [num_tokens, {num_kv_heads}, {head_size}] but key_cache holds "
+            f"[.., .., {cache_heads}, {cache_head_size}]: num_kv_heads and head_size must agree"
+        )
+    if slot_mapping.shape[0] != num_tokens:
+        raise KernelInputError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens: one slot per token "
+            "(-1 for a padding token)"
+        )
+    num_slots = num_blocks * block_size
+    outside = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()
+    if len(outside):
+        token = int(outside[0])
+        raise KernelInputError(
+            f"slot_mapping[{token}] = {int(slot_mapping[token])} is outside the cache: slots are "
+            f"0..{num_slots - 1} ({num_blocks} blocks of {block_size}), or -1 for padding"
+        )
+    written = slot_mapping[slot_mapping >= 0].sort().values
+    twice = written[1:][written[1:] == written[:-1]]
+    if len(twice):
+        raise KernelInputError(
+            f"slot_mapping names slot {int(twice[0])} more than once: two tokens cannot share a slot"
+        )
+    ks, vs = check_kv_scales(key_cache.dtype, k_scale, v_scale)
+    return CacheWrite(num_tokens, num_kv_heads, head_size, num_blocks, block_size,
+                      key_cache.dtype == FP8_DTYPE, ks, vs)
+
+
+# --------------------------------------------------------------------------- paged attention
+
+
+@dataclasses.dataclass
+class PagedTensors:
+    """The six tensors of a ``paged_attention`` call, in its argument order (tests and benchmarks)."""
+
+    query: torch.Tensor             # [num_tokens, num_q_heads, head_size]
+    key_cache: torch.Tensor         # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor       # [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor          # [num_seqs]
+    query_start_loc: torch.Tensor   # [num_seqs + 1]
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.query_start_loc)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBatch:
+    """The host-side description of one varlen batch, as the launcher and the reference need it."""
+
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    num_blocks: int
+    block_size: int
+    query_start_loc: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    fp8: bool
+    scale: float
+    k_scale: float
+    v_scale: float
+    causal: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:], strict=False))
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """GQA group size: query heads that read one KV head (vLLM's ``num_queries_per_kv``)."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *,
+                    scale=None, causal=True, k_scale=1.0, v_scale=1.0, num_kv_splits=None,
+                    out=None) -> AttentionBatch:
+    """Validate ``paged_attention``'s arguments; return the batch as host-side numbers."""
+    check_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
+    check_float_activations("query", query)
+    check_cache_pair(key_cache, value_cache, query.dtype)
+    check_index_tensor("block_table", block_table, 2, "[num_seqs, max_blocks_per_seq]")
+    check_index_tensor("seq_lens", seq_lens, 1, "[num_seqs]")
+    check_index_tensor("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    check_same_device(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                      seq_lens=seq_lens, query_start_loc=query_start_loc)
+    num_tokens, num_q_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_size = key_cache.shape
+    if cache_head_size != head_size:
+        raise KernelInputError(f"query has head_size {head_size} but the caches hold head_size {cache_head_size}")
+    if num_q_heads % num_kv_heads:
+        raise KernelInputError(
+            f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}: "
+            "each KV head serves the same number of query heads (GQA)"
+        )
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0:
+        raise KernelInputError("seq_lens is empty: a batch needs at least one sequence")
+    if block_table.shape[0] != num_seqs:
+        raise KernelInputError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences (seq_lens)")
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise KernelInputError(
+            f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {query_start_loc.shape[0]}"
+        )
+    starts = query_start_loc.tolist()
+    if starts[0] != 0:
+        raise KernelInputError(f"query_start_loc[0] must be 0, got {starts[0]}")
+    for i in range(num_seqs):
+        if starts[i + 1] <= starts[i]:
+            raise KernelInputError(
+                f"query_start_loc must be strictly increasing (every sequence has at least one query token); "
+                f"query_start_loc[{i + 1}] = {starts[i + 1]} <= query_start_loc[{i}] = {starts[i]}"
+            )
+    if starts[-1] != num_tokens:
+        raise KernelInputError(
+            f"query_start_loc[-1] = {starts[-1]} must equal the number of query tokens, {num_tokens}"
+        )
+    lens = seq_lens.tolist()
+    max_blocks = block_table.shape[1]
+    for i, (length, start, end) in enumerate(zip(lens, starts, starts[1:], strict=False)):
+        if length < end - start:
+            raise KernelInputError(
+                f"seq_lens[{i}] = {length} is shorter than its {end - start} query tokens: the query tokens "
+                "are the last tokens of their sequence"
+            )
+        if cdiv(length, block_size) > max_blocks:
+            raise KernelInputError(
+                f"seq_lens[{i}] = {length} needs {cdiv(length, block_size)} blocks of {block_size}, but "
+                f"block_table has only {max_blocks} columns: the sequence is longer than its table covers"
+            )
+    used = torch.arange(max_blocks, device=block_table.device)[None, :] < (
+        (seq_lens.to(torch.int64) + block_size - 1) // block_size)[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        seq, col = (int(i) for i in bad.nonzero()[0].tolist())
+        raise KernelInputError(
+            f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the cache: block ids must be "
+            f"in [0, {num_blocks}) for caches of {num_blocks} blocks"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_size)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise KernelInputError(f"scale must be a finite number > 0 or None (1/sqrt(head_size)), got {scale!r}")
+    if not isinstance(causal, bool):
+        raise KernelInputError(f"causal must be True or False, got {causal!r}")
+    if num_kv_splits is not None and (
+        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral) or num_kv_splits < 1
+    ):
+        raise KernelInputError(f"num_kv_splits must be a positive integer or None (choose), got {num_kv_splits!r}")
+    if out is not None:
+        check_ndim("out", out, 3, "[num_tokens, num_q_heads, head_size]")
+        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+            raise KernelInputError(
+                f"out must match query: shape {tuple(query.shape)}, {_name(query.dtype)} on {query.device}; got "
+                f"{tuple(out.shape)}, {_name(out.dtype)} on {out.device}"
+            )
+        if out.stride(-1) != 1:
+            raise KernelInputError("out must be contiguous in its last dimension (stride 1)")
+    ks, vs = check_kv_scales(key_cache.dtype, k_scale, v_scale)
+    return AttentionBatch(
+        num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        num_blocks=num_blocks, block_size=block_size, query_start_loc=tuple(starts), seq_lens=tuple(lens),
+        fp8=key_cache.dtype == FP8_DTYPE, scale=float(scale), k_scale=ks, v_scale=vs, causal=causal,
+    )

@@ -1,0 +1,279 @@
+"""Paged attention in Triton: one varlen kernel for prefill chunks and decode steps, plus split-KV.
+
+``paged_attention_kernel`` computes, for a block of query tokens and every query head that shares
+one KV head, ``softmax(q k^T * scale) v`` over the sequence's keys, read tile by tile through the
+block table with an online softmax (``online_softmax_update``). With ``NUM_SPLITS`` > 1 each
+program covers one range of the key tiles and writes an unnormalised partial result; then
+``reduce_splits_kernel`` merges the ranges (split-KV, also called flash-decoding). The grid and the
+index arithmetic are described, and mirrored in Python, in ``kvlab.kernels.grid``.
+
+Modelled on vLLM's Triton backend (``vllm/v1/attention/ops/triton_unified_attention.py``:
+``kernel_unified_attention_2d/3d``, ``reduce_segments``), written again here to be read.
+Two things keep the same source correct in Triton's CPU interpreter and fast on a GPU:
+tiles are at least 16 in every ``tl.dot`` dimension, and ``COMPUTE_DTYPE`` is float32 in the
+interpreter (which cannot do bf16 arithmetic) but the activations' dtype on a GPU (tensor cores).
+"""
+
+from __future__ import annotations
+
+import torch
+from kvlab.kernels._backend import TRITON_INTERPRETER, backend, require_triton
+from kvlab.kernels.checks import AttentionBatch, check_attention
+from kvlab.kernels.grid import KernelConfig, LaunchPlan, next_power_of_2, plan_launch
+
+require_triton()  # sets TRITON_INTERPRET (or not) before the decorators below run
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
+    """Binary search: the last sequence ``i`` whose first query block ``qsl[i] // BLOCK_Q + i`` <= ours."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block_global:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def dot(a, b):
+    """``a @ b`` accumulated in float32; float32 operands use exact products (not TF32 on a GPU)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def online_softmax_update(m_i, l_i, acc, scores, v):
+    """Fold one key tile into the running softmax of each row.
+
+    ``m_i`` [M] is the largest score seen so far, ``l_i`` [M] the sum of ``exp(score - m_i)``,
+    ``acc`` [M, D] the sum of ``exp(score - m_i) * v``; ``scores`` [M, N] (-inf where masked) and
+    ``v`` [N, D] are the new tile. When the maximum grows, what was summed so far is rescaled by
+    ``alpha = exp(m_old - m_new)``. A row that has seen no key yet keeps m = -inf, l = 0, acc = 0.
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))               # [M]
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)          # avoid -inf - -inf = nan
+    alpha = tl.exp(m_i - m_ref)                                    # [M]  exp(-inf) = 0 on the first tile
+    p = tl.exp(scores - m_ref[:, None])                            # [M, N]
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)             # [M, D]
+    return m_new, l_new, acc
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,            # [num_tokens, num_q_heads, head_size]           (written when NUM_SPLITS == 1)
+    split_acc_ptr,      # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_PAD] float32 (NUM_SPLITS > 1)
+    split_max_ptr,      # [num_tokens, num_q_heads, NUM_SPLITS]          float32 (NUM_SPLITS > 1)
+    split_sum_ptr,      # [num_tokens, num_q_heads, NUM_SPLITS]          float32 (NUM_SPLITS > 1)
+    trace_ptr,          # [q_blocks, num_kv_heads, NUM_SPLITS, MAX_TILES, TILE_N] int32 (TRACE)
+    query_ptr,          # [num_tokens, num_q_heads, head_size]
+    key_cache_ptr,      # [num_blocks, BLOCK_SIZE, num_kv_heads, head_size]
+    value_cache_ptr,    # [num_blocks, BLOCK_SIZE, num_kv_heads, head_size]
+    block_table_ptr,    # [num_seqs, max_blocks_per_seq] physical block ids
+    seq_lens_ptr,       # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    scale, k_scale, v_scale, num_seqs,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_k_blk, stride_k_slot, stride_k_head,
+    stride_v_blk, stride_v_slot, stride_v_head,
+    stride_bt_seq,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    CAUSAL: tl.constexpr, KV_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    TRACE: tl.constexpr, MAX_TILES: tl.constexpr,
+):
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # 1. Which sequence, and which of its query blocks, is ours? (vLLM: find_seq_idx)
+    seq = find_seq_idx(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return                                   # the grid is an upper bound: nothing to do here
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len                # tokens already cached before this step's queries
+
+    # 2. GQA packing: row r is query token r // GROUP, query head kv_head * GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    q_pos = q_block * BLOCK_Q + rows // GROUP                       # [BLOCK_M] position in the query
+    q_head = kv_head * GROUP + rows % GROUP                         # [BLOCK_M]
+    row_ok = (q_pos < q_len) & (rows < BLOCK_Q * GROUP)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    q_tok = (q_start + q_pos).to(tl.int64)
+    q = tl.load(query_ptr + q_tok[:, None] * stride_q_tok + q_head[:, None] * stride_q_head + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(COMPUTE_DTYPE)   # [BLOCK_M, HEAD_PAD]
+
+    # 3. The keys this block may see (causal: up to its last query's position), cut into tiles;
+    # 4. and this split's range of those tiles.
+    kv_len = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q) if CAUSAL else seq_len
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    block_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+    for tile in range(tile_lo, tile_hi):                          # 3. walk the tiles through the block table
+        key_pos = tile * TILE_N + offs_n                                       # [TILE_N] logical positions
+        key_ok = key_pos < kv_len
+        physical = tl.load(block_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = key_pos % BLOCK_SIZE
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(key_cache_ptr + physical[:, None] * stride_k_blk + slot[:, None] * stride_k_slot
+                    + kv_head * stride_k_head + dims[None, :], mask=kv_mask, other=0.0)   # [TILE_N, HEAD_PAD]
+        v = tl.load(value_cache_ptr + physical[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
+                    + kv_head * stride_v_head + dims[None, :], mask=kv_mask, other=0.0)   # [TILE_N, HEAD_PAD]
+        if KV_FP8:                                                             # dequantize on load
+            k = k.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
+        k = k.to(COMPUTE_DTYPE)
+        v = v.to(COMPUTE_DTYPE)
+
+        scores = dot(q, tl.trans(k)) * scale                                   # [BLOCK_M, TILE_N]
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (key_pos[None, :] <= (context_len + q_pos)[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v)
+
+        if TRACE:  # record which physical block each key position came from (tests, notebook)
+            program = (q_block_global * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
+            where = (program.to(tl.int64) * MAX_TILES + (tile - tile_lo)) * TILE_N + offs_n
+            tl.store(trace_ptr + where, tl.where(key_ok, physical, -1).to(tl.int32))
+
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]        # l = 0 only on padding rows
+        tl.store(out_ptr + q_tok[:, None] * stride_o_tok + q_head[:, None] * stride_o_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # unnormalised partials; an empty range stores m = -inf, l = 0, acc = 0
+        row_split = (q_tok * NUM_Q_HEADS + q_head) * NUM_SPLITS + split         # [BLOCK_M]
+        tl.store(split_acc_ptr + row_split[:, None] * HEAD_PAD + dims[None, :], acc, mask=out_mask)
+        tl.store(split_max_ptr + row_split, m_i, mask=row_ok)
+        tl.store(split_sum_ptr + row_split, l_i, mask=row_ok)
+
+
+@triton.jit
+def reduce_splits_kernel(
+    out_ptr,            # [num_tokens, num_q_heads, head_size]
+    split_acc_ptr,      # [num_tokens, num_q_heads, NUM_SPLITS, HEAD_PAD] float32
+    split_max_ptr,      # [num_tokens, num_q_heads, NUM_SPLITS]          float32
+    split_sum_ptr,      # [num_tokens, num_q_heads, NUM_SPLITS]          float32
+    stride_o_tok, stride_o_head,
+    NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (token, query head): merge the split partials with their log-sum-exp weights."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_PAD)
+    row = (token * NUM_Q_HEADS + head) * NUM_SPLITS + splits                  # [SPLITS_PAD]
+    m = tl.load(split_max_ptr + row, mask=split_ok, other=float("-inf"))
+    l_s = tl.load(split_sum_ptr + row, mask=split_ok, other=0.0)
+    acc = tl.load(split_acc_ptr + row[:, None] * HEAD_PAD + dims[None, :],
+                  mask=split_ok[:, None], other=0.0)                           # [SPLITS_PAD, HEAD_PAD]
+    m_all = tl.max(m, axis=0)              # finite: the first split always holds key 0, seen by every query
+    weight = tl.exp(m - m_all)             # [SPLITS_PAD]; 0 for an empty split (m = -inf)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
+
+
+def _compute_dtype(query: torch.Tensor):
+    """float32 in the interpreter (no bf16 arithmetic there); the activations' dtype on a GPU."""
+    if backend() == TRITON_INTERPRETER:
+        return tl.float32
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[query.dtype]
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs one program at a time)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def launch(plan: LaunchPlan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+           out: torch.Tensor, trace: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the kernels of ``plan`` (inputs already checked). ``trace``, if given, receives the block trace."""
+    b, cfg, splits = plan.batch, plan.config, plan.num_kv_splits
+    head_pad = max(16, next_power_of_2(b.head_size))
+    device = query.device
+    if splits > 1:
+        split_acc = torch.empty(b.num_tokens, b.num_q_heads, splits, head_pad, dtype=torch.float32, device=device)
+        split_max = torch.empty(b.num_tokens, b.num_q_heads, splits, dtype=torch.float32, device=device)
+        split_sum = torch.empty_like(split_max)
+    else:
+        split_acc = split_max = split_sum = out          # never touched: NUM_SPLITS == 1
+    paged_attention_kernel[plan.grid](
+        out, split_acc, split_max, split_sum, trace if trace is not None else out,
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        b.scale, b.k_scale, b.v_scale, b.num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+        NUM_Q_HEADS=b.num_q_heads, NUM_KV_HEADS=b.num_kv_heads, GROUP=b.num_queries_per_kv,
+        HEAD_SIZE=b.head_size, HEAD_PAD=head_pad, BLOCK_SIZE=b.block_size,
+        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
+        CAUSAL=b.causal, KV_FP8=b.fp8, COMPUTE_DTYPE=_compute_dtype(query),
+        TRACE=trace is not None, MAX_TILES=plan.max_tiles,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        reduce_splits_kernel[(b.num_tokens, b.num_q_heads)](
+            out, split_acc, split_max, split_sum, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=b.num_q_heads, HEAD_SIZE=b.head_size, HEAD_PAD=head_pad,
+            NUM_SPLITS=splits, SPLITS_PAD=next_power_of_2(splits), num_warps=4,
+        )
+    return out
+
+
+def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+                           scale: float | None = None, causal: bool = True, k_scale: float = 1.0,
+                           v_scale: float = 1.0, num_kv_splits: int | None = None,
+                           out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Check the inputs, plan the launch, run the Triton kernels; returns ``out`` ``[num_tokens, Hq, D]``."""
+    batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
+                            causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out)
+    plan = plan_launch(batch, num_kv_splits, config, num_sms(query.device))
+    out = torch.empty_like(query) if out is None else out
+    return launch(plan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
+
+
+def trace_reads(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *,
+                causal: bool = True, num_kv_splits: int | None = None,
+                config: KernelConfig | None = None) -> tuple[LaunchPlan, torch.Tensor, torch.Tensor]:
+    """Run the kernel with its trace on: ``(plan, out, trace)``, trace ``[q_blocks, Hkv, splits, tiles, TILE_N]``.
+
+    ``trace[b, h, s, i, n]`` is the physical block program ``(b, h, s)`` read for key ``n`` of its
+    ``i``-th tile (-1: masked position, -2: a tile the program never reached).
+    """
+    batch: AttentionBatch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                            causal=causal, num_kv_splits=num_kv_splits)
+    plan = plan_launch(batch, num_kv_splits, config, num_sms(query.device))
+    trace = torch.full((*plan.grid, plan.max_tiles, plan.config.tile_n), -2, dtype=torch.int32,
+                       device=query.device)
+    out = launch(plan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                 torch.empty_like(query), trace)
+    return plan, out, trace

@@ -1,0 +1,309 @@
+"""Notebook 05's exercises (the online-softmax update inside a Triton kernel, slot mapping) and self-test.
+
+Importing this module must not import triton (``kvlab.exercises`` imports every notebook's module,
+and ``import kvlab`` never touches triton): everything that needs ``kvlab.kernels`` is imported on
+first use, and ``tl`` below is bound then.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+import warnings
+from typing import Any
+
+import torch
+
+from kvlab.errors import BackendUnavailableError
+from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.sizing import cdiv
+from kvlab.units import format_bytes
+
+#: ``triton.language``, bound by ``_kernels()`` on first use so the reference below can run as a kernel.
+tl: Any = None
+
+
+def _kernels():
+    """Set up kvlab.kernels (and so Triton) on first use; bind ``tl`` for the reference solution."""
+    global tl
+    kernels = importlib.import_module("kvlab.kernels")
+    if tl is None and kernels.backend() != kernels.TORCH_REFERENCE:
+        tl = importlib.import_module("triton.language")
+    return kernels
+
+
+# ----------------------------------------------------------------- 05.online_softmax
+
+
+def online_softmax_update(m_i, l_i, acc, scores, v):
+    """Reference: fold one key tile into every row's running max ``m_i``, sum ``l_i`` and ``acc``."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row that has seen no key yet
+    alpha = tl.exp(m_i - m_ref)                               # rescales what was summed so far
+    p = tl.exp(scores - m_ref[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_new, acc
+
+
+def _is_stub(fn: Any) -> bool:
+    try:
+        return "NotImplementedError" in inspect.getsource(getattr(fn, "fn", fn))
+    except (OSError, TypeError):
+        return False
+
+
+def in_tile_kernel(update: Any):
+    """Run ``update`` as the online-softmax step of ``attention_by_tiles``: ``(q, k, v, visible, tile_n) -> out``."""
+    compiled: list = []
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, tile_n: int) -> torch.Tensor:
+        if _is_stub(update):
+            raise NotImplementedError("still the stub")
+        kernels = _kernels()
+        if kernels.backend() == kernels.TORCH_REFERENCE:
+            if update is online_softmax_update:            # the expected answer needs no kernel
+                return kernels.masked_attention(q, k, v, visible)
+            raise BackendUnavailableError("this exercise runs your function in a Triton kernel, and Triton is not "
+                                          "installed here (Linux only); the rest of the notebook still runs")
+        tiles = importlib.import_module("kvlab.kernels.online_softmax")
+        if not compiled:
+            compiled.append(tiles.as_kernel_function(update))
+        device = "cuda" if kernels.backend() == kernels.TRITON_CUDA else "cpu"
+        with warnings.catch_warnings():        # a wrong update's nan/inf is reported by the checker, not numpy
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return tiles.attention_by_tiles(q.to(device), k.to(device), v.to(device), visible.to(device), tile_n,
+                                            update=compiled[0]).cpu()
+
+    return run
+
+
+def _tile_case(rng: random.Random, num_keys: int, *, loud: float = 1.0, late_max: bool = False,
+               hidden_start: int = 0, probes: str) -> Case:
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    q = torch.randn(16, 32, generator=g) * loud
+    k = torch.randn(num_keys, 32, generator=g)
+    v = torch.randn(num_keys, 32, generator=g)
+    if late_max:                                    # the last tile's keys point along each query
+        k[-8:] += 3.0 * q[rng.randrange(16)] / q.norm(dim=1).mean()
+    visible = torch.ones(16, num_keys, dtype=torch.bool)
+    visible[:8, :hidden_start] = False              # half the rows see nothing in the first tiles
+    return Case((q, k, v, visible, 16), probes=probes)
+
+
+def _close(expected: torch.Tensor, actual: Any) -> bool:
+    if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or not torch.isfinite(actual).all():
+        return False
+    return float((actual - expected).norm() / expected.norm()) < 5e-3
+
+
+def _explain_softmax(case: Case, expected: torch.Tensor, actual: Any) -> str | None:
+    if not isinstance(actual, torch.Tensor):
+        return "return the three updated values (m_new, l_new, acc_new) as a tuple"
+    visible = case.args[3]
+    first_tile_hidden = bool((~visible[:, :16]).all(dim=1).any())
+    if torch.isnan(actual).any() and first_tile_hidden:
+        return ("a row that has seen no key yet has m = -inf, and -inf - (-inf) is nan: subtract "
+                "tl.where(m_new == float('-inf'), 0.0, m_new) instead of m_new")
+    if not torch.isfinite(actual).all():
+        return "exp(score) overflows float32 for scores of a few hundred: subtract the running maximum first"
+    return ("when a tile raises a row's maximum, rescale what was summed before (l_i and acc) by "
+            "alpha = exp(m_old - m_new)")
+
+
+register(Exercise(
+    id="05.online_softmax",
+    title="The online-softmax update of the paged attention kernel",
+    task=(
+        "Write the step that folds one tile of keys into each query row's running softmax, as a "
+        "`@triton.jit` function. Per row it keeps `m_i` (largest score so far), `l_i` (sum of "
+        "exp(score - m_i)) and `acc` (sum of exp(score - m_i) * v). Given a new tile's `scores` "
+        "[M, N] (-inf where a key is masked) and values `v` [N, D], return `(m_new, l_new, acc_new)`. "
+        "The checker runs it inside a one-program Triton kernel (`kvlab.kernels.online_softmax`), "
+        "on CPU through Triton's interpreter, against attention computed in one go."
+    ),
+    signature="def online_softmax_update(m_i, l_i, acc, scores, v):",
+    reference=online_softmax_update,
+    prepare=in_tile_kernel,
+    edge_cases=[
+        _tile_case(random.Random(1), 12, probes="one tile holds every key: the update runs once"),
+        _tile_case(random.Random(2), 48, late_max=True,
+                   probes="the largest scores arrive in the last tile, so earlier sums must be rescaled"),
+        _tile_case(random.Random(3), 40, loud=40.0,
+                   probes="scores of a few hundred: exp(score) overflows unless the running max is subtracted"),
+        _tile_case(random.Random(4), 48, hidden_start=20,
+                   probes="rows that see no key in the first tile start with m = -inf"),
+        _tile_case(random.Random(5), 37, probes="the last tile is only partly filled (masked keys count for nothing)"),
+    ],
+    random_case=lambda rng: _tile_case(rng, rng.randint(1, 70), loud=rng.choice([0.3, 1.0, 5.0]),
+                                       late_max=rng.random() < 0.5, hidden_start=rng.choice([0, 0, 10, 17]),
+                                       probes="a random block of rows and keys"),
+    num_random=6,
+    compare=_close,
+    explain=_explain_softmax,
+    hints=[
+        "Start with m_new = tl.maximum(m_i, tl.max(scores, axis=1)): the row maximum after this tile.",
+        "Everything accumulated so far was relative to m_i; alpha = tl.exp(m_i - m_new) converts it to m_new. "
+        "New weights are p = tl.exp(scores - m_new[:, None]).",
+        "l_new = l_i * alpha + tl.sum(p, axis=1); acc_new = acc * alpha[:, None] + tl.dot(p, v).",
+        "Before the first visible key a row has m = -inf, and -inf - (-inf) is nan: subtract "
+        "tl.where(m_new == float('-inf'), 0.0, m_new) instead of m_new.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 05.slot_mapping
+
+
+def slot_mapping(block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+                 block_size: int) -> list[int]:
+    """Reference: the slot of every query token, sequence after sequence."""
+    slots = []
+    for table, seq_len, query_len in zip(block_tables, seq_lens, query_lens, strict=True):
+        for position in range(seq_len - query_len, seq_len):       # the query tokens are the last ones
+            slots.append(table[position // block_size] * block_size + position % block_size)
+    return slots
+
+
+def _random_slot_case(rng: random.Random) -> Case:
+    block_size = rng.choice([1, 4, 16])
+    num_seqs = rng.randint(1, 5)
+    seq_lens = [rng.randint(1, 40) for _ in range(num_seqs)]
+    query_lens = [rng.choice([1, s, rng.randint(1, s)]) for s in seq_lens]
+    pool = list(range(sum(cdiv(s, block_size) for s in seq_lens) + 10))
+    rng.shuffle(pool)
+    tables = []
+    for s in seq_lens:
+        n = cdiv(s, block_size)
+        tables.append(pool[:n] + [0] * rng.randint(0, 2))            # padded rows, as vLLM's tensor
+        pool = pool[n:]
+    return Case((tables, seq_lens, query_lens, block_size), probes="a random mixed batch")
+
+
+def _explain_slots(case: Case, expected: list[int], actual: Any) -> str | None:
+    tables, seq_lens, query_lens, block_size = case.args
+    from_zero = slot_mapping(tables, query_lens, query_lens, block_size)
+    if actual == from_zero:
+        return ("the query tokens are the *last* query_len tokens of each sequence: positions run "
+                "from seq_len - query_len to seq_len - 1, after the cached context")
+    no_multiply = [tables[i][p // block_size] + p % block_size
+                   for i, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)) for p in range(s - q, s)]
+    if actual == no_multiply:
+        return "a slot counts tokens, not blocks: slot = block_id * block_size + offset"
+    return None
+
+
+register(Exercise(
+    id="05.slot_mapping",
+    title="Slot mapping for a mixed batch",
+    task=(
+        "Return the slot (`block_id * block_size + offset`) that `reshape_and_cache` writes for every "
+        "query token of a batch, sequence after sequence. Sequence i has `seq_lens[i]` tokens and its "
+        "`query_lens[i]` query tokens are its last ones (a decode step has 1; a prefill chunk over a "
+        "cached prefix starts after it). `block_tables[i]` lists its physical blocks (it may be longer "
+        "than needed)."
+    ),
+    signature=("def slot_mapping(block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int], "
+               "block_size: int) -> list[int]:"),
+    reference=slot_mapping,
+    edge_cases=[
+        Case(([[7, 3, 12]], [45], [1], 16), probes="one decode step: token 44 sits in logical block 2, offset 12"),
+        Case(([[5, 9]], [20], [20], 16), probes="a whole prompt from position 0 crosses a block boundary"),
+        Case(([[2, 6, 4]], [40], [10], 16),
+             probes="a prefill chunk after 30 cached tokens: positions start at seq_len - query_len"),
+        Case(([[1, 0], [3, 0], [8, 2]], [5, 1, 7], [1, 1, 7], 4),
+             probes="a mixed batch: two decodes and a new prompt, in the order of the batch"),
+        Case(([[4, 9, 0], [4, 6, 0]], [6, 7], [2, 3], 4),
+             probes="two sequences share their first block (a prefix hit); each writes only its own new tokens"),
+    ],
+    random_case=_random_slot_case,
+    explain=_explain_slots,
+    hints=[
+        "For each sequence, the positions of its query tokens are range(seq_len - query_len, seq_len).",
+        "Position p lives in logical block p // block_size, at offset p % block_size.",
+        "The slot is block_tables[i][p // block_size] * block_size + p % block_size.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- self-test
+
+
+def _grid_question() -> dict[str, Any]:
+    grid = importlib.import_module("kvlab.kernels.grid")
+    checks = importlib.import_module("kvlab.kernels.checks")
+    num_seqs, context = 64, 8192
+    batch = checks.AttentionBatch(
+        num_tokens=num_seqs, num_q_heads=32, num_kv_heads=8, head_size=128, num_blocks=num_seqs * context // 16,
+        block_size=16, query_start_loc=tuple(range(num_seqs + 1)), seq_lens=(context,) * num_seqs, fp8=False,
+        scale=128**-0.5, k_scale=1.0, v_scale=1.0, causal=True)
+    num_sms = 132
+    plan = grid.plan_launch(batch, num_sms=num_sms)
+    kv_bytes = 2 * context * 8 * 128 * 2                           # K and V of one sequence, all KV heads, bf16
+    return {"grid": plan.grid, "num_seqs": num_seqs, "num_sms": num_sms, "waves": grid.TARGET_WAVES,
+            "working_programs": num_seqs * 8 * plan.num_kv_splits,
+            "heads_per_program": batch.num_queries_per_kv, "block_q": plan.config.block_q,
+            "kv_bytes_per_seq": kv_bytes, "unpacked_kv_bytes_per_seq": kv_bytes * batch.num_queries_per_kv}
+
+
+register_question(Question(
+    id="05.q1",
+    text=("Llama-3-8B heads (32 query, 8 KV, head 128, bf16), a decode batch of 64 sequences of 8K tokens on an "
+          "H200 (132 SMs): what grid does paged_attention launch, how many programs do work, and how much KV "
+          "does one sequence make the GPU read, with GQA packing and without it?"),
+    answer=lambda: (lambda v: (
+        f"Grid {v['grid']}: axis 0 is an upper bound on query blocks of {v['block_q']} tokens (num_tokens // "
+        f"BLOCK_Q + num_seqs = {v['num_seqs']} // {v['block_q']} + {v['num_seqs']}), so only "
+        f"{v['working_programs']} programs work, one per sequence and KV head; the rest find no query block and "
+        f"exit at once. No split: {v['working_programs']} programs already fill {v['waves']} waves of "
+        f"{v['num_sms']} SMs. Each program serves the {v['heads_per_program']} query heads of its KV head, so a "
+        f"sequence's KV is read once, {format_bytes(v['kv_bytes_per_seq'])}; one program per query head would read "
+        f"{format_bytes(v['unpacked_kv_bytes_per_seq'])}."))(_grid_question()),
+    values=_grid_question,
+))
+
+
+def _layout_question() -> dict[str, Any]:
+    layouts = importlib.import_module("kvlab.kernels.layouts")
+    x = layouts.legacy_x(torch.bfloat16)
+    cache = torch.empty(1000, 16, 8, 128, dtype=torch.bfloat16, device="meta")   # [blocks, block_size, Hkv, D]
+    k5, v4 = layouts.to_legacy_layout(cache, cache)
+    return {"x": x, "k_shape": tuple(k5.shape), "v_shape": tuple(v4.shape),
+            "x_fp8": layouts.legacy_x(torch.float8_e4m3fn)}
+
+
+register_question(Question(
+    id="05.q2",
+    text=("One layer of a bf16 cache with 1,000 blocks of 16 tokens, 8 KV heads, head size 128: what shapes do "
+          "K and V take in vLLM's older CUDA layout, and why is only K cut into pieces of x?"),
+    answer=lambda: (lambda v: (
+        f"x = 16 bytes / 2 = {v['x']} (FP8: {v['x_fp8']}). K is {list(v['k_shape'])}, V is {list(v['v_shape'])}. "
+        "q . k sums over the head dimension, so a thread loads x consecutive dimensions of one key in a single "
+        "16-byte load, and the threads working on neighbouring keys find their vectors side by side. p . v sums "
+        "over tokens, so V keeps a block's tokens innermost. The layout follows the reduction."))(_layout_question()),
+    values=_layout_question,
+))
+
+
+def _fp8_question() -> dict[str, Any]:
+    fp8 = importlib.import_module("kvlab.kernels.fp8")
+    small, large = torch.tensor([0.001]), torch.tensor([1000.0])
+    return {"small_stored": float(fp8.quantize_fp8(small, 1.0).float()),
+            "large_stored": float(fp8.quantize_fp8(large, 1.0).float()),
+            "small_calibrated": float(fp8.dequantize_fp8(fp8.quantize_fp8(small, 0.001 / 200), 0.001 / 200)),
+            "max": fp8.E4M3_MAX}
+
+
+register_question(Question(
+    id="05.q3",
+    text=("An FP8 (e4m3) cache with vLLM's default scale 1.0 receives a value of 0.001 and one of 1000. What does "
+          "it store, and what does a calibrated scale (amax / 200) change?"),
+    answer=lambda: (lambda v: (
+        f"0.001 lies below e4m3's smallest normal (2^-6), where steps are 2^-9 apart: it is stored as "
+        f"{v['small_stored']:.6g}, almost twice too large. 1000 is past the largest e4m3 value and saturates to "
+        f"{v['large_stored']:g}. A scale of amax / 200 maps the tensor's largest value to 200, so 0.001 in a "
+        f"tensor of amax 0.001 comes back as {v['small_calibrated']:.6g}: every value keeps its 3 mantissa "
+        "bits."))(_fp8_question()),
+    values=_fp8_question,
+))
