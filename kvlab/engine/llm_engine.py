@@ -105,7 +105,7 @@ class LLMEngine:
         per_block = kv_bytes_per_token(self.config.spec, _SIZING_NAMES[self.cache_dtype]) * block_size
         if num_gpu_blocks is None and kv_cache_memory_gib is None:
             wanted = 1 + positive_int("max_num_seqs", max_num_seqs) * cdiv(self.max_model_len, block_size)
-            num_gpu_blocks = max(2, min(wanted, DEFAULT_KV_CACHE_MEMORY_GIB * GiB // per_block))
+            num_gpu_blocks = max(2, min(wanted, int(DEFAULT_KV_CACHE_MEMORY_GIB * GiB) // per_block))
         if num_gpu_blocks is not None:
             kv_cache_memory_gib = positive_int("num_gpu_blocks", num_gpu_blocks) * per_block / GiB  # exact: GiB = 2**30
         self.plan: KVCachePlan = plan_kv_cache(

@@ -9,12 +9,13 @@ or mixed up context would be caught. The Triton interpreter is slow: prompts are
 import pytest
 import torch
 
-from kvlab.engine import LLMEngine, model_runner
+from kvlab.engine import LLMEngine, llm_engine, model_runner
 from kvlab.engine.evaluation import relative_error
 from kvlab.engine.model_runner import copy_blocks, prepare_inputs
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import KvlabValueError, RequestTooLongError
 from kvlab.scheduler import SamplingParams, ScheduledRequest, SchedulerOutput
+from kvlab.sizing import cdiv
 
 
 def engine(model_dir, **kwargs):
@@ -155,6 +156,14 @@ def test_the_pool_is_sized_from_memory_as_vllm_sizes_it(tiny_llama_dir):
     assert per_block == 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads, head 16, fp32, 16 tokens
     assert eng.num_gpu_blocks == 2**20 // per_block
     assert eng.startup_log()[1] == f"GPU KV cache size: {eng.num_gpu_blocks * 16:,} tokens"
+
+
+def test_a_default_pool_holds_max_num_seqs_full_requests_within_a_memory_cap(tiny_llama_dir, monkeypatch):
+    roomy = LLMEngine(tiny_llama_dir, max_num_seqs=4, block_size=16)
+    assert roomy.num_gpu_blocks == 1 + 4 * cdiv(512, 16)  # the config's 512 positions
+    monkeypatch.setattr(llm_engine, "DEFAULT_KV_CACHE_MEMORY_GIB", 1 / 1024)  # 1 MiB
+    capped = LLMEngine(tiny_llama_dir, max_num_seqs=4, block_size=16)
+    assert capped.num_gpu_blocks == 2**20 // capped.plan.bytes_per_block == 128
 
 
 # ----------------------------------------------------------------- the executor's pure parts
