@@ -2,10 +2,11 @@
 
 Method: ``kvlab.engine.evaluation.measure_throughput`` on a freshly written ``save_tiny_llama``
 checkpoint (2 layers, 4 query / 2 KV heads of 16, float32), 5 prompts of 12-36 tokens, 8 greedy
-tokens each with EOS ignored; kvlab batches the prompts in one engine (64 blocks of 16 tokens),
-transformers runs ``generate`` on each prompt in turn. Kernel time is summed over every
-``reshape_and_cache`` / ``paged_attention`` call. Saved to ``data/measurements/engine_throughput.json``.
-On a CPU the kernels run in Triton's interpreter: the figures measure the interpreter, not paging.
+tokens each with EOS ignored, after an untimed one-token warm-up of each side; kvlab batches the
+prompts in one engine (64 blocks of 16 tokens), transformers runs ``generate`` on each prompt in
+turn. Kernel time is summed over every ``reshape_and_cache`` / ``paged_attention`` call. Saved to
+``data/measurements/engine_throughput.json``. On a CPU the kernels run in Triton's interpreter:
+the figures measure the interpreter, not paging.
 """
 
 import tempfile
