@@ -6,6 +6,8 @@ comparison has teeth: the tiny model's tokens do depend on its context, so a cac
 or mixed up context would be caught. The Triton interpreter is slow: prompts are short.
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -137,6 +139,22 @@ def test_fp8_kv_cache_stores_a_quarter_of_float32_and_rounds_the_logits_a_little
     full.generate([prompt], max_tokens=1)
     error = relative_error(fp8.model_runner.logits["0"][0], full.model_runner.logits["0"][0])
     assert 0 < error < 0.15  # rounded (3 mantissa bits), not broken
+
+
+def test_string_prompts_go_through_the_checkpoints_tokenizer(tiny_llama_dir, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama_dir / name, tmp_path / name)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate("abcdefghijklmnopqrstuvwxyz ")}}
+    characters = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    characters.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=characters, eos_token="</s>").save_pretrained(tmp_path)
+    eng = engine(tmp_path)
+    ids = eng.encode("paged kv")
+    assert ids == [vocab[ch] for ch in "paged kv"]
+    assert eng.generate(["paged kv"], max_tokens=2) == eng.generate([ids], max_tokens=2)
 
 
 def test_bad_engine_arguments_are_refused_by_name(tiny_llama_dir):
