@@ -2,12 +2,17 @@
 #   make lab PORT=9000          pick the port (IP=0.0.0.0 to listen beyond this machine)
 #   make test TORCH=2.6.0       choose the torch release installed into .venv
 #   make test TORCH=            let pip choose torch (on Linux that is a CUDA build of several GB)
+#   make present NB=02          one notebook in Voila for a projector (widgets and text, code hidden)
+#   make html                   execute every notebook into a static copy in build/html/ (NB=01 for one)
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= 2.13.0
 PORT   ?= 8888
 IP     ?= 127.0.0.1
 PYTEST_ARGS ?=
+NB     ?=
+VOILA_ARGS ?=
+CHROMIUM ?= $(or $(KVLAB_CHROMIUM),/usr/bin/chromium)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -17,7 +22,7 @@ QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 # The stamp is keyed on pyproject.toml and the torch choice: a second run installs nothing.
 STAMP := $(VENV)/.kvlab-$(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)-torch$(TORCH)
 
-.PHONY: venv lab test test-long bench lint strip clean-venv
+.PHONY: venv lab test test-long bench lint strip clean-venv present html
 
 venv: $(STAMP)
 
@@ -34,6 +39,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --no-browser --ip=$(IP) --port=$(PORT) --ServerApp.root_dir=notebooks
 
 test: $(STAMP)
+	@test -x "$(CHROMIUM)" || echo "NOTE: no Chromium at $(CHROMIUM): the browser tests (marker ui) will be skipped; apt-get install chromium to run them."
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-long: $(STAMP)
@@ -50,3 +56,12 @@ strip: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+present: $(STAMP)
+	@nb="$$(ls notebooks/$(or $(NB),none)_*.ipynb 2>/dev/null | head -1)"; \
+	if [ -z "$$nb" ]; then echo "Usage: make present NB=02  (one of: $$(ls notebooks | sed -n 's/^\([0-9][0-9]\)_.*ipynb$$/\1/p' | tr '\n' ' '))"; exit 2; fi; \
+	echo "Presenting $$nb with Voila (widgets and text, code hidden); open the URL printed below."; \
+	$(BIN)/voila "$$nb" --no-browser --Voila.ip=$(IP) --port=$(PORT) --token --show_tracebacks=True $(VOILA_ARGS)
+
+html: $(STAMP)
+	$(BIN)/python scripts/export_html.py $(if $(NB),$(wildcard notebooks/$(NB)_*.ipynb))

@@ -96,11 +96,11 @@ class BytesPerTokenPanel:
 
         self.model = w.Dropdown(options=list_models() + ["pasted config"], value=model, description="model")
         self.config = w.Textarea(placeholder="paste a config.json here, then choose 'pasted config'",
-                                 layout=w.Layout(width="100%", height="90px"))
+                                 layout=w.Layout(width="auto", height="90px"))
         self.kv_dtype = w.Dropdown(options=list(KV_DTYPE_BYTES), value=kv_dtype, description="KV dtype")
         self.tp = w.Dropdown(options=[1, 2, 4, 8, 16], value=tp, description="TP")
         self.context = w.IntSlider(value=context, min=1024, max=262144, step=1024, description="context",
-                                   continuous_update=False, layout=w.Layout(width="100%"))
+                                   continuous_update=False, layout=w.Layout(width="auto"))
         self.summary = w.HTML()
         self.errors = error_area()
         self.state: dict[str, Any] = panel_state(model, kv_dtype, tp, context)

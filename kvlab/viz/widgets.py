@@ -15,7 +15,7 @@ def error_area() -> Any:
     """An ``ipywidgets.Output`` where a panel's callback errors are shown to the learner."""
     import ipywidgets as w
 
-    return w.Output(layout=w.Layout(width="100%"))
+    return w.Output(layout=w.Layout(width="auto"))
 
 
 def guarded(callback: Callable[..., Any], errors: Any) -> Callable[..., Any]:
@@ -60,7 +60,7 @@ def replace_figure(target: Any, figure: Any) -> None:
     """Redraw ``target`` (a FigureWidget) in place with the traces and layout of ``figure``.
 
     Traces are updated in one ``batch_update`` when their number and kinds match (a cheap
-    redraw while dragging), else replaced.
+    redraw while dragging), else replaced. Then ``keep_for_new_views``.
     """
     same_shape = len(target.data) == len(figure.data) and all(
         a.type == b.type for a, b in zip(target.data, figure.data, strict=True)
@@ -73,3 +73,19 @@ def replace_figure(target: Any, figure: Any) -> None:
             target.data = ()
             target.add_traces(list(figure.data))
         target.layout = figure.layout
+    keep_for_new_views(target, figure)
+
+
+def keep_for_new_views(target: Any, figure: Any) -> None:
+    """Make ``figure`` (just drawn into ``target``) the figure that views created later start from.
+
+    plotly sends an edit only to the views that exist, and keeps what a new view draws as it
+    was when the FigureWidget was built: in Voila (which draws widgets after every cell ran)
+    or after a page reload, a panel would show its first figure beside its current numbers.
+    Call this after any in-place redraw that does not go through ``replace_figure``.
+    """
+    if hasattr(target, "_widget_data"):  # plotly >= 6 (anywidget)
+        target._widget_data = [
+            {**new.to_plotly_json(), "uid": old.uid} for old, new in zip(target.data, figure.data, strict=True)
+        ]
+        target._widget_layout = figure.layout.to_plotly_json()
