@@ -26,7 +26,8 @@ def test_the_history_figure_marks_each_preempting_step():
     fig = figure_engine_history(history)
     (marks,) = [t for t in fig.data if t.name == "preemption"]
     assert list(marks.x) == [h.step for h in history if h.num_preempted_reqs] != []
-    assert len(figure_compare_runs({"a": {"x": 1.0, "y": 2.0}, "b": {"x": 3.0, "y": 4.0}}, "t").data) == 2
+    bars = figure_compare_runs({"a": {"x": 1.0, "y": 2.0}, "b": {"x": 3.0, "y": 4.0}}, "t").data
+    assert [(b.name, b.y[0]) for b in bars] == [("a", 1.0), ("a", 2.0), ("b", 3.0), ("b", 4.0)]
 
 
 def test_controls_drive_the_state():

@@ -55,13 +55,17 @@ def figure_engine_history(history: Sequence[SchedulerStats], title: str = "One s
 
 
 def figure_compare_runs(runs: dict[str, dict[str, float]], title: str) -> go.Figure:
-    """Grouped bars: one group per measure, one bar per run (``{run: {measure: value}}``)."""
-    fig = go.Figure()
+    """One small bar chart per measure (each with its own scale), one bar per run: ``{run: {measure: value}}``."""
     measures = list(next(iter(runs.values())))
-    for name, values in runs.items():
-        fig.add_bar(name=name, x=measures, y=[values[m] for m in measures],
-                    text=[f"{values[m]:.3g}" for m in measures], textposition="outside")
-    fig.update_layout(title=title, barmode="group", height=360, margin=dict(t=60, b=40))
+    fig = make_subplots(rows=1, cols=len(measures), subplot_titles=measures)
+    palette = ["#1d4ed8", "#f59e0b", "#16a34a", "#b42318"]
+    for i, (name, values) in enumerate(runs.items()):
+        for col, measure in enumerate(measures, start=1):
+            fig.add_bar(name=name, x=[name], y=[values[measure]], marker_color=palette[i % len(palette)],
+                        text=[f"{values[measure]:.3g}"], textposition="outside", showlegend=col == 1,
+                        row=1, col=col)
+    fig.update_layout(title=title, height=360, margin=dict(t=80, b=40), bargap=0.3)
+    fig.update_xaxes(showticklabels=False)
     return fig
 
 
