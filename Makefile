@@ -17,6 +17,8 @@ CHROMIUM ?= $(or $(KVLAB_CHROMIUM),/usr/bin/chromium)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 BIN := $(VENV)/bin
+# Jupyter refuses to run as root unless told to (containers, CI machines).
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # pip on some machines warns about every unreachable local index entry; keep the log readable.
 QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 # The stamp is keyed on pyproject.toml and the torch choice: a second run installs nothing.
@@ -36,7 +38,7 @@ $(STAMP): pyproject.toml
 
 lab: $(STAMP)
 	@echo "Starting JupyterLab on notebooks/; open the URL printed below (with its token)."
-	$(BIN)/jupyter lab --no-browser --ip=$(IP) --port=$(PORT) --ServerApp.root_dir=notebooks
+	$(BIN)/jupyter lab --no-browser --ip=$(IP) --port=$(PORT) --ServerApp.root_dir=notebooks $(ROOT_FLAG)
 
 test: $(STAMP)
 	@test -x "$(CHROMIUM)" || echo "NOTE: no Chromium at $(CHROMIUM): the browser tests (marker ui) will be skipped; apt-get install chromium to run them."

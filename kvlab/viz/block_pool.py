@@ -31,7 +31,7 @@ ROW = 1.4  # distance between rows
 GAP = 1.7  # from the last row of one section to the first of the next
 LABEL = 3.4  # width of the label column on the left
 PX_PER_UNIT = 52  # a cell is 52 px: readable projected, and 16 columns fit 1280 px
-MAX_WIDTH_PX = 1180
+MAX_WIDTH_PX = 820  # fits a notebook output area at 1280x720 with the file browser open
 
 
 def assign_colours(steps: list[Step]) -> dict[str, str]:
@@ -247,7 +247,7 @@ class BlockPoolPanel:
         self.back_button = w.Button(description="◀ back", layout=w.Layout(width="100px"))
         self.next_button = w.Button(description="next ▶", button_style="primary", layout=w.Layout(width="100px"))
         self.reset_button = w.Button(description="reset", layout=w.Layout(width="80px"))
-        self.text = w.HTML(layout=w.Layout(width="100%", min_height="64px"))
+        self.text = w.HTML(layout=w.Layout(width="auto", min_height="64px"))
         self.errors = error_area()
         self.state: dict[str, Any] = panel_state(scenario, seed, 0)
         self.figure = figure_widget(self.state["figure"])

@@ -18,7 +18,7 @@ from kvlab.budget import PRESETS, KVCachePlan, plan_kv_cache
 from kvlab.models import WEIGHT_DTYPE_BYTES, get_model, list_models, weights_bytes
 from kvlab.sizing import KV_DTYPE_BYTES
 from kvlab.units import GiB, format_bytes
-from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
+from kvlab.viz.widgets import error_area, figure_widget, guarded, keep_for_new_views, replace_figure
 
 #: The segments of the memory bar, left to right, with their colours.
 SEGMENTS = {
@@ -90,6 +90,7 @@ def redraw_memory(target: Any, figure: go.Figure) -> None:
             old.x, old.y, old.text = new.x, new.y, new.text
         target.layout.title.text = figure.layout.title.text
         target.layout.xaxis.range = figure.layout.xaxis.range
+    keep_for_new_views(target, figure)
 
 
 def figure_block_size_sweep(plans: Sequence[KVCachePlan]) -> go.Figure:

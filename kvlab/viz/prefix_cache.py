@@ -166,7 +166,7 @@ class PrefixCachePanel:
         smallest = max(min_num_blocks(make(), block_size) for make in WORKLOADS.values())
         self.num_blocks = w.IntSlider(value=num_blocks, min=smallest, max=MAX_POOL_SIZE, step=1,
                                       description="pool blocks", continuous_update=False,
-                                      layout=w.Layout(width="100%"))
+                                      layout=w.Layout(width="auto"))
         self.summary = w.HTML(_summary_html(self.state))
         self.errors = error_area()
         self.figure = figure_widget(self.state["figure"])
