@@ -24,7 +24,7 @@ QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 # The stamp is keyed on pyproject.toml and the torch choice: a second run installs nothing.
 STAMP := $(VENV)/.kvlab-$(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)-torch$(TORCH)
 
-.PHONY: venv lab test test-long bench lint strip clean-venv present html
+.PHONY: venv lab test test-solutions test-long bench lint strip clean-venv present html
 
 venv: $(STAMP)
 
@@ -43,6 +43,9 @@ lab: $(STAMP)
 test: $(STAMP)
 	@test -x "$(CHROMIUM)" || echo "NOTE: no Chromium at $(CHROMIUM): the browser tests (marker ui) will be skipped; apt-get install chromium to run them."
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-solutions: $(STAMP)
+	$(BIN)/python -m pytest tests/test_notebook_solutions.py --solutions $(PYTEST_ARGS)
 
 test-long: $(STAMP)
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest tests $(PYTEST_ARGS)

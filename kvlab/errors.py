@@ -57,3 +57,7 @@ class KernelInputError(KvlabValueError):
 
 class BackendUnavailableError(KvlabError, ImportError):
     """An optional backend (Triton, a GPU) is not installed or not present here."""
+
+
+class RequestTooLongError(KvlabValueError):
+    """A request needs more KV blocks (or tokens) than the engine can ever give it; it was not admitted."""

@@ -277,6 +277,57 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
 
+    # ----------------------------------------------------------------- kvlab's additions: fork and copy-on-write
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's block table, sharing every block (each ``ref_cnt`` + 1).
+
+        For parallel sampling (``n > 1``). vLLM V1 has no fork; its earlier block manager had
+        one, and kvlab keeps it so a learner can watch copy-on-write. Nothing is copied now:
+        only a write into a shared, partly filled block copies it (``copy_on_write``). The child
+        must be new to this manager and start with the tokens the parent has computed.
+        """
+        self._check_request(parent)
+        self._check_request(child)
+        if parent.request_id not in self.req_to_blocks:
+            raise RequestStateError(f"request {parent.request_id!r} holds no blocks: there is nothing to fork")
+        if child.request_id in self.req_to_blocks or child.num_computed_tokens:
+            raise RequestStateError(f"request {child.request_id!r} already holds blocks; fork into a new request")
+        computed = parent.num_computed_tokens
+        if child.num_tokens < computed or child.token_ids(0, computed) != parent.token_ids(0, computed):
+            raise KvlabValueError(
+                f"child {child.request_id!r} must start with the {computed} tokens that parent "
+                f"{parent.request_id!r} has computed"
+            )
+        blocks = self.req_to_blocks[parent.request_id]
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_block[child.request_id] = self.num_cached_block[parent.request_id]
+        self._requests[child.request_id] = child
+        if self.enable_caching:
+            self._ensure_block_hashes(child)
+
+    def copy_on_write(self, request: Request) -> list[tuple[int, int]] | None:
+        """Before ``request`` writes its next token, give it a private copy of that token's block if it is shared.
+
+        Returns the copies ``(src_block_id, dst_block_id)`` the engine must make on the KV tensors
+        (empty when the block is private, full or not yet allocated), or None, changing nothing,
+        when no block is free for the copy. The shared block loses one reference and the request's
+        table points at the copy. Full blocks are never copied: nobody writes into them again.
+        """
+        self._check_request(request)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        index, offset = divmod(request.num_computed_tokens, self.block_size)
+        if offset == 0 or index >= len(blocks) or blocks[index].ref_cnt == 1:
+            return []
+        if self.block_pool.get_num_free_blocks() < 1:
+            return None
+        shared = blocks[index]
+        (copy,) = self._get_new_blocks(1)
+        blocks[index] = copy
+        self.block_pool.free_blocks([shared])  # its ref_cnt was above 1: the other holders keep it
+        return [(shared.block_id, copy.block_id)]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update, say); refused (False) while any request holds blocks."""
         if self.req_to_blocks or not self.block_pool.reset_prefix_cache():

@@ -1,0 +1,80 @@
+"""The attention layer that reads and writes the paged KV cache through ``kvlab.kernels``.
+
+Each forward step sees one flat batch of tokens from many requests (vLLM's "varlen" batch).
+``AttentionMetadata`` says, for that batch, where each new token's K and V go
+(``slot_mapping``) and which physical blocks each request reads (``block_table``,
+``seq_lens``, ``query_start_loc``). The layer does two things per step, as vLLM's
+attention backends do: write the new K/V into their slots, then attend over each request's
+whole cached context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvlab import kernels
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer (vLLM's ``FlashAttentionMetadata``, trimmed).
+
+    Request ``i`` contributes the query tokens ``query_start_loc[i]:query_start_loc[i + 1]``;
+    they are its *last* tokens, so its context before this step is ``seq_lens[i]`` minus that
+    count. That one rule covers a whole prefill, a chunk of one, and a one-token decode.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens]: block_id * block_size + offset, where each new K/V goes
+    block_table: torch.Tensor  # [num_seqs, max_blocks_per_seq]: physical block ids, in logical order
+    seq_lens: torch.Tensor  # [num_seqs]: tokens each request attends to, this step's included
+    query_start_loc: torch.Tensor  # [num_seqs + 1]: prefix sums of the per-request query lengths
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        """Index of each request's last query token: the only one whose logits may be sampled."""
+        return self.query_start_loc[1:].to(torch.int64) - 1  # [num_seqs]
+
+
+class Attention(torch.nn.Module):
+    """Paged attention over one layer's KV cache (``reshape_and_cache`` then ``paged_attention``).
+
+    ``k_scale`` / ``v_scale`` are the per-tensor scales of an FP8 cache (1.0, vLLM's default,
+    unless calibrated); for a cache in the model's own dtype they are 1.0 and unused.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        key_cache, value_cache = kv_cache
+        kernels.reshape_and_cache(
+            key, value, key_cache, value_cache, attn_metadata.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale
+        )
+        return kernels.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            attn_metadata.block_table,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            scale=self.scale,
+            causal=True,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )

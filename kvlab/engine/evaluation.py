@@ -1,0 +1,118 @@
+"""Checking kvlab's engine against transformers, and measuring it: greedy references, agreement, throughput.
+
+``hf_greedy`` is the reference every comparison uses: transformers' own ``generate`` with
+``do_sample=False`` and its regular contiguous cache. ``measure_throughput`` times kvlab's
+engine and transformers on the same prompts and profiles where kvlab's time goes, so the
+notebook can say what dominates rather than guess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvlab import kernels
+
+
+def hf_greedy(hf_model: Any, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """transformers' greedy generation for one prompt: the new token ids, up to and including an EOS."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_tokens, do_sample=False)
+    tokens = out[0, len(prompt):].tolist()
+    eos = hf_model.generation_config.eos_token_id
+    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    stop = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+    return tokens if stop is None else tokens[: stop + 1]  # drop the padding transformers adds after EOS
+
+
+def num_agreeing_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens two generations share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float32."""
+    actual, expected = actual.to(torch.float32), expected.to(torch.float32)
+    return float((actual - expected).norm() / expected.norm())
+
+
+@contextlib.contextmanager
+def kernel_timer() -> Iterator[dict[str, list[float]]]:
+    """Time every call of ``kvlab.kernels.reshape_and_cache`` and ``paged_attention`` inside the block.
+
+    The engine's attention layer looks the kernels up on ``kvlab.kernels`` at each call, so
+    wrapping them there for the duration of the block sees every launch, at the cost of two
+    clock reads per call (a profiler would slow the interpreter's Python down many times over).
+    """
+    seconds: dict[str, list[float]] = {"reshape_and_cache": [], "paged_attention": []}
+    originals = {name: getattr(kernels, name) for name in seconds}
+
+    def timed(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                seconds[name].append(time.perf_counter() - started)
+
+        return call
+
+    try:
+        for name in seconds:
+            setattr(kernels, name, timed(name))
+        yield seconds
+    finally:
+        for name, fn in originals.items():
+            setattr(kernels, name, fn)
+
+
+def measure_throughput(
+    model_dir: str | os.PathLike, prompts: Sequence[Sequence[int]], max_tokens: int, **engine_kwargs: Any
+) -> dict[str, Any]:
+    """Generated tokens per second of kvlab's engine (batched) and of transformers (one prompt at a time).
+
+    Both decode greedily to ``max_tokens`` with EOS ignored, on the same prompts in float32
+    on this machine's CPU, each after an untimed one-token warm-up. ``kernel_seconds`` is the
+    time inside ``kvlab.kernels``' ``reshape_and_cache`` and ``paged_attention`` (on CPU:
+    Triton's interpreter running each program in Python); the rest is the model's torch
+    operations, sampling and the scheduler.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from kvlab.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model_dir, **engine_kwargs)
+    engine.generate(prompts[:1], max_tokens=1, use_tqdm=False)  # warm-up, untimed: first calls pay one-off costs
+    warm_up_steps = len(engine.history)
+    with kernel_timer() as kernel_seconds:
+        started = time.perf_counter()
+        outputs = engine.generate(prompts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False)
+        kvlab_seconds = time.perf_counter() - started
+    write_s, attend_s = sum(kernel_seconds["reshape_and_cache"]), sum(kernel_seconds["paged_attention"])
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_greedy(hf_model, prompts[0], 1)  # warm-up, untimed (transformers imports and sets up on first use)
+    hf_tokens = 0
+    started = time.perf_counter()
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf_model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                    do_sample=False)
+            hf_tokens += out.shape[1] - len(prompt)
+    hf_seconds = time.perf_counter() - started
+    kvlab_tokens = sum(len(o) for o in outputs)
+    return {
+        "num_prompts": len(prompts), "max_tokens": max_tokens, "kernel_backend": kernels.backend(),
+        "kvlab_tokens": kvlab_tokens, "kvlab_seconds": kvlab_seconds,
+        "kvlab_tokens_per_s": kvlab_tokens / kvlab_seconds,
+        "hf_tokens": hf_tokens, "hf_seconds": hf_seconds, "hf_tokens_per_s": hf_tokens / hf_seconds,
+        "steps": len(engine.history) - warm_up_steps, "kernel_seconds": write_s + attend_s,
+        "kernel_share": (write_s + attend_s) / kvlab_seconds,
+        "kernel_calls": len(kernel_seconds["reshape_and_cache"]) + len(kernel_seconds["paged_attention"]),
+        "reshape_and_cache_seconds": write_s, "paged_attention_seconds": attend_s,
+    }

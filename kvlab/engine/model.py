@@ -1,0 +1,175 @@
+"""A Llama-family decoder whose attention runs on the paged KV cache: small enough to read in one sitting.
+
+The class and attribute names are vLLM's (``LlamaForCausalLM`` > ``LlamaModel`` >
+``LlamaDecoderLayer`` > ``LlamaAttention`` / ``LlamaMLP``) and the parameter names are the
+checkpoint's, so ``model.layers.3.self_attn.q_proj.weight`` loads into exactly that module.
+Where vLLM fuses (``qkv_proj``, ``gate_up_proj``, a fused residual-add RMSNorm) kvlab keeps the
+separate, unfused operations: slower, but each line is one idea and the numerics are those
+of the Hugging Face reference, which the tests compare against.
+
+The forward takes vLLM's flat batch: ``input_ids [num_tokens]`` and ``positions [num_tokens]``
+from many requests at once, with ``AttentionMetadata`` saying which request each token
+belongs to. No layer ever sees a padded ``[batch, seq]`` tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlab.engine.attention import Attention, AttentionMetadata
+from kvlab.engine.config import DecoderConfig
+from kvlab.engine.rope import RotaryEmbedding
+from kvlab.errors import KvlabValueError
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 as transformers does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: DecoderConfig, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(nn.Module):
+    """Project to q, k, v; (Qwen3: normalise each head); rotate; paged attention; project out."""
+
+    def __init__(self, config: DecoderConfig, qkv_bias: bool = False, o_bias: bool = False) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope, self.head_dim)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+
+    def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, mlp_bias)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            positions, self.input_layernorm(hidden_states), kv_cache, attn_metadata
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers (layer ``i`` owns ``kv_caches[i]``), final norm."""
+
+    def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if len(kv_caches) != len(self.layers):
+            raise KvlabValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
+        hidden_states = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the language-model head; ``forward`` then ``compute_logits``, as in vLLM."""
+
+    def __init__(self, config: DecoderConfig, *, qkv_bias: bool = False, o_bias: bool = False,
+                 mlp_bias: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens  # one matrix, read both ways
+        else:
+            self.lm_head = nn.Embedding(config.vocab_size, config.hidden_size)  # only .weight is used
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden_size]`` of the flat batch; K/V are written to ``kv_caches``."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size] -> [n, vocab_size]`` in float32."""
+        return (hidden_states @ self.lm_head.weight.T).to(torch.float32)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters of the same name; every parameter must be found."""
+        items = dict(weights.items() if isinstance(weights, Mapping) else weights)
+        params = dict(self.named_parameters(remove_duplicate=False))
+        if self.config.tie_word_embeddings:
+            params.pop("lm_head.weight", None)  # tied: the embedding is loaded once
+        missing = sorted(set(params) - set(items))
+        if missing:
+            raise KvlabValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, param in params.items():
+                tensor = items[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise KvlabValueError(
+                        f"{name} has shape {tuple(tensor.shape)} in the checkpoint; "
+                        f"the config implies {tuple(param.shape)}"
+                    )
+                param.copy_(tensor.to(param.dtype))

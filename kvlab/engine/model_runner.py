@@ -1,0 +1,101 @@
+"""The executor: one ``SchedulerOutput`` in, the forward pass on the paged cache, sampled tokens out.
+
+Mirrors the job of vLLM's ``GPUModelRunner.execute_model``, much reduced: copy blocks the
+scheduler asked for (copy-on-write), flatten the step's requests into one batch
+(``prepare_inputs``), run the model, compute logits only at each request's last token,
+sample. vLLM keeps a persistent batch on the GPU and updates it incrementally; kvlab
+rebuilds the small tensors every step, which is simpler to read and costs nothing next to
+the model on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvlab.engine.attention import AttentionMetadata
+from kvlab.engine.model import KVCache, LlamaForCausalLM
+from kvlab.engine.sampler import Sampler
+from kvlab.scheduler import ModelRunnerOutput, SchedulerOutput
+from kvlab.sequence import BlockCopy, compute_slot_mapping
+
+
+def prepare_inputs(
+    scheduler_output: SchedulerOutput, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """``input_ids [num_tokens]``, ``positions [num_tokens]`` and the attention metadata of a step.
+
+    Token ``j`` of request ``i`` sits at position ``num_computed_tokens + j`` and its K/V go to
+    ``slot_mapping`` of that position through the request's block table. Block-table rows
+    are padded with block 0, the null block, which no kernel reads past ``seq_lens``.
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    for s in scheduler_output.scheduled:
+        step_positions = range(s.num_computed_tokens, s.num_computed_tokens + s.num_tokens)
+        input_ids += s.token_ids
+        positions += step_positions
+        slot_mapping += compute_slot_mapping(s.block_ids, block_size, step_positions)
+        seq_lens.append(s.num_computed_tokens + s.num_tokens)
+        query_start_loc.append(query_start_loc[-1] + s.num_tokens)
+    width = max(len(s.block_ids) for s in scheduler_output.scheduled)
+    block_table = [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in scheduler_output.scheduled]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),  # [num_tokens]
+        block_table=torch.tensor(block_table, dtype=torch.int32),  # [num_seqs, max_blocks_per_seq]
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [num_seqs]
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),  # [num_seqs + 1]
+    )
+    return torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), metadata
+
+
+def copy_blocks(kv_caches: Sequence[KVCache], blocks_to_copy: Sequence[BlockCopy]) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer's K and V (the physical side of copy-on-write)."""
+    if not blocks_to_copy:
+        return
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64)
+    for key_cache, value_cache in kv_caches:  # each [num_blocks, block_size, num_kv_heads, head_size]
+        key_cache[dst] = key_cache[src]
+        value_cache[dst] = value_cache[src]
+
+
+class ModelRunner:
+    """Runs a ``LlamaForCausalLM`` on the paged cache for each scheduled step.
+
+    With ``keep_logits`` it records, per request, the logits row each sampled token came from
+    (to compare an FP8 cache with a full-precision one, say).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
+                 keep_logits: bool = False) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = Sampler()
+        self.keep_logits = keep_logits
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Copy blocks, run the forward over the flat batch, sample where the scheduler asked."""
+        self.sampler.drop(scheduler_output.finished_req_ids)
+        copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput({})
+        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)
+        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden_states[metadata.logits_indices])  # [num_seqs, vocab]
+        sampled: dict[str, int] = {}
+        for row, s in zip(logits, scheduler_output.scheduled, strict=True):
+            if not s.sample:
+                continue  # a prefill chunk that does not reach the prompt's end
+            for request_id, params in ((s.request_id, s.sampling_params), *s.forked):
+                sampled[request_id] = self.sampler.sample(row, request_id, params)
+                if self.keep_logits:
+                    self.logits.setdefault(request_id, []).append(row.clone())
+        return ModelRunnerOutput(sampled)

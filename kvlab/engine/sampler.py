@@ -1,0 +1,44 @@
+"""Choosing the next token from a row of logits: greedy, or a seeded draw at a temperature.
+
+A draw uses vLLM's trick: ``argmax(probs / q)`` with ``q ~ Exponential(1)`` picks token ``i``
+with probability ``probs[i]`` (the "exponential race"), and needs only one generator call
+per step. Each request owns its generator, seeded from its ``SamplingParams.seed``, so its
+draws do not depend on which other requests share the batch: a request gives the same
+tokens alone, in a crowd, or after being preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from kvlab.scheduler import SamplingParams
+
+
+class Sampler:
+    """Greedy or seeded random sampling, one ``torch.Generator`` per request."""
+
+    def __init__(self) -> None:
+        self.generators: dict[str, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, request_id: str, params: SamplingParams) -> int:
+        """The next token for one request from its logits ``[vocab_size]``."""
+        if params.temperature == 0:
+            return int(logits.argmax())
+        generator = self.generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=logits.device)
+            if params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(params.seed)
+            self.generators[request_id] = generator
+        probs = torch.softmax(logits.to(torch.float32) / params.temperature, dim=-1)  # [vocab_size]
+        q = torch.empty_like(probs).exponential_(generator=generator)
+        return int((probs / q).argmax())
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget the generators of finished requests."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)

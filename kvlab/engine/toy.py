@@ -1,0 +1,70 @@
+"""A tiny Llama checkpoint built with transformers, so tests and notebooks run the real loading path offline.
+
+The workbook downloads nothing. Instead, ``save_tiny_llama`` builds a small ``LlamaConfig``,
+initialises it with a seeded generator, and writes it with ``save_pretrained``: the same
+``config.json`` + ``model.safetensors`` a real checkpoint has.
+
+A randomly initialised model barely uses its context: its weights are so small that the
+next token depends mostly on the current one, so a broken KV cache would go unnoticed.
+``attention_gain`` scales the q, k, v and o projections until attention is sharp and its
+output matters, which makes greedy tokens depend on early prompt tokens (the tests check
+exactly that); ``logit_gain`` scales the final norm so the next-token distribution is peaked
+enough for sampling at temperature 1 to follow the model rather than the dice.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from kvlab._validate import positive_int, positive_number
+
+#: The tiny model's shape: 2 layers of GQA (4 query heads, 2 KV heads, head size 16).
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+def save_tiny_llama(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    attention_gain: float = 8.0,
+    logit_gain: float = 20.0,
+    num_hidden_layers: int = 2,
+) -> Path:
+    """Write a seeded tiny Llama (``TINY_LLAMA`` shapes) to ``path`` with ``save_pretrained``; return ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy import, only when a model is built
+
+    positive_number("attention_gain", attention_gain)
+    positive_number("logit_gain", logit_gain)
+    config = LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": positive_int("num_hidden_layers", num_hidden_layers)},
+                         bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng():  # seed the init without touching the caller's random state
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                proj.weight.mul_(attention_gain)
+        model.model.norm.weight.mul_(logit_gain)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+def random_token_ids(length: int, seed: int, vocab_size: int = TINY_LLAMA["vocab_size"]) -> list[int]:
+    """``length`` reproducible token ids in ``[3, vocab_size)`` (0, 1 and 2 are pad, BOS and EOS)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (positive_int("length", length),), generator=generator).tolist()

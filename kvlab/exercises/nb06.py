@@ -1,0 +1,230 @@
+"""Notebook 06's exercises (who is preempted, and what a preemption costs) and self-test."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from kvlab.cache_stats import interpret_hit_rate
+from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.manager import KVCacheManager
+from kvlab.request import Request
+from kvlab.scheduler import GenerationRequest, NoComputeExecutor, SamplingParams, Scheduler, run_until_done, step
+from kvlab.sizing import cdiv
+
+# ----------------------------------------------------------------- 06.preemption_victim
+
+
+def preemption_victims(running: list[str], blocks_held: dict[str, int], request_id: str, blocks_needed: int,
+                       free_blocks: int) -> list[str]:
+    """Reference: vLLM's loop: pop the most recently admitted running request until the need is met."""
+    running = list(running)
+    victims: list[str] = []
+    while free_blocks < blocks_needed:
+        victim = running.pop()  # the end of the running queue: the most recently admitted
+        victims.append(victim)
+        free_blocks += blocks_held[victim]
+        if victim == request_id:
+            break  # nothing left to give: the request itself waits for recompute
+    return victims
+
+
+def _explain_victims(case: Case, expected: Any, actual: Any) -> str | None:
+    running, request_id = case.args[0], case.args[2]
+    if not isinstance(actual, list):
+        return "return the list of preempted request ids, in the order they are preempted"
+    if request_id in expected and request_id not in actual:
+        return ("when the request that needs blocks is itself the most recently admitted, it is the victim: "
+                "vLLM preempts it and stops")
+    if actual and actual[0] == running[0] != running[-1]:
+        return "preempt from the end of running (the most recently admitted), not the oldest request"
+    if len(actual) > len(expected):
+        return "stop as soon as enough blocks are free (or once the request itself was preempted)"
+    return None
+
+
+def _random_victims_case(rng: random.Random) -> Case:
+    running = [f"r{i}" for i in range(rng.randint(1, 6))]
+    held = {r: rng.randint(1, 4) for r in running}
+    return Case((running, held, rng.choice(running), rng.randint(1, 4), rng.randint(0, 2)),
+                probes="a random running queue")
+
+
+register(Exercise(
+    id="06.preemption_victim",
+    title="choose the preemption victims",
+    task=(
+        "Running request `request_id` needs `blocks_needed` new blocks and only `free_blocks` are free. As vLLM "
+        "V1's scheduler does, preempt the most recently admitted running request (the end of `running`, which is "
+        "in admission order), count its `blocks_held[...]` as freed, and repeat until the need is met. If the "
+        "request itself is preempted, stop: it will be recomputed later. Return the preempted ids in order "
+        "(an empty list when nothing needs preempting)."
+    ),
+    signature=("def preemption_victims(running: list, blocks_held: dict, request_id: str, "
+               "blocks_needed: int, free_blocks: int) -> list:"),
+    reference=preemption_victims,
+    edge_cases=[
+        Case((["a", "b", "c"], {"a": 2, "b": 2, "c": 2}, "a", 1, 1),
+             probes="enough blocks are free: nobody is preempted"),
+        Case((["a", "b", "c"], {"a": 2, "b": 2, "c": 2}, "a", 1, 0),
+             probes="one victim, the newest request, not the oldest"),
+        Case((["a", "b", "c"], {"a": 3, "b": 1, "c": 1}, "a", 2, 0),
+             probes="one small victim is not enough: keep preempting from the end"),
+        Case((["a", "b"], {"a": 2, "b": 2}, "b", 1, 0),
+             probes="the request needing blocks is the newest: it preempts itself and stops"),
+        Case((["a", "b", "c"], {"a": 1, "b": 1, "c": 1}, "b", 3, 0),
+             probes="the victims reach the request itself before enough is free"),
+    ],
+    random_case=_random_victims_case,
+    explain=_explain_victims,
+    hints=[
+        "Work on a copy of `running`; the victim is always its last element.",
+        "Loop while free_blocks < blocks_needed: pop the last id, record it, add its blocks to free_blocks.",
+        "Break out of the loop right after you pop `request_id` itself.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 06.recompute_tokens
+
+
+def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bool, num_evicted_blocks: int = 0) -> int:
+    """Reference, measured on kvlab's KVCacheManager: preempt a request, evict some of its blocks, look it up again."""
+    num_blocks = cdiv(num_tokens, block_size)
+    manager = KVCacheManager(num_blocks + 1, block_size, enable_caching=enable_prefix_caching, hash_seed="06")
+    tokens = list(range(1000, 1000 + num_tokens))
+    victim = Request("victim", tokens)
+    manager.allocate_slots(victim, num_tokens)
+    manager.free(victim)  # the preemption: blocks back to the pool, tail first, full ones keep their hashes
+    victim.num_computed_tokens = 0
+    num_partial = num_blocks - num_tokens // block_size  # an uncached partial block is reused first
+    evict = min(num_evicted_blocks, num_tokens // block_size)
+    if evict:  # another request takes the partial block and then `evict` cached blocks from the queue's head
+        manager.allocate_slots(Request("other", [7] * ((num_partial + evict) * block_size)),
+                               (num_partial + evict) * block_size)
+    _, num_hit_tokens = manager.get_computed_blocks(victim)
+    return num_tokens - num_hit_tokens
+
+
+def _explain_recompute(case: Case, expected: Any, actual: Any) -> str | None:
+    num_tokens, block_size, caching = case.args[0], case.args[1], case.args[2]
+    evicted = case.args[3] if len(case.args) > 3 else 0
+    if not caching and actual != expected:
+        return "without prefix caching nothing survives a preemption: every token is recomputed"
+    if caching and num_tokens % block_size == 0 and actual == expected - block_size:
+        return ("at most num_tokens - 1 tokens can hit: the last token must be computed to get its logits, and "
+                "hits are whole blocks, so a block-aligned request recomputes its whole last block")
+    if caching and evicted and actual == num_tokens:
+        return ("a request's blocks are freed tail first, so its *last* full blocks are evicted first; the blocks "
+                "at its start survive and still hit")
+    return None
+
+
+def _random_recompute_case(rng: random.Random) -> Case:
+    block_size = rng.choice([4, 8, 16])
+    num_tokens = rng.randint(1, 12 * block_size)
+    return Case((num_tokens, block_size, rng.random() < 0.8, rng.randint(0, 3)), probes="a random preempted request")
+
+
+register(Exercise(
+    id="06.recompute_tokens",
+    title="tokens recomputed after a preemption",
+    task=(
+        "A request holding `num_tokens` tokens (prompt plus output so far) was preempted: its blocks went back "
+        "to the pool and `num_computed_tokens` to 0. While it waited, `num_evicted_blocks` of its cached blocks "
+        "were taken by other requests (a request's blocks are freed last block first, so its last full blocks "
+        "are the first to go). When it is admitted again, how many tokens must the model compute before it can "
+        "sample the next token? With prefix caching its surviving full blocks are hits; without it, nothing is."
+    ),
+    signature=("def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bool, "
+               "num_evicted_blocks: int = 0) -> int:"),
+    reference=recompute_tokens,
+    edge_cases=[
+        Case((2050, 16, False), probes="no prefix caching: the whole request is recomputed"),
+        Case((2050, 16, True), probes="2048 tokens sit in full blocks that kept their hashes: only 2 are recomputed"),
+        Case((2048, 16, True), probes="block-aligned: the last token must be computed, so its whole block is"),
+        Case((10, 16, True), probes="shorter than a block: nothing was ever cached"),
+        Case((100, 16, True, 2), probes="two evicted blocks: the last two full blocks are gone, the first four hit"),
+        Case((100, 16, True, 9), probes="more evictions than full blocks: every full block is gone"),
+    ],
+    random_case=_random_recompute_case,
+    explain=_explain_recompute,
+    hints=[
+        "Without prefix caching the answer is num_tokens.",
+        "With it, the full blocks are num_tokens // block_size; the evictions remove that many from the end.",
+        "Hits are whole blocks and cover at most num_tokens - 1 tokens: hits = min(surviving, (num_tokens - 1) "
+        "// block_size) blocks. The answer is num_tokens - hits * block_size.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- self-test
+
+
+def _fork_question() -> dict[str, Any]:
+    """The source's n = 4 walk-through, run on the scheduler: 40-token prompt, block size 16."""
+    scheduler = Scheduler(KVCacheManager(64, 16, hash_seed="06"))
+    scheduler.add_request(GenerationRequest("E", list(range(40)), SamplingParams(max_tokens=32, n=4, temperature=1.0)))
+    executor = NoComputeExecutor()
+    step(scheduler, executor)
+    manager = scheduler.kv_cache_manager
+    tables = [manager.get_block_ids(r.request_id) for r in scheduler.running]
+    shared_blocks = len({b for t in tables for b in t})
+    out, _, _ = step(scheduler, executor)
+    copies = out.blocks_to_copy
+    run_until_done(scheduler, executor)
+    return {"shared_blocks": shared_blocks, "unshared_blocks": 4 * cdiv(40, 16), "copies": len(copies),
+            "copied_block_position": tables[0].index(copies[0][0]), "samples": len(tables)}
+
+
+register_question(Question(
+    id="06.q1",
+    text=("Parallel sampling, n = 4, from a 40-token prompt with block size 16: how many KV blocks hold the prompt "
+          "right after the fork, and how many block copies are made when each sample writes its first token?"),
+    answer=lambda: (lambda v: (
+        f"{v['shared_blocks']} blocks, shared by all {v['samples']} samples (instead of {v['unshared_blocks']} "
+        f"for four private copies). The first two are full and stay shared to the end; the third holds 8 of 16 "
+        f"slots, so the first write into it copies it: {v['copies']} copies, because the last sample to write "
+        "finds the block no longer shared and writes in place."))(_fork_question()),
+    values=_fork_question,
+))
+
+
+def _recompute_question() -> dict[str, Any]:
+    return {"with_caching": recompute_tokens(2050, 16, True), "without": recompute_tokens(2050, 16, False)}
+
+
+register_question(Question(
+    id="06.q2",
+    text=("A request with a 2,000-token prompt has generated 50 tokens when it is preempted (block size 16). "
+          "How many tokens does it recompute when it returns, with and without prefix caching?"),
+    answer=lambda: (lambda v: (
+        f"With prefix caching {v['with_caching']} (its 128 full blocks kept their hashes and hit, only the 2 "
+        f"tokens of its partial block are recomputed); without it {v['without']:,}. That is why vLLM V1 preempts "
+        "by recompute rather than swapping KV out: with the prefix cache, recompute is usually cheap."))(
+        _recompute_question()),
+    values=_recompute_question,
+))
+
+
+def _hit_rate_question() -> dict[str, Any]:
+    scheduler = Scheduler(KVCacheManager(128, 16, hash_seed="06"))
+    system = list(range(64))
+    for i in range(10):
+        scheduler.add_request(GenerationRequest(f"q{i}", system + [500 + i] * 8, SamplingParams(max_tokens=4)))
+        run_until_done(scheduler)
+    stats = scheduler.kv_cache_manager.prefix_cache_stats
+    return {"queries": stats.queries, "hits": stats.hits, "hit_rate": stats.hit_rate,
+            "reading": interpret_hit_rate(stats.hit_rate, workload_shares_prefixes=True)}
+
+
+register_question(Question(
+    id="06.q3",
+    text=("Ten requests, one after another, each a 64-token system prompt plus an 8-token question (block size 16). "
+          "What do vllm:prefix_cache_queries and vllm:prefix_cache_hits count, and what hit rate do they give?"),
+    answer=lambda: (lambda v: (
+        f"Both count tokens: {v['queries']} queried (72 per request), {v['hits']} hit (64 for each request after "
+        f"the first), a hit rate of {v['hit_rate']:.0%}: {v['reading']}. A dashboard computes it as "
+        "rate(vllm:prefix_cache_hits_total[5m]) / rate(vllm:prefix_cache_queries_total[5m])."))(_hit_rate_question()),
+    values=_hit_rate_question,
+))

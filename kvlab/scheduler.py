@@ -1,0 +1,530 @@
+"""The scheduler: which requests run this step, and how many of their tokens, under one token budget.
+
+Mirrors ``vllm/v1/core/sched/scheduler.py`` (first-come-first-served policy). There is no
+"prefill phase" and "decode phase": each request has ``num_tokens`` it knows and
+``num_computed_tokens`` whose KV is in the cache, and every step hands out at most
+``max_num_batched_tokens`` tokens so that requests catch up. That one rule gives:
+
+* **continuous batching**: a request joins the batch the step after it arrives and leaves the
+  step it finishes;
+* **chunked prefill**: a long prompt is computed a budget-sized chunk per step;
+* **decode first**: RUNNING requests are served before WAITING ones, so a stream of new
+  prompts cannot stall the requests already generating;
+* **prefix caching**: a waiting request first asks ``KVCacheManager.get_computed_blocks``
+  for its cached prefix and computes only the rest;
+* **preemption by recompute**: when ``allocate_slots`` finds no free block for a running
+  request, the most recently admitted running request is preempted: its blocks are freed,
+  ``num_computed_tokens`` goes back to 0 and it waits at the *front* of the queue. Its full
+  blocks keep their hashes, so on return a prefix hit usually saves most of the recompute.
+  No waiting request is admitted in a step that preempted.
+
+What kvlab adds to V1: parallel sampling (``n > 1``) by **fork and copy-on-write**, from
+vLLM's earlier block manager. When a request's prompt is complete, ``n - 1`` children are
+forked that share all its blocks; the first write into a shared, partly filled block copies
+it (``KVCacheManager.copy_on_write``) and the step's ``blocks_to_copy`` tells the executor to
+copy the KV tensors before the forward. V1 itself instead runs ``n`` independent requests
+that share the prompt's full blocks through the prefix cache.
+
+The scheduler never touches tensors: an executor turns each ``SchedulerOutput`` into sampled
+tokens. ``NoComputeExecutor`` invents tokens without a model, for simulations; the real one
+is ``kvlab.engine.ModelRunner``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from kvlab._validate import non_negative_int, non_negative_number, positive_int
+from kvlab.cache_stats import PrefixCacheStats
+from kvlab.errors import KvlabValueError, RequestStateError, RequestTooLongError
+from kvlab.manager import KVCacheManager
+from kvlab.request import Request, RequestStatus
+from kvlab.sequence import BlockCopy
+from kvlab.sizing import cdiv
+
+#: vLLM's defaults for ``max_num_seqs``; kvlab's CPU engine uses a smaller token budget.
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to choose tokens and when to stop (the part of vLLM's ``SamplingParams`` kvlab uses).
+
+    ``temperature == 0`` is greedy; above 0, tokens are drawn from ``softmax(logits / T)`` with a
+    generator seeded by ``seed`` (so a run can be repeated). With ``n > 1`` sample ``i`` uses
+    ``seed + i``: a forked sample and an independent request with that seed draw the same tokens.
+    """
+
+    max_tokens: int = 16
+    n: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        positive_int("max_tokens", self.max_tokens)
+        positive_int("n", self.n)
+        non_negative_number("temperature", self.temperature)
+        if self.seed is not None:
+            non_negative_int("seed", self.seed)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of parallel sample ``index`` (0 is the parent): ``n = 1``, seed ``seed + index``."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+class GenerationRequest(Request):
+    """A ``kvlab.request.Request`` plus what generation needs: sampling parameters and the stop token.
+
+    vLLM keeps all of this on one ``Request``; kvlab's manager-side ``Request`` holds only what
+    the KV cache needs, and this subclass adds the rest.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        eos_token_id: Iterable[int] = (),
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        super().__init__(request_id, prompt_token_ids, cache_salt=cache_salt, lora_name=lora_name)
+        self.sampling_params = sampling_params or SamplingParams()
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise KvlabValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        self.eos_token_id: tuple[int, ...] = tuple(eos_token_id)
+        self.num_pending_forks = self.sampling_params.n - 1  # children still to fork (n > 1)
+        self.parent_id: str | None = None
+        self.stop_reason: str | None = None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    def get_finished_reason(self) -> str | None:
+        """"stop" (an end-of-sequence token), "length" (max_tokens or max_model_len), or None."""
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self.status)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: the tokens to compute, where they sit, and whether to sample.
+
+    vLLM splits this into ``NewRequestData`` / ``CachedRequestData`` because its model runner
+    lives in another process and keeps its own copy of each request; kvlab's executor runs in
+    the same process, so each step states everything outright.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens whose KV this step computes
+    num_computed_tokens: int  # tokens already cached: the position of token_ids[0]
+    block_ids: tuple[int, ...]  # the request's block table after this step's allocation
+    sample: bool  # this step reaches the end of the known tokens: sample the next one
+    sampling_params: SamplingParams
+    forked: tuple[tuple[str, SamplingParams], ...] = ()  # children forked now, sampled from the same logits
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token, or a first token: the request is (re)building its cache."""
+        return self.num_tokens > 1 or self.num_computed_tokens == 0
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one step computes: requests in batch order, their token counts, and block copies first."""
+
+    step: int
+    scheduled: list[ScheduledRequest]
+    scheduled_new_req_ids: list[str]
+    scheduled_resumed_req_ids: list[str]
+    scheduled_running_req_ids: list[str]
+    preempted_req_ids: list[str]
+    finished_req_ids: set[str]  # finished since the previous step (the executor may drop their state)
+    blocks_to_copy: list[BlockCopy]  # copy-on-write copies to make on every layer's K and V, before the forward
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.total_num_scheduled_tokens - self.num_prefill_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunnerOutput:
+    """The tokens an executor sampled, by request id (prefill chunks that do not finish sample none)."""
+
+    sampled_token_ids: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: its new token, and whether (and why) it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """The numbers vLLM exports after a step, plus the step's token mix (one row of the history)."""
+
+    step: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_stats: PrefixCacheStats  # this step's lookups (tokens queried and hit)
+    num_preempted_reqs: int  # preemptions in this step
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_block_copies: int
+
+
+class Executor(Protocol):
+    """Anything that turns a ``SchedulerOutput`` into sampled tokens."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class Scheduler:
+    """Waiting and running queues over one ``KVCacheManager``, scheduled as vLLM V1 does (FCFS)."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_model_len: int | None = None,
+    ) -> None:
+        if not isinstance(kv_cache_manager, KVCacheManager):
+            raise KvlabValueError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_num_running_reqs = positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_scheduled_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        pool = kv_cache_manager.block_pool
+        self.num_usable_blocks = pool.num_gpu_blocks - (1 if pool.null_block is not None else 0)
+        self.max_model_len = (
+            self.num_usable_blocks * self.block_size if max_model_len is None
+            else positive_int("max_model_len", max_model_len)
+        )
+        self.requests: dict[str, GenerationRequest] = {}
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: list[GenerationRequest] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_steps = 0
+        self.num_preemptions = 0  # since start: vllm:num_preemptions
+        self._pending_copies: dict[str, list[BlockCopy]] = {}  # copy-on-write copies not yet executed
+        self._last_step: SchedulerOutput | None = None
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; one that could never fit the pool or ``max_model_len`` is refused here."""
+        if not isinstance(request, GenerationRequest):
+            raise KvlabValueError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        if request.request_id in self.requests:
+            raise RequestStateError(f"request id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise RequestStateError(f"request {request.request_id!r} is {request.status.value}; add a new request")
+        check_request_fits(request, self.max_model_len, self.num_usable_blocks, self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ----------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating (or preempting) as needed."""
+        token_budget = self.max_num_scheduled_tokens
+        num_new_tokens_of: dict[str, int] = {}
+        scheduled_running: list[GenerationRequest] = []
+        scheduled_new: list[GenerationRequest] = []
+        scheduled_resumed: list[GenerationRequest] = []
+        admitted: list[GenerationRequest] = []  # new and resumed, in admission order
+        preempted: list[GenerationRequest] = []
+
+        # 1. RUNNING requests first: their decode token, or the next chunk of their prompt.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            while True:
+                if self._allocate(request, num_new_tokens):
+                    break
+                # No room: preempt the most recently admitted running request (maybe this one).
+                victim = self.running.pop()
+                self._preempt_request(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request in preempted:
+                break
+            scheduled_running.append(request)
+            num_new_tokens_of[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. WAITING requests, oldest first, but only in a step that preempted nothing.
+        while not preempted and self.waiting and token_budget > 0:
+            request = self.waiting[0]
+            if self._num_seq_slots_used() + request.num_pending_forks + 1 > self.max_num_running_reqs:
+                break
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
+            if new_blocks is None:
+                break  # the pool is full: the queue waits, in order
+            self.waiting.popleft()
+            self.running.append(request)
+            admitted.append(request)
+            (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            num_new_tokens_of[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        assert token_budget >= 0 and len(self.running) <= self.max_num_running_reqs
+        output = self._make_output(scheduled_running + admitted, num_new_tokens_of,
+                                   scheduled_new, scheduled_resumed, scheduled_running, preempted)
+        self.num_steps += 1
+        self.num_preemptions += len(preempted)
+        self._last_step = output
+        return output
+
+    def _allocate(self, request: GenerationRequest, num_new_tokens: int) -> bool:
+        """Slots for a running request's next tokens, copying a shared partial block first; False if full."""
+        copies = self.kv_cache_manager.copy_on_write(request)
+        if copies is None:
+            return False
+        self._pending_copies.setdefault(request.request_id, []).extend(copies)
+        return self.kv_cache_manager.allocate_slots(request, num_new_tokens) is not None
+
+    def _num_seq_slots_used(self) -> int:
+        """Sequences running, counting the children a running parent will fork."""
+        return len(self.running) + sum(r.num_pending_forks for r in self.running)
+
+    def _preempt_request(self, request: GenerationRequest) -> None:
+        """Free the request's blocks and put it back at the front of the waiting queue, to recompute."""
+        self.kv_cache_manager.free(request)
+        self._pending_copies.pop(request.request_id, None)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _make_output(
+        self,
+        batch: list[GenerationRequest],
+        num_new_tokens_of: dict[str, int],
+        scheduled_new: list[GenerationRequest],
+        scheduled_resumed: list[GenerationRequest],
+        scheduled_running: list[GenerationRequest],
+        preempted: list[GenerationRequest],
+    ) -> SchedulerOutput:
+        """Advance ``num_computed_tokens`` (as vLLM does at schedule time), fork, and describe the step."""
+        scheduled, copies = [], []
+        for request in batch:
+            start = request.num_computed_tokens
+            num_new = num_new_tokens_of[request.request_id]
+            request.num_computed_tokens += num_new
+            sample = request.num_computed_tokens == request.num_tokens
+            forked = self._fork_children(request) if sample and request.num_pending_forks else ()
+            copies += self._pending_copies.pop(request.request_id, [])
+            scheduled.append(ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.token_ids(start, start + num_new),
+                num_computed_tokens=start,
+                block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
+                sample=sample,
+                sampling_params=request.sampling_params.for_sample(0) if forked else request.sampling_params,
+                forked=forked,
+            ))
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            step=self.num_steps,
+            scheduled=scheduled,
+            scheduled_new_req_ids=[r.request_id for r in scheduled_new],
+            scheduled_resumed_req_ids=[r.request_id for r in scheduled_resumed],
+            scheduled_running_req_ids=[r.request_id for r in scheduled_running],
+            preempted_req_ids=[r.request_id for r in preempted],
+            finished_req_ids=finished,
+            blocks_to_copy=copies,
+        )
+
+    def _fork_children(self, parent: GenerationRequest) -> tuple[tuple[str, SamplingParams], ...]:
+        """Fork the parent's ``n - 1`` children now that its prompt is cached: they share every block."""
+        children = []
+        first = parent.sampling_params.n - parent.num_pending_forks
+        for index in range(first, parent.sampling_params.n):
+            params = parent.sampling_params.for_sample(index)
+            child = GenerationRequest(
+                child_request_id(parent.request_id, index), parent.prompt_token_ids, params,
+                eos_token_id=parent.eos_token_id, cache_salt=parent.cache_salt, lora_name=parent.lora_name,
+            )
+            child.parent_id = parent.request_id
+            self.kv_cache_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            children.append((child.request_id, params))
+        parent.num_pending_forks = 0
+        return tuple(children)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Append each sampled token, stop requests that are done, and free their blocks."""
+        outputs = []
+        for request_id, token_id in model_runner_output.sampled_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            request.append_output_token_ids(token_id)
+            stopped = self._check_stop(request)
+            if stopped:
+                self._free_request(request)
+            outputs.append(RequestOutput(request_id, (token_id,), stopped, request.get_finished_reason()))
+        return outputs
+
+    def _check_stop(self, request: GenerationRequest) -> bool:
+        """vLLM's ``check_stop``: an end-of-sequence token, else ``max_tokens`` or ``max_model_len``."""
+        last = request.output_token_ids[-1]
+        if not request.sampling_params.ignore_eos and last in request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: GenerationRequest) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def make_stats(self) -> SchedulerStats:
+        """The gauges and this step's counters, after ``update_from_output`` (one row of the history)."""
+        out = self._last_step
+        if out is None:
+            raise RequestStateError("make_stats() describes the last step: call schedule() first")
+        return SchedulerStats(
+            step=out.step,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            num_preempted_reqs=len(out.preempted_req_ids),
+            num_scheduled_tokens=out.total_num_scheduled_tokens,
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_block_copies=len(out.blocks_to_copy),
+        )
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of parallel sample ``index`` (1 .. n - 1) of request ``parent_id``: ``"<parent>#<index>"``."""
+    return f"{parent_id}#{index}"
+
+
+def check_request_fits(request: Request, max_model_len: int, num_usable_blocks: int, block_size: int) -> None:
+    """Refuse a request whose prompt passes ``max_model_len``, or whose KV could never fit the whole pool.
+
+    A request that needs more blocks than the pool has would, once alone, preempt itself
+    forever; vLLM prevents it at start-up by checking ``max_model_len`` against the pool, and
+    kvlab checks each request, so a tiny teaching pool can still serve the requests that fit.
+    The last sampled token needs no slot: it is never fed back.
+    """
+    if request.num_prompt_tokens >= max_model_len:
+        raise RequestTooLongError(
+            f"request {request.request_id!r}: its prompt has {request.num_prompt_tokens} tokens, but max_model_len "
+            f"is {max_model_len} (prompt plus output must stay within it)"
+        )
+    max_tokens = getattr(request, "max_tokens", 1)
+    tokens_with_kv = min(request.num_prompt_tokens + max_tokens, max_model_len) - 1
+    needed = cdiv(tokens_with_kv, block_size)
+    if needed > num_usable_blocks:
+        raise RequestTooLongError(
+            f"request {request.request_id!r} needs {needed} blocks of {block_size} tokens for its "
+            f"{request.num_prompt_tokens} prompt tokens and up to {max_tokens} output tokens, but the pool has only "
+            f"{num_usable_blocks} usable blocks: it could never run. Shorten it, lower max_tokens, or give the "
+            "engine more blocks"
+        )
+
+
+class NoComputeExecutor:
+    """An executor without a model: it samples a made-up token for every request that asks for one.
+
+    The token depends only on the request id and the position (a CRC, not Python's salted
+    ``hash``), so a run repeats exactly and a preempted request regenerates the same tokens.
+    Use it to simulate scheduling and the KV pool at scales a CPU model could not run.
+    """
+
+    def __init__(self, vocab_size: int = 32000) -> None:
+        self.vocab_size = positive_int("vocab_size", vocab_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        sampled = {}
+        for s in scheduler_output.scheduled:
+            if not s.sample:
+                continue
+            position = s.num_computed_tokens + s.num_tokens
+            for request_id, _params in ((s.request_id, s.sampling_params), *s.forked):
+                sampled[request_id] = zlib.crc32(f"{request_id}:{position}".encode()) % self.vocab_size
+        return ModelRunnerOutput(sampled)
+
+
+def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
+    """One engine step, as vLLM's ``EngineCore.step``: schedule, execute, update."""
+    scheduler_output = scheduler.schedule()
+    model_runner_output = executor.execute_model(scheduler_output)
+    outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+    return scheduler_output, outputs, scheduler.make_stats()
+
+
+def run_until_done(scheduler: Scheduler, executor: Executor | None = None, max_steps: int = 100_000
+                   ) -> list[SchedulerStats]:
+    """Step until every request finished; return one ``SchedulerStats`` per step (a simulation's history)."""
+    executor = executor or NoComputeExecutor()
+    history = []
+    while scheduler.has_unfinished_requests():
+        if len(history) >= positive_int("max_steps", max_steps):
+            raise RequestStateError(f"requests were still unfinished after max_steps={max_steps} steps")
+        history.append(step(scheduler, executor)[2])
+    return history

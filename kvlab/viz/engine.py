@@ -1,0 +1,140 @@
+"""Notebook 06's pictures and control panel: a serving run step by step, and a scheduler you can squeeze.
+
+``figure_engine_history`` draws one run from its per-step ``SchedulerStats``: KV cache usage
+with the preemptions marked, running and waiting requests, and the tokens of each step split
+into prefill and decode. ``ServingPanel`` replays a seeded shared-system-prompt workload
+through the real scheduler and ``KVCacheManager`` with the no-compute executor, so the pool
+size and token budget can be dragged and the consequences seen at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.manager import KVCacheManager
+from kvlab.prefix_sim import shared_prompt_workload
+from kvlab.scheduler import (
+    GenerationRequest,
+    NoComputeExecutor,
+    SamplingParams,
+    Scheduler,
+    SchedulerStats,
+    run_until_done,
+)
+from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
+
+COLOURS = {"usage": "#1d4ed8", "running": "#16a34a", "waiting": "#f59e0b", "preempted": "#b42318",
+           "prefill": "#7c3aed", "decode": "#0891b2"}
+
+
+def figure_engine_history(history: Sequence[SchedulerStats], title: str = "One serving run, step by step") -> go.Figure:
+    """Three panels over the steps: KV usage (preemptions marked), running/waiting, tokens per step."""
+    steps = [h.step for h in history]
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=("KV cache usage", "requests", "tokens computed in the step"))
+    fig.add_scatter(x=steps, y=[100 * h.kv_cache_usage for h in history], mode="lines", name="KV cache usage %",
+                    line=dict(color=COLOURS["usage"]), row=1, col=1)
+    preempting = [h for h in history if h.num_preempted_reqs]
+    fig.add_scatter(x=[h.step for h in preempting], y=[100 * h.kv_cache_usage for h in preempting], mode="markers",
+                    marker=dict(symbol="x", size=11, color=COLOURS["preempted"]),
+                    name="preemption", text=[f"{h.num_preempted_reqs} preempted" for h in preempting], row=1, col=1)
+    for key, label in (("num_running_reqs", "running"), ("num_waiting_reqs", "waiting")):
+        fig.add_scatter(x=steps, y=[getattr(h, key) for h in history], mode="lines", line_shape="hv", name=label,
+                        line=dict(color=COLOURS[label]), row=2, col=1)
+    for key, label in (("num_prefill_tokens", "prefill"), ("num_decode_tokens", "decode")):
+        fig.add_bar(x=steps, y=[getattr(h, key) for h in history], name=f"{label} tokens",
+                    marker_color=COLOURS[label], row=3, col=1)
+    fig.update_layout(title=title, barmode="stack", height=560, margin=dict(t=70, b=40), legend=dict(x=1.02, y=1))
+    fig.update_yaxes(title_text="%", range=[0, 105], row=1, col=1)
+    fig.update_xaxes(title_text="engine step", row=3, col=1)
+    return fig
+
+
+def figure_compare_runs(runs: dict[str, dict[str, float]], title: str) -> go.Figure:
+    """One small bar chart per measure (each with its own scale), one bar per run: ``{run: {measure: value}}``."""
+    measures = list(next(iter(runs.values())))
+    fig = make_subplots(rows=1, cols=len(measures), subplot_titles=measures)
+    palette = ["#1d4ed8", "#f59e0b", "#16a34a", "#b42318"]
+    for i, (name, values) in enumerate(runs.items()):
+        for col, measure in enumerate(measures, start=1):
+            fig.add_bar(name=name, x=[name], y=[values[measure]], marker_color=palette[i % len(palette)],
+                        text=[f"{values[measure]:.3g}"], textposition="outside", showlegend=col == 1,
+                        row=1, col=col)
+    fig.update_layout(title=title, height=360, margin=dict(t=80, b=40), bargap=0.3)
+    fig.update_xaxes(showticklabels=False)
+    return fig
+
+
+def panel_state(num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, enable_prefix_caching: bool,
+                block_size: int = 16, seed: int = 0) -> dict[str, Any]:
+    """Serve a seeded workload (12 questions behind 2 system prompts) with no model; the panel's numbers."""
+    workload = shared_prompt_workload(num_requests=12, num_system_prompts=2, system_len=96, question_len=24,
+                                      reply_len=24, seed=seed)
+    manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching, hash_seed=str(seed))
+    scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=4096)
+    for w in workload:
+        scheduler.add_request(GenerationRequest(w.request_id, w.prompt_token_ids,
+                                                SamplingParams(max_tokens=len(w.output_token_ids), ignore_eos=True)))
+    history = run_until_done(scheduler, NoComputeExecutor())
+    queries = sum(h.prefix_cache_stats.queries for h in history)
+    hits = sum(h.prefix_cache_stats.hits for h in history)
+    return {
+        "history": history,
+        "steps": len(history),
+        "num_preemptions": scheduler.num_preemptions,
+        "tokens_computed": sum(h.num_scheduled_tokens for h in history),
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "peak_usage": max(h.kv_cache_usage for h in history),
+        "figure": figure_engine_history(history, title=f"{num_blocks} blocks, budget {max_num_batched_tokens} "
+                                                       f"tokens, {max_num_seqs} sequences at most"),
+    }
+
+
+class ServingPanel:
+    """Pool size, token budget, sequence cap and prefix caching over a no-compute serving run."""
+
+    def __init__(self, num_blocks: int = 64, max_num_batched_tokens: int = 256, max_num_seqs: int = 8,
+                 enable_prefix_caching: bool = True) -> None:
+        import ipywidgets as w
+
+        style = dict(continuous_update=False, layout=w.Layout(width="420px"), style={"description_width": "170px"})
+        self.num_blocks = w.IntSlider(value=num_blocks, min=12, max=160, description="KV blocks (16 tokens)", **style)
+        self.max_num_batched_tokens = w.IntSlider(value=max_num_batched_tokens, min=16, max=1024, step=16,
+                                                  description="max_num_batched_tokens", **style)
+        self.max_num_seqs = w.IntSlider(value=max_num_seqs, min=1, max=12, description="max_num_seqs", **style)
+        self.enable_prefix_caching = w.Checkbox(value=enable_prefix_caching, description="prefix caching")
+        self.summary = w.HTML()
+        self.errors = error_area()
+        self.state: dict[str, Any] = self._compute()
+        self.figure = figure_widget(self.state["figure"])
+        for control in (self.num_blocks, self.max_num_batched_tokens, self.max_num_seqs, self.enable_prefix_caching):
+            control.observe(guarded(self._update, self.errors), names="value")
+        self.summary.value = self._summary()
+        self.view = w.VBox([w.HBox([w.VBox([self.num_blocks, self.max_num_batched_tokens]),
+                                    w.VBox([self.max_num_seqs, self.enable_prefix_caching])]),
+                            self.errors, self.summary, self.figure])
+
+    def _compute(self) -> dict[str, Any]:
+        return panel_state(self.num_blocks.value, self.max_num_batched_tokens.value, self.max_num_seqs.value,
+                           self.enable_prefix_caching.value)
+
+    def _summary(self) -> str:
+        s = self.state
+        return (f"<p><b>{s['steps']}</b> steps, <b>{s['tokens_computed']:,}</b> tokens computed, "
+                f"<b>{s['num_preemptions']}</b> preemptions, prefix-cache hit rate <b>{s['prefix_cache_hit_rate']:.0%}"
+                f"</b>, peak KV usage <b>{s['peak_usage']:.0%}</b>.</p>")
+
+    def _update(self, _change: Any = None) -> None:
+        self.state = self._compute()
+        self.summary.value = self._summary()
+        replace_figure(self.figure, self.state["figure"])
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.view)

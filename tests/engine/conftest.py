@@ -1,0 +1,27 @@
+"""Fixtures of the engine tests: one tiny seeded Llama checkpoint per session, and its transformers twin."""
+
+import functools
+
+import pytest
+
+from kvlab.engine import evaluation, save_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A 2-layer GQA Llama written by transformers' save_pretrained (config.json + model.safetensors)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_llama_dir):
+    """The same checkpoint loaded by transformers: the reference every engine test compares with."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """``hf_greedy(prompt, max_tokens)``: transformers' own greedy generate, with its regular contiguous cache."""
+    return functools.partial(evaluation.hf_greedy, hf_model)
