@@ -9,9 +9,12 @@ from typing import Any
 from kvlab.cost_model import CostModel, cost_model
 from kvlab.exercises.core import Case, Exercise, register
 from kvlab.exercises.nb02 import _ask  # notebook 02's helper: a question answered from the numbers it computes
+from kvlab.hardware import GB
 from kvlab.kv_cache_metrics import nearest_rank
 from kvlab.kv_cache_metrics import pool_too_small as _pool_too_small
-from kvlab.playbook import rank_levers, reproduce
+from kvlab.playbook import Deployment, Workload, rank_levers, reproduce
+from kvlab.serving_sim import ChatWorkload, simulate_chat
+from kvlab.units import GiB
 
 # ----------------------------------------------------------------- 07.pool_too_small
 
@@ -221,5 +224,34 @@ _ask(
         "cache still holds almost all of the request. In V1 a preempted request's full blocks keep their hashes "
         "and usually are still cached when it resumes: recompute then redoes little, with no PCIe traffic and no "
         "swap state to manage."
+    ),
+)
+
+
+def _l4_levers() -> dict[str, Any]:
+    chat = ChatWorkload()
+    l4 = Deployment("llama-3-8b", "L4", max_model_len=1024, block_size=16, non_kv_gib=6 * GB / GiB)
+    levers = {r.name: r for r in rank_levers(l4, Workload(chat.longest_prompt, chat.reply_len))}
+    pools = {"as configured": l4.plan().num_blocks, "FP8 KV cache": levers["FP8 KV cache"].plan.num_blocks,
+             "Higher gpu_memory_utilization": levers["Higher gpu_memory_utilization"].plan.num_blocks}
+    runs = {name: simulate_chat(blocks, chat) for name, blocks in pools.items()}
+    freed = (levers["Higher gpu_memory_utilization"].plan.requested_bytes - l4.plan().requested_bytes) / GiB
+    return {"freed_gib": freed, **{name: {"blocks": pools[name], "hit_rate": run.hit_rate,
+                                          "too_small": run.diagnose().too_small} for name, run in runs.items()}}
+
+
+_ask(
+    "07.q4",
+    "Llama-3-8B on an L4 serves the chat of section 7 from 76 blocks, and the lifetime diagnostic says the pool is "
+    "too small. Which of FP8 KV cache and gpu_memory_utilization 0.95 clears it, and what happens to the hit rate?",
+    _l4_levers,
+    lambda v: (
+        f"Only the higher utilization. FP8 doubles the pool to {v['FP8 KV cache']['blocks']} blocks and lifts the hit "
+        f"rate from {100 * v['as configured']['hit_rate']:.0f} % to {100 * v['FP8 KV cache']['hit_rate']:.0f} %, but "
+        "blocks are still evicted sooner than conversations come back. At 0.95 the L4 gives the budget another "
+        f"{v['freed_gib']:.2f} GiB, the pool grows to {v['Higher gpu_memory_utilization']['blocks']} blocks, the "
+        "diagnostic clears and the hit rate reaches "
+        f"{100 * v['Higher gpu_memory_utilization']['hit_rate']:.0f} %. On a 24 GB card a few hundredths of "
+        "utilization are worth more than halving every block's bytes, because the weights already take most of it."
     ),
 )
