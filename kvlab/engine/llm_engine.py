@@ -26,6 +26,7 @@ from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.errors import KvlabValueError, RequestStateError
+from kvlab.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.manager import KVCacheManager
 from kvlab.offload import CPUOffloadingManager, OffloadingConnector, OffloadingExecutor, allocate_cpu_kv_caches
 from kvlab.scheduler import (
@@ -75,7 +76,8 @@ class LLMEngine:
     ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.offload``;
     vLLM sizes its tier in GiB with ``kv_offloading_size``): blocks the pool evicts are copied
     there and copied back on a prefix hit. ``preemption_mode="swap"`` resumes preempted requests
-    from that tier instead of recomputing them.
+    from that tier instead of recomputing them. ``kv_cache_metrics`` records vLLM's block lifetime
+    histograms (sampling ``kv_cache_metrics_sample`` of the blocks) and adds them to ``metrics_text()``.
     """
 
     def __init__(
@@ -93,6 +95,8 @@ class LLMEngine:
         keep_logits: bool = False,
         cpu_offload_blocks: int = 0,
         preemption_mode: str = "recompute",
+        kv_cache_metrics: bool = False,
+        kv_cache_metrics_sample: float = 1.0,
     ) -> None:
         one_of("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         block_size = positive_int("block_size", block_size)
@@ -133,6 +137,9 @@ class LLMEngine:
             for _ in range(self.config.num_hidden_layers)
         ]  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_size]
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
+        # vLLM's --kv-cache-metrics: block lifetimes, idle time before eviction, reuse gaps (kvlab.kv_cache_metrics).
+        self.kv_cache_metrics = KVCacheMetricsCollector(kv_cache_metrics_sample) if kv_cache_metrics else None
+        self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
         # kvlab.offload: an optional CPU tier of cpu_offload_blocks blocks (vLLM's kv_offloading_size, in blocks).
         self.cpu_offload_blocks = non_negative_int("cpu_offload_blocks", cpu_offload_blocks)
         one_of("preemption_mode", preemption_mode, ("recompute", "swap"))
@@ -237,6 +244,8 @@ class LLMEngine:
             if out.finished:
                 self.finish_reasons[out.request_id] = out.finish_reason
         self.history.append(stats)
+        if self.kv_cache_metrics is not None:
+            self.kv_cache_metrics.advance()
         self.metrics.record(stats, sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
@@ -295,8 +304,9 @@ class LLMEngine:
         return sum(h.num_scheduled_tokens for h in self.history)
 
     def metrics_text(self) -> str:
-        """The metrics in Prometheus' text format, labelled as vLLM labels them."""
-        return prometheus_text(self.metrics, {"model_name": self.model_dir.name, "engine": "0"})
+        """The metrics in Prometheus' text format, labelled as vLLM labels them (block lifetimes too, if recorded)."""
+        text = prometheus_text(self.metrics, {"model_name": self.model_dir.name, "engine": "0"})
+        return text if self.kv_cache_metrics is None else text + self.kv_cache_metrics.metrics_text()
 
     def history_frame(self) -> Any:
         """The per-step history as a pandas DataFrame (one row per step, seconds included)."""

@@ -82,3 +82,13 @@ def test_swap_needs_a_cpu_tier_and_the_tier_a_sane_size(tiny_llama_dir):
         LLMEngine(tiny_llama_dir, num_gpu_blocks=8, cpu_offload_blocks=-1)
     with pytest.raises(KvlabValueError, match="preemption_mode"):
         LLMEngine(tiny_llama_dir, num_gpu_blocks=8, cpu_offload_blocks=4, preemption_mode="page-out")
+
+
+def test_the_engine_records_block_lifetimes_when_asked_as_vllm_does_with_kv_cache_metrics(tiny_llama_dir):
+    engine = LLMEngine(tiny_llama_dir, num_gpu_blocks=4, block_size=16, cpu_offload_blocks=8, kv_cache_metrics=True)
+    _one_at_a_time(engine, TURNS[:3])
+    lifetimes = engine.kv_cache_metrics.histogram("lifetime", "steps")
+    assert lifetimes.count > 0 and engine.connector.stats.blocks_stored > 0   # both observers saw the evictions
+    text = engine.metrics_text()
+    assert "# TYPE vllm:kv_block_lifetime_seconds histogram" in text and "vllm:prefix_cache_hits_total" in text
+    assert "vllm:kv_block_lifetime_seconds" not in LLMEngine(tiny_llama_dir, num_gpu_blocks=4).metrics_text()
