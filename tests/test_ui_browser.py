@@ -280,6 +280,22 @@ def _wait_for_change(page: Any, panel: Any, old_text: str) -> None:
     page.wait_for_function("([el, old]) => el.innerText !== old", arg=[panel.element_handle(), old_text])
 
 
+def _wait_for_plot(panel: Any, expected: str, timeout_s: float = 30) -> bool:
+    """Wait until the panel's figure is ``expected``; return whether it became so."""
+    deadline = time.monotonic() + timeout_s
+    while _plot_data(panel) != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _plot_data(panel) == expected
+
+
+def _wait_for_plot_change(panel: Any, old_data: str, timeout_s: float = 30) -> str:
+    """Wait until the panel's figure differs from ``old_data`` (text and figure updates arrive apart)."""
+    deadline = time.monotonic() + timeout_s
+    while (data := _plot_data(panel)) == old_data and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return data
+
+
 def _matching(panels: list[dict[str, Any]], panel: Any, key: str) -> dict[str, Any]:
     """The kernel's panel whose ``key`` lines or text the page's panel shows."""
     shown = [p for p in panels if _shows(panel, p[key] if isinstance(p[key], list) else [p[key]])]
@@ -316,7 +332,7 @@ def test_nb02_utilization_and_model_move_the_concurrency_as_kvlab_budget_compute
     assert after["utilization"] == pytest.approx(new)
     assert after["log"] == after["recomputed"] != before["log"]  # what kvlab.budget computes for the new settings
     assert _shows(panel, after["log"])
-    assert _plot_data(panel) != figure_before
+    assert _wait_for_plot_change(panel, figure_before) != figure_before
 
     model = panel.locator(".widget-dropdown", has=page.locator(".widget-label", has_text=re.compile(r"^model$")))
     select = model.first.locator("select")
@@ -327,7 +343,7 @@ def test_nb02_utilization_and_model_move_the_concurrency_as_kvlab_budget_compute
     after = next(p for p in _panels(run.probe, "budget") if p["name"] == before["name"])
     assert after["model"] == other
     assert after["log"] == after["recomputed"] and _shows(panel, after["log"])
-    assert _plot_data(panel) != figure_before
+    assert _wait_for_plot_change(panel, figure_before) != figure_before
     assert run.problems() == []
 
 
@@ -359,12 +375,12 @@ def test_nb03_next_back_and_reset_walk_the_text_and_picture(lab_runs):
     for step in range(1, 5):
         now = press("next")
         assert now["index"] == step and now["text"] != seen[-1][0]["text"]
-        figure = _plot_data(panel)
+        figure = _wait_for_plot_change(panel, seen[-1][1])
         assert figure != seen[-1][1], f"the picture did not change at step {step}"
         seen.append((now, figure))
     back = press("back")
-    assert back == seen[-2][0] and _plot_data(panel) == seen[-2][1]  # back is the replay of one step fewer
-    assert press("reset") == seen[0][0] and _plot_data(panel) == seen[0][1]
+    assert back == seen[-2][0] and _wait_for_plot(panel, seen[-2][1])  # back is the replay of one step fewer
+    assert press("reset") == seen[0][0] and _wait_for_plot(panel, seen[0][1])
     assert run.problems() == []
 
 
