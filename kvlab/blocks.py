@@ -13,11 +13,27 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol
 
 from kvlab._validate import non_negative_int, positive_int
 from kvlab.errors import BlockStateError, OutOfBlocksError
 
 BlockHash = Hashable  # bytes from kvlab.hashing; any hashable value works for teaching
+
+
+class BlockPoolObserver(Protocol):
+    """What ``BlockPool`` tells its optional ``metrics_collector``, at the points vLLM's ``BlockPool`` calls it.
+
+    ``kvlab.kv_cache_metrics.KVCacheMetricsCollector`` is one; the pool behaves the same with or without.
+    """
+
+    def on_block_allocated(self, block: KVCacheBlock) -> None: ...  # get_new_blocks handed the block out
+
+    def on_block_accessed(self, block: KVCacheBlock) -> None: ...  # touch: a prefix hit took the block
+
+    def on_block_evicted(self, block: KVCacheBlock) -> None: ...  # the free queue gave the block up for reuse
+
+    def reset(self) -> None: ...  # reset_prefix_cache succeeded
 
 
 class KVCacheBlock:
@@ -156,7 +172,14 @@ class BlockPool:
     cached. ``get_usage`` therefore counts ``num_blocks - 1`` usable blocks.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        reserve_null_block: bool = True,
+        *,
+        metrics_collector: BlockPoolObserver | None = None,
+    ) -> None:
         self.num_gpu_blocks = positive_int("num_blocks", num_blocks)
         if reserve_null_block and num_blocks < 2:
             raise OutOfBlocksError("num_blocks must be at least 2 when block 0 is reserved as the null block")
@@ -169,6 +192,8 @@ class BlockPool:
         # requests computed it before either was cached); any of them serves a hit.
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.null_block: KVCacheBlock | None = None
+        # Optional observer (vLLM's KVCacheMetricsCollector); it sees the pool, never changes it.
+        self.metrics_collector = metrics_collector
         if reserve_null_block:
             self.null_block = self.free_block_queue.popleft()
             self.null_block.is_null = True
@@ -200,6 +225,8 @@ class BlockPool:
             self._maybe_evict_cached_block(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
+            if self.metrics_collector is not None:
+                self.metrics_collector.on_block_allocated(block)
         return blocks
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -235,6 +262,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if self.metrics_collector is not None:
+                self.metrics_collector.on_block_accessed(block)
 
     # ----------------------------------------------------------------- the prefix-cache index
 
@@ -278,6 +307,8 @@ class BlockPool:
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """If ``block`` is cached, drop it from the index and forget its hash (the eviction)."""
+        if self.metrics_collector is not None:  # vLLM reports every block leaving the free queue, hashed or not
+            self.metrics_collector.on_block_evicted(block)
         block_hash = block.block_hash
         if block_hash is None:
             return False
@@ -296,6 +327,8 @@ class BlockPool:
         for block in self.blocks:
             block.reset_hash()
         self.cached_block_hash_to_block.clear()
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
         return True
 
     # ----------------------------------------------------------------- checks

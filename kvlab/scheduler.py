@@ -25,6 +25,12 @@ it (``KVCacheManager.copy_on_write``) and the step's ``blocks_to_copy`` tells th
 copy the KV tensors before the forward. V1 itself instead runs ``n`` independent requests
 that share the prompt's full blocks through the prefix cache.
 
+Optional, for notebook 07: a ``connector`` (``kvlab.offload.OffloadingConnector``) called
+where vLLM calls its KV connector, so that a waiting request also finds blocks in a CPU tier
+(``get_num_new_matched_tokens``, loaded before the forward), and ``preemption_mode="swap"``,
+which V1 dropped: a preempted request's KV is copied to the CPU tier and copied back when it
+resumes, instead of recomputed. ``num_recomputed_tokens`` counts what preemption cost.
+
 The scheduler never touches tensors: an executor turns each ``SchedulerOutput`` into sampled
 tokens. ``NoComputeExecutor`` invents tokens without a model, for simulations; the real one
 is ``kvlab.engine.ModelRunner``.
@@ -36,9 +42,9 @@ import dataclasses
 import zlib
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
-from kvlab._validate import non_negative_int, non_negative_number, positive_int
+from kvlab._validate import non_negative_int, non_negative_number, one_of, positive_int
 from kvlab.cache_stats import PrefixCacheStats
 from kvlab.errors import KvlabValueError, RequestStateError, RequestTooLongError
 from kvlab.manager import KVCacheManager
@@ -154,6 +160,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str]
     finished_req_ids: set[str]  # finished since the previous step (the executor may drop their state)
     blocks_to_copy: list[BlockCopy]  # copy-on-write copies to make on every layer's K and V, before the forward
+    kv_connector_metadata: Any = None  # the CPU tier's copies for this step (kvlab.offload), made before the forward
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -221,6 +228,8 @@ class Scheduler:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_model_len: int | None = None,
+        connector: Any = None,
+        preemption_mode: str = "recompute",
     ) -> None:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise KvlabValueError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
@@ -242,6 +251,13 @@ class Scheduler:
         self.num_preemptions = 0  # since start: vllm:num_preemptions
         self._pending_copies: dict[str, list[BlockCopy]] = {}  # copy-on-write copies not yet executed
         self._last_step: SchedulerOutput | None = None
+        # kvlab.offload: the CPU tier (vLLM's KV connector) and how a preempted request is resumed.
+        self.preemption_mode = one_of("preemption_mode", preemption_mode, ("recompute", "swap"))
+        if preemption_mode == "swap" and connector is None:
+            raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: pass a connector")
+        self.connector = connector
+        self.num_recomputed_tokens = 0  # tokens computed again after a preemption
+        self._computed_before_preemption: dict[str, int] = {}
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -305,16 +321,24 @@ class Scheduler:
             if self._num_seq_slots_used() + request.num_pending_forks + 1 > self.max_num_running_reqs:
                 break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
+            num_external_tokens = (0 if self.connector is None
+                                   else self.connector.get_num_new_matched_tokens(request, num_hit_tokens))
+            num_computed_tokens = num_hit_tokens + num_external_tokens
+            num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens + num_external_tokens, num_hit_tokens, hit_blocks)
             if new_blocks is None:
                 break  # the pool is full: the queue waits, in order
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, num_hit_tokens, num_external_tokens)
+            previously = self._computed_before_preemption.pop(request.request_id, 0)
+            self.num_recomputed_tokens += max(previously - num_computed_tokens, 0)
             self.waiting.popleft()
             self.running.append(request)
             admitted.append(request)
             (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed_tokens
             num_new_tokens_of[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
 
@@ -339,7 +363,14 @@ class Scheduler:
         return len(self.running) + sum(r.num_pending_forks for r in self.running)
 
     def _preempt_request(self, request: GenerationRequest) -> None:
-        """Free the request's blocks and put it back at the front of the waiting queue, to recompute."""
+        """Free the request's blocks and put it back at the front of the waiting queue, to recompute.
+
+        With ``preemption_mode="swap"`` its computed KV is first copied to the CPU tier (when there
+        is room), to be copied back on resume instead of recomputed.
+        """
+        if self.preemption_mode == "swap":
+            self.connector.swap_out(request)
+        self._computed_before_preemption[request.request_id] = request.num_computed_tokens
         self.kv_cache_manager.free(request)
         self._pending_copies.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -384,6 +415,7 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in preempted],
             finished_req_ids=finished,
             blocks_to_copy=copies,
+            kv_connector_metadata=None if self.connector is None else self.connector.build_connector_meta(),
         )
 
     def _fork_children(self, parent: GenerationRequest) -> tuple[tuple[str, SamplingParams], ...]:
@@ -410,6 +442,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Append each sampled token, stop requests that are done, and free their blocks."""
+        if self.connector is not None:
+            self.connector.complete_step()  # the executor made this step's CPU-tier copies
         outputs = []
         for request_id, token_id in model_runner_output.sampled_token_ids.items():
             request = self.requests.get(request_id)
@@ -436,6 +470,8 @@ class Scheduler:
     def _free_request(self, request: GenerationRequest) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 

@@ -20,13 +20,15 @@ from typing import Any
 
 import torch
 
-from kvlab._validate import one_of, positive_int
+from kvlab._validate import non_negative_int, one_of, positive_int
 from kvlab.budget import KVCachePlan, plan_kv_cache
 from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.errors import KvlabValueError, RequestStateError
+from kvlab.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.manager import KVCacheManager
+from kvlab.offload import CPUOffloadingManager, OffloadingConnector, OffloadingExecutor, allocate_cpu_kv_caches
 from kvlab.scheduler import (
     DEFAULT_MAX_NUM_SEQS,
     GenerationRequest,
@@ -70,6 +72,12 @@ class LLMEngine:
     measure the GPU instead; kvlab plans for a CPU). Block 0 is the null block, as in vLLM.
     ``kv_cache_dtype="fp8"`` stores K and V as float8 e4m3 with scale 1.0 (vLLM's default)
     and the kernels dequantize on load. The model and the cache live on the CPU.
+
+    ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.offload``;
+    vLLM sizes its tier in GiB with ``kv_offloading_size``): blocks the pool evicts are copied
+    there and copied back on a prefix hit. ``preemption_mode="swap"`` resumes preempted requests
+    from that tier instead of recomputing them. ``kv_cache_metrics`` records vLLM's block lifetime
+    histograms (sampling ``kv_cache_metrics_sample`` of the blocks) and adds them to ``metrics_text()``.
     """
 
     def __init__(
@@ -85,6 +93,10 @@ class LLMEngine:
         kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         keep_logits: bool = False,
+        cpu_offload_blocks: int = 0,
+        preemption_mode: str = "recompute",
+        kv_cache_metrics: bool = False,
+        kv_cache_metrics_sample: float = 1.0,
     ) -> None:
         one_of("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         block_size = positive_int("block_size", block_size)
@@ -125,9 +137,24 @@ class LLMEngine:
             for _ in range(self.config.num_hidden_layers)
         ]  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_size]
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
+        # vLLM's --kv-cache-metrics: block lifetimes, idle time before eviction, reuse gaps (kvlab.kv_cache_metrics).
+        self.kv_cache_metrics = KVCacheMetricsCollector(kv_cache_metrics_sample) if kv_cache_metrics else None
+        self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
+        # kvlab.offload: an optional CPU tier of cpu_offload_blocks blocks (vLLM's kv_offloading_size, in blocks).
+        self.cpu_offload_blocks = non_negative_int("cpu_offload_blocks", cpu_offload_blocks)
+        one_of("preemption_mode", preemption_mode, ("recompute", "swap"))
+        if preemption_mode == "swap" and not cpu_offload_blocks:
+            raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: set cpu_offload_blocks")
+        self.bytes_per_block = per_block
+        self.cpu_kv_caches = allocate_cpu_kv_caches(self.kv_caches, cpu_offload_blocks) if cpu_offload_blocks else []
+        self.connector = (OffloadingConnector(self.kv_cache_manager, CPUOffloadingManager(cpu_offload_blocks))
+                          if cpu_offload_blocks else None)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len)
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                   connector=self.connector, preemption_mode=preemption_mode)
         self.model_runner = ModelRunner(self.model, self.kv_caches, block_size, keep_logits=keep_logits)
+        self.executor = (self.model_runner if self.connector is None else
+                         OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
         self.metrics = EngineMetrics()
         self.history: list[SchedulerStats] = []
         self.step_seconds: list[float] = []
@@ -210,13 +237,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute and update once; return what each request produced in this step."""
         started = time.perf_counter()
-        self.last_scheduler_output, outputs, stats = step(self.scheduler, self.model_runner)
+        self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
         self.step_seconds.append(time.perf_counter() - started)
         for out in outputs:
             self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 self.finish_reasons[out.request_id] = out.finish_reason
         self.history.append(stats)
+        if self.kv_cache_metrics is not None:
+            self.kv_cache_metrics.advance()
         self.metrics.record(stats, sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
@@ -275,8 +304,9 @@ class LLMEngine:
         return sum(h.num_scheduled_tokens for h in self.history)
 
     def metrics_text(self) -> str:
-        """The metrics in Prometheus' text format, labelled as vLLM labels them."""
-        return prometheus_text(self.metrics, {"model_name": self.model_dir.name, "engine": "0"})
+        """The metrics in Prometheus' text format, labelled as vLLM labels them (block lifetimes too, if recorded)."""
+        text = prometheus_text(self.metrics, {"model_name": self.model_dir.name, "engine": "0"})
+        return text if self.kv_cache_metrics is None else text + self.kv_cache_metrics.metrics_text()
 
     def history_frame(self) -> Any:
         """The per-step history as a pandas DataFrame (one row per step, seconds included)."""

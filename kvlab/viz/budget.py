@@ -6,9 +6,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import html
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import plotly.graph_objects as go
@@ -18,7 +17,7 @@ from kvlab.budget import PRESETS, KVCachePlan, plan_kv_cache
 from kvlab.models import WEIGHT_DTYPE_BYTES, get_model, list_models, weights_bytes
 from kvlab.sizing import KV_DTYPE_BYTES
 from kvlab.units import GiB, format_bytes
-from kvlab.viz.widgets import error_area, figure_widget, guarded, keep_for_new_views, replace_figure
+from kvlab.viz.widgets import Panel, error_area, figure_widget, guarded, keep_for_new_views, replace_figure
 
 #: The segments of the memory bar, left to right, with their colours.
 SEGMENTS = {
@@ -167,7 +166,7 @@ def _summary_html(state: dict[str, Any]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>{facts}{log}{warnings}"
 
 
-class BudgetPanel:
+class BudgetPanel(Panel):
     """Sliders over ``plan_kv_cache``: model, GPU, budget, weights, non-KV peak, KV dtype, block size, length, TP."""
 
     def __init__(self, preset: str | None = "A") -> None:
@@ -198,19 +197,10 @@ class BudgetPanel:
                                for name in PRESETS}
         self.summary = w.HTML()
         self.errors = error_area()
-        self._holding = False
         self.state: dict[str, Any] = panel_state(**self.settings())
         self.figure = figure_widget(self.state["figure"])
         self.weights_mode.observe(guarded(self._on_weights_mode, self.errors), names="value")  # before the redraw
-        update = guarded(self._update, self.errors)
-        for control in self.controls:
-            control.observe(update, names="value")
-        for name, button in self.preset_buttons.items():
-            button.on_click(guarded(lambda _b, name=name: self.apply_preset(name), self.errors))
-        if preset is not None:
-            self.apply_preset(preset)
-        else:
-            self._render()
+        self._connect(self.controls, self.preset_buttons, preset)
         self.view = w.VBox([
             w.HBox(list(self.preset_buttons.values())),
             w.HBox([w.VBox([self.model, self.kv_dtype, self.block_size, self.tp]),
@@ -241,16 +231,6 @@ class BudgetPanel:
             "tp": self.tp.value,
         }
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Set several controls at once: one redraw at the end instead of one per control."""
-        self._holding = True
-        try:
-            yield
-        finally:
-            self._holding = False
-        self._update()
-
     def apply_preset(self, name: str) -> None:
         """Set every control to preset ``name`` ("A", "B", "C"): what its button does."""
         preset = PRESETS[one_of("name", name, PRESETS)]
@@ -274,20 +254,13 @@ class BudgetPanel:
             estimate = weights_bytes(get_model(settings["model"]), dtype) / settings["tp"] / GiB
             self.weights_gib.value = round(estimate, 3)
 
-    def _update(self, _change: Any = None) -> None:
-        if self._holding:
-            return
-        self.state = panel_state(**self.settings())
-        self._render()
+    def compute(self) -> dict[str, Any]:
+        """``panel_state`` on the controls' values."""
+        return panel_state(**self.settings())
 
     def _render(self) -> None:
         self.summary.value = _summary_html(self.state)
         redraw_memory(self.figure, self.state["figure"])
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.view)
 
 
 def _preset_tip(name: str) -> str:

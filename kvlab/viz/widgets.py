@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 ERROR_CSS_CLASS = "kvlab-callback-error"
@@ -89,3 +90,59 @@ def keep_for_new_views(target: Any, figure: Any) -> None:
             {**new.to_plotly_json(), "uid": old.uid} for old, new in zip(target.data, figure.data, strict=True)
         ]
         target._widget_layout = figure.layout.to_plotly_json()
+
+
+class Panel:
+    """What a control panel shares with the others: recompute on a change, several changes in one redraw, display.
+
+    A subclass builds its controls, ``view`` and first ``state``, observes its controls with
+    ``guarded(self._update, errors)``, and provides ``compute`` (the pure function behind the
+    panel, called on the controls' values) and ``_render`` (the redraw).
+    """
+
+    state: dict[str, Any]
+    view: Any
+    errors: Any
+    _holding = False
+
+    def apply_preset(self, name: str) -> None:
+        raise NotImplementedError
+
+    def compute(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _render(self) -> None:
+        raise NotImplementedError
+
+    def _update(self, _change: Any = None) -> None:
+        if self._holding:
+            return
+        self.state = self.compute()
+        self._render()
+
+    def _connect(self, controls: list[Any], preset_buttons: dict[str, Any], preset: str | None) -> None:
+        """Observe ``controls`` and the preset buttons (errors shown in ``self.errors``), then show ``preset``."""
+        update = guarded(self._update, self.errors)
+        for control in controls:
+            control.observe(update, names="value")
+        for name, button in preset_buttons.items():
+            button.on_click(guarded(lambda _b, name=name: self.apply_preset(name), self.errors))
+        if preset is not None:
+            self.apply_preset(preset)
+        else:
+            self._render()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Set several controls at once: one redraw at the end instead of one per control."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        self._update()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.view)

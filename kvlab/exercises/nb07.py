@@ -1,0 +1,257 @@
+"""Notebook 07's exercises (is the pool too small? swap or recompute?) and self-test."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from kvlab.cost_model import CostModel, cost_model
+from kvlab.exercises.core import Case, Exercise, register
+from kvlab.exercises.nb02 import _ask  # notebook 02's helper: a question answered from the numbers it computes
+from kvlab.hardware import GB
+from kvlab.kv_cache_metrics import nearest_rank
+from kvlab.kv_cache_metrics import pool_too_small as _pool_too_small
+from kvlab.playbook import Deployment, Workload, rank_levers, reproduce
+from kvlab.serving_sim import ChatWorkload, simulate_chat
+from kvlab.units import GiB
+
+# ----------------------------------------------------------------- 07.pool_too_small
+
+
+def pool_too_small(reuse_gaps: list[float], idle_before_evict: list[float]) -> bool:
+    """Reference: the p90 reuse gap exceeds the median idle time before eviction (nearest-rank quantiles)."""
+    return _pool_too_small(reuse_gaps, idle_before_evict)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _explain_pool(case: Case, expected: Any, actual: Any) -> str | None:
+    gaps, idle = case.args
+    if not isinstance(actual, bool):
+        return "return True or False"
+    if not gaps or not idle:
+        return "with no reuse gaps or no evictions there is nothing to compare: answer False"
+    p90, p50 = nearest_rank(gaps, 0.9), nearest_rank(idle, 0.5)
+    if p90 == p50:
+        return "the rule says *exceeds*: a p90 gap equal to the median idle time is not too small"
+    ordered = sorted(idle)
+    if len(ordered) % 2 == 0 and actual == (p90 > (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2):
+        return ("use the nearest-rank quantile, sorted(values)[ceil(q * n) - 1]: the median of an even count is "
+                "the lower middle value, not the average of the two")
+    if actual == (_mean(gaps) > _mean(idle)):
+        return "compare quantiles, not means: one long gap moves the mean but not the 90th percentile"
+    return None
+
+
+def _random_pool_case(rng: random.Random) -> Case:
+    gaps = [rng.randint(1, 60) for _ in range(rng.randint(0, 12))]
+    idle = [rng.randint(1, 60) for _ in range(rng.randint(0, 12))]
+    return Case((gaps, idle), probes="random reuse gaps and idle times, in steps")
+
+
+register(Exercise(
+    id="07.pool_too_small",
+    title="Is the pool too small?",
+    task=(
+        "You have scraped two of vLLM's block lifetime histograms as raw values (in scheduler steps): the gaps "
+        "between consecutive prefix-cache hits on a block (`vllm:kv_block_reuse_gap_seconds`) and each evicted "
+        "block's idle time before eviction (`vllm:kv_block_idle_before_evict_seconds`). Return True when the "
+        "90th-percentile reuse gap is larger than the median idle time before eviction: blocks are then usually "
+        "evicted before they are needed again. Use nearest-rank quantiles (the q-quantile of n values is "
+        "`sorted(values)[ceil(q * n) - 1]`), and return False when either list is empty."
+    ),
+    signature="def pool_too_small(reuse_gaps: list[float], idle_before_evict: list[float]) -> bool:",
+    reference=pool_too_small,
+    edge_cases=[
+        Case(([2, 3, 40], [5, 6, 7]), probes="one long gap: p90 is 40, the median idle time 6"),
+        Case(([2, 3, 4], [5, 6, 7]), probes="every gap shorter than the typical idle time"),
+        Case(([6], [6]), probes="p90 equal to the median: 'exceeds' is strict"),
+        Case(([], [1, 2]), probes="no block was hit twice: no gaps to judge"),
+        Case(([3], []), probes="no block was evicted yet"),
+        Case(([6, 6, 6, 6], [1, 3, 9, 9]), probes="an even count: the nearest-rank median is 3, not 6"),
+        Case(([1] * 9 + [100], [5] * 10), probes="a skewed tail: the mean gap is 10.9, the p90 gap only 1"),
+    ],
+    random_case=_random_pool_case,
+    explain=_explain_pool,
+    hints=[
+        "Two quantiles: q = 0.9 of reuse_gaps and q = 0.5 of idle_before_evict.",
+        "Nearest rank: sort, then take the element at index ceil(q * n) - 1 (math.ceil).",
+        "Guard the empty lists first, and compare with a strict >.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 07.swap_or_recompute
+
+
+def swap_or_recompute(model: CostModel, computed_tokens: int, hit_tokens: int) -> str:
+    """Reference: the cheaper way to resume a preempted request, in ``model``'s modelled seconds."""
+    return model.swap_or_recompute(computed_tokens, hit_tokens)
+
+
+_MODELS: dict[str, Callable[[], CostModel]] = {
+    "llama-3-8b on H100, PCIe 5": lambda: cost_model("llama-3-8b", "H100-SXM-80GB"),
+    "llama-3-8b on H100 behind PCIe 4": lambda: cost_model("llama-3-8b", "H100-SXM-80GB", "PCIe 4.0 x16"),
+    "llama-2-7b (MHA) on A100, PCIe 4": lambda: cost_model("llama-2-7b", "A100-80GB"),
+    "llama-3-70b on 4 x H100": lambda: cost_model("llama-3-70b", "H100-SXM-80GB", tp=4),
+}
+
+
+def _explain_swap(case: Case, expected: Any, actual: Any) -> str | None:
+    model, computed, hits = case.args
+    if actual not in ("swap", "recompute"):
+        return 'return the string "swap" or "recompute"'
+    one_way = model.copy_seconds(computed)
+    if actual == ("swap" if one_way < model.recompute_seconds(computed, hits) else "recompute"):
+        return "swap pays twice: every block goes out to the CPU, then the blocks not cached on the GPU come back"
+    no_context = model.prefill_seconds(computed - hits)
+    if actual == ("swap" if model.swap_seconds(computed, hits) < no_context else "recompute"):
+        return ("the recomputed tokens attend to the cached ones too: pass hit_tokens as num_cached_tokens to "
+                "prefill_seconds")
+    if actual == ("swap" if model.copy_seconds(computed) * 2 < model.recompute_seconds(computed, hits) else
+                  "recompute"):
+        return "blocks still cached on the GPU need not be copied back: only computed_tokens - hit_tokens return"
+    return None
+
+
+def _random_swap_case(rng: random.Random) -> Case:
+    name = rng.choice(list(_MODELS))
+    computed = rng.randint(64, 60_000)
+    return Case((_MODELS[name](), computed, rng.randint(0, computed)), probes=f"a random request on {name}")
+
+
+register(Exercise(
+    id="07.swap_or_recompute",
+    title="Swap or recompute?",
+    task=(
+        "A request with `computed_tokens` tokens of KV was preempted. When it resumes, the GPU prefix cache still "
+        "holds its first `hit_tokens` tokens. Resuming by *recompute* prefills the other tokens, which attend to "
+        "the cached ones: `model.prefill_seconds(computed_tokens - hit_tokens, hit_tokens)`. Resuming by *swap* "
+        "copied all of its KV to the CPU at preemption and copies back what the GPU no longer holds, each copy "
+        "costing `model.copy_seconds(num_tokens)`. Return \"swap\" if swapping takes less modelled time, else "
+        "\"recompute\" (vLLM V1's way wins ties)."
+    ),
+    signature="def swap_or_recompute(model: CostModel, computed_tokens: int, hit_tokens: int) -> str:",
+    reference=swap_or_recompute,
+    edge_cases=[
+        Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 1000, 1000), probes="everything still cached: nothing to redo"),
+        Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 1000, 0), probes="nothing cached: a GQA model's KV crosses "
+                                                                      "PCIe 5 faster than it prefills"),
+        Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 8000, 7400), probes="92.5 % cached, just below the crossover"),
+        Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 8000, 7600), probes="95 % cached: recompute wins"),
+        Case((_MODELS["llama-3-8b on H100 behind PCIe 4"](), 8000, 7100), probes="a slower link moves the crossover "
+                                                                               "down"),
+        Case((_MODELS["llama-2-7b (MHA) on A100, PCIe 4"](), 8000, 6640),
+             probes="83 % cached: an MHA model's KV is 4 x as large, so recompute wins earlier"),
+        Case((_MODELS["llama-3-70b on 4 x H100"](), 32000, 31600), probes="a 70B model's prefill is dear"),
+    ],
+    random_case=_random_swap_case,
+    num_random=15,
+    explain=_explain_swap,
+    hints=[
+        "Recompute: one call, model.prefill_seconds(computed_tokens - hit_tokens, hit_tokens).",
+        "Swap: model.copy_seconds(computed_tokens) out, plus model.copy_seconds(computed_tokens - hit_tokens) back.",
+        'return "swap" if swap_time < recompute_time else "recompute"',
+    ],
+))
+
+
+# ----------------------------------------------------------------- self-test
+
+
+def _deployment_c() -> dict[str, Any]:
+    r = reproduce("c")
+    plan = r["exact"].plan
+    return {"source": r["arithmetic"].max_concurrency, "exact": plan.max_concurrency,
+            "per_token": plan.kv_bytes_per_token * r["source"].deployment.tp, "log": r["exact"].startup_log}
+
+
+_ask(
+    "07.q1",
+    "Deployment (c), a 32B model on 2 x A100 80GB at 131,072 tokens: the source's arithmetic gives 3.8x. What does "
+    "vLLM really log for Qwen2.5-32B-Instruct, and where does the difference come from?",
+    _deployment_c,
+    lambda v: (
+        f"{v['log'][2]}, against the source's {v['source']:.2f}x. The source assumes 160 KB of KV per token; the real "
+        f"config (64 layers, 8 KV heads of 128 dimensions, bf16) stores {v['per_token'] // 1024} KiB, split over the "
+        "two GPUs. The reported 80 GiB per A100 and the source's decimal units move the figure much less."
+    ),
+)
+
+
+def _lower_max_model_len() -> dict[str, Any]:
+    r = reproduce("a")
+    levers = rank_levers(r["source"].deployment, r["source"].workload)
+    lever = next(x for x in levers if x.name == "Lower max_model_len")
+    return {"before": r["exact"].max_concurrency, "after": lever.max_concurrency, "gain_typical": lever.gain_typical,
+            "blocks_before": r["exact"].plan.num_blocks, "blocks_after": lever.plan.num_blocks,
+            "new_len": lever.deployment.max_model_len}
+
+
+_ask(
+    "07.q2",
+    "Deployment (a), chat on one L40S: halve max_model_len. The logged concurrency doubles. How many more chat "
+    "requests run at once?",
+    _lower_max_model_len,
+    lambda v: (
+        f"None ({v['gain_typical']:+d}). The log goes from {v['before']:.2f}x to {v['after']:.2f}x because it divides "
+        f"the same pool by a shorter worst case, max_model_len {v['new_len']:,}. vLLM V1 sizes the pool from the "
+        f"memory left after the weights and the profiled peak, not from max_model_len: {v['blocks_before']:,} blocks "
+        f"before, {v['blocks_after']:,} after. Only FP8 KV, more memory or fewer bytes of weights grow it."
+    ),
+)
+
+
+def _crossover() -> dict[str, Any]:
+    fast = cost_model("llama-3-8b", "H100-SXM-80GB")
+    slow = cost_model("llama-3-8b", "H100-SXM-80GB", "PCIe 4.0 x16")
+    return {"fast": fast.crossover_hit_rate(8000), "slow": slow.crossover_hit_rate(8000), "mfu": fast.prefill_mfu,
+            "prefill_us": fast.prefill_seconds(8000) / 8000 * 1e6, "copy_us": fast.copy_seconds(8000) / 8000 * 1e6}
+
+
+_ask(
+    "07.q3",
+    "Llama-3-8B on an H100, a preempted request with 8,000 computed tokens. From what prefix-hit rate on resume is "
+    "recompute (modelled) no slower than swap over PCIe 5? And over PCIe 4?",
+    _crossover,
+    lambda v: (
+        f"From {100 * v['fast']:.1f} % over PCIe 5 and {100 * v['slow']:.1f} % over PCIe 4 (modelled: "
+        f"{100 * v['mfu']:g} % of the dense BF16 peak, the links' theoretical bandwidth). Per token, prefill "
+        f"costs about {v['prefill_us']:.0f} µs and one copy {v['copy_us']:.1f} µs, so swap wins unless the prefix "
+        "cache still holds almost all of the request. In V1 a preempted request's full blocks keep their hashes "
+        "and usually are still cached when it resumes: recompute then redoes little, with no PCIe traffic and no "
+        "swap state to manage."
+    ),
+)
+
+
+def _l4_levers() -> dict[str, Any]:
+    chat = ChatWorkload()
+    l4 = Deployment("llama-3-8b", "L4", max_model_len=1024, block_size=16, non_kv_gib=6 * GB / GiB)
+    levers = {r.name: r for r in rank_levers(l4, Workload(chat.longest_prompt, chat.reply_len))}
+    pools = {"as configured": l4.plan().num_blocks, "FP8 KV cache": levers["FP8 KV cache"].plan.num_blocks,
+             "Higher gpu_memory_utilization": levers["Higher gpu_memory_utilization"].plan.num_blocks}
+    runs = {name: simulate_chat(blocks, chat) for name, blocks in pools.items()}
+    freed = (levers["Higher gpu_memory_utilization"].plan.requested_bytes - l4.plan().requested_bytes) / GiB
+    return {"freed_gib": freed, **{name: {"blocks": pools[name], "hit_rate": run.hit_rate,
+                                          "too_small": run.diagnose().too_small} for name, run in runs.items()}}
+
+
+_ask(
+    "07.q4",
+    "Llama-3-8B on an L4 serves the chat of section 7 from 76 blocks, and the lifetime diagnostic says the pool is "
+    "too small. Which of FP8 KV cache and gpu_memory_utilization 0.95 clears it, and what happens to the hit rate?",
+    _l4_levers,
+    lambda v: (
+        f"Only the higher utilization. FP8 doubles the pool to {v['FP8 KV cache']['blocks']} blocks and lifts the hit "
+        f"rate from {100 * v['as configured']['hit_rate']:.0f} % to {100 * v['FP8 KV cache']['hit_rate']:.0f} %, but "
+        "blocks are still evicted sooner than conversations come back. At 0.95 the L4 gives the budget another "
+        f"{v['freed_gib']:.2f} GiB, the pool grows to {v['Higher gpu_memory_utilization']['blocks']} blocks, the "
+        "diagnostic clears and the hit rate reaches "
+        f"{100 * v['Higher gpu_memory_utilization']['hit_rate']:.0f} %. On a 24 GB card a few hundredths of "
+        "utilization are worth more than halving every block's bytes, because the weights already take most of it."
+    ),
+)

@@ -1,0 +1,134 @@
+"""Real GPUs and host links, with their sources: memory as the datasheet labels it and as the driver reports it.
+
+A datasheet's "80 GB" is a label, not a byte count. vLLM budgets from what the driver reports
+(``torch.cuda.mem_get_info()``, the ``memory.total`` nvidia-smi prints in MiB), and that figure
+sits on either side of the label read as decimal GB: an L40S labelled 48 GB reports 46,068 MiB
+(48.3 x 10**9 B, 44.99 GiB), an H100 labelled 80 GB reports 81,559 MiB (79.65 GiB). The facts
+live in ``data/hardware/*.json``, each with the sources it was taken from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from fractions import Fraction
+
+from kvlab.errors import UnknownNameError
+from kvlab.models import DATA_DIR
+from kvlab.units import GiB, MiB
+
+HARDWARE_DIR = DATA_DIR / "hardware"
+GB = 10**9  # the decimal gigabyte datasheets and link specifications use
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUSpec:
+    """One GPU: its memory (label and reported), FP8 support, dense BF16 compute and host link."""
+
+    name: str
+    full_name: str
+    architecture: str
+    memory_label: str  # the datasheet's words, e.g. "48 GB GDDR6 with ECC"
+    memory_total_mib: int | None  # nvidia-smi memory.total; None where kvlab has no source
+    native_fp8: bool  # FP8 tensor cores (Ada, Hopper and later)
+    bf16_dense_tflops: float  # without sparsity
+    host_link: str
+    sources: tuple[str, ...]
+
+    @property
+    def label_gb(self) -> float:
+        """The number in the label: 48.0 for "48 GB GDDR6 with ECC"."""
+        return float(re.match(r"\s*([\d.]+)\s*GB", self.memory_label).group(1))  # type: ignore[union-attr]
+
+    @property
+    def memory_is_reported(self) -> bool:
+        """Whether ``memory_bytes`` is the driver's figure (True) or the label read as GiB (False)."""
+        return self.memory_total_mib is not None
+
+    @property
+    def memory_bytes(self) -> int:
+        """What vLLM would budget from: the reported total, else the label's number taken as GiB."""
+        if self.memory_total_mib is not None:
+            return self.memory_total_mib * MiB
+        return round(self.label_gb * GiB)
+
+    @property
+    def memory_gib(self) -> float:
+        """``memory_bytes`` in GiB, the unit ``kvlab.budget.plan_kv_cache`` takes."""
+        return self.memory_bytes / GiB
+
+    def memory_row(self) -> dict[str, object]:
+        """The label beside the bytes, read three ways: for the notebook's GB-against-GiB table."""
+        return {
+            "label": self.memory_label,
+            "label as GB (10**9 B)": f"{self.label_gb * GB / GiB:.2f} GiB",
+            "label as GiB": f"{self.label_gb:g} GiB",
+            "reported (nvidia-smi)": (f"{self.memory_total_mib:,} MiB = {self.memory_gib:.2f} GiB"
+                                      if self.memory_is_reported else "no source"),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkSpec:
+    """A host link (PCIe generation and width): its theoretical bandwidth per direction."""
+
+    name: str
+    gigatransfers_per_s: int
+    lanes: int
+    encoding: tuple[int, int]  # payload bits, line bits: 128b/130b since PCIe 3.0
+    sources: tuple[str, ...]
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Theoretical bytes per second in one direction: rate x lanes x encoding / 8."""
+        payload, line = self.encoding
+        return float(Fraction(self.gigatransfers_per_s * GB * self.lanes * payload, line * 8))
+
+
+def _load(kind: str) -> dict[str, dict]:
+    with open(HARDWARE_DIR / f"{kind}.json", encoding="utf-8") as fh:
+        return {k: v for k, v in json.load(fh).items() if not k.startswith("_")}
+
+
+@functools.cache
+def _gpus() -> dict[str, GPUSpec]:
+    return {name: GPUSpec(name=name, **{**raw, "sources": tuple(raw["sources"])})
+            for name, raw in _load("gpus").items()}
+
+
+@functools.cache
+def _links() -> dict[str, LinkSpec]:
+    return {name: LinkSpec(name=name, gigatransfers_per_s=raw["gigatransfers_per_s"], lanes=raw["lanes"],
+                           encoding=tuple(raw["encoding"]), sources=tuple(raw["sources"]))
+            for name, raw in _load("links").items()}
+
+
+def _find(kind: str, name: object, table: dict[str, object], cls: type) -> object:
+    """``table[name]``, or ``name`` itself when it is already a ``cls``; an unknown name lists the known ones."""
+    if isinstance(name, cls):
+        return name
+    if name not in table:
+        raise UnknownNameError(kind, name, table)
+    return table[name]  # type: ignore[index]
+
+
+def list_gpus() -> list[str]:
+    """The GPUs in ``data/hardware/gpus.json``."""
+    return list(_gpus())
+
+
+def get_gpu(name: str | GPUSpec) -> GPUSpec:
+    """The GPU called ``name`` (see ``list_gpus()``); a ``GPUSpec`` is returned as it is."""
+    return _find("gpu", name, _gpus(), GPUSpec)  # type: ignore[arg-type, return-value]
+
+
+def list_links() -> list[str]:
+    """The host links in ``data/hardware/links.json``."""
+    return list(_links())
+
+
+def get_link(name: str | LinkSpec) -> LinkSpec:
+    """The link called ``name`` (see ``list_links()``); a ``LinkSpec`` is returned as it is."""
+    return _find("link", name, _links(), LinkSpec)  # type: ignore[arg-type, return-value]
