@@ -256,10 +256,20 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
-def _shows(panel: Any, lines: list[str]) -> bool:
-    """Does the panel's text contain every line (whitespace aside)?"""
-    text = _norm(panel.inner_text())
-    return all(_norm(line) in text for line in lines)
+def _shows(panel: Any, lines: list[str], timeout_s: float = 30) -> bool:
+    """Does the panel's text contain every line (whitespace aside), within ``timeout_s``?
+
+    A panel's parts are separate widgets, updated by separate messages: the first change
+    the page shows is not yet all of them, so this waits for the lines to arrive.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = _norm(panel.inner_text())
+        if all(_norm(line) in text for line in lines):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def _panel_with(page: Any, *inner: str) -> Any:
@@ -298,7 +308,9 @@ def _wait_for_plot_change(panel: Any, old_data: str, timeout_s: float = 30) -> s
 
 def _matching(panels: list[dict[str, Any]], panel: Any, key: str) -> dict[str, Any]:
     """The kernel's panel whose ``key`` lines or text the page's panel shows."""
-    shown = [p for p in panels if _shows(panel, p[key] if isinstance(p[key], list) else [p[key]])]
+    shown = [p for p in panels if _shows(panel, p[key] if isinstance(p[key], list) else [p[key]], timeout_s=0)]
+    if not shown:  # the page may still be drawing the step the kernel already took
+        shown = [p for p in panels if _shows(panel, p[key] if isinstance(p[key], list) else [p[key]])]
     assert shown, f"no panel in the kernel matches what the page shows: {[p['name'] for p in panels]}"
     return shown[0]
 
