@@ -3,25 +3,26 @@
 The Chinese forms are checked against the articles themselves when they are on this
 machine (``shared/seeds`` beside the repository, or ``$KVLAB_SEEDS``): a form marked
 *(trad.)* must occur in the Traditional Chinese article (``002_*``), any other form in
-one of the Simplified ones. Notebooks named in the last column must exist; one that is
-still being written (listed in the README's notebook map, not yet in ``notebooks/``)
-is skipped with its number, so the check tightens by itself as the notebooks land.
+one of the Simplified ones. Every notebook named in the last column is a link to the
+section that teaches the term, with the id JupyterLab and the HTML export both give that
+section (``tests/_links.py``). Only a notebook still being written (listed in the README's
+notebook map, not yet in ``notebooks/``) may be named by its number alone.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 import pytest
+from _links import broken_links, headings, links, resolve, without_links
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOSSARY = ROOT / "GLOSSARY.md"
 TRAD = re.compile(r"\s*\*\(trad\.[^)]*\)\*")
 NOTE = re.compile(r"\s*\([ -~]*\)$")  # an English remark in brackets after a form
-LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(?:#([^)\s]+))?\)")
+LINK_TEXT = re.compile(r"(\d\d) §(\d+) \S")  # "05 §8 FP8": notebook 05, section 8, a title
 TAUGHT = re.compile(r"(?<!\d)(\d\d) (?:§|·)")
 
 
@@ -50,15 +51,14 @@ def _seeds() -> Path | None:
     return next((Path(c) for c in candidates if c and list(Path(c).glob("00[0-3]_*.txt"))), None)
 
 
-def _anchor(heading: str) -> str:
-    """The id JupyterLab and nbconvert give a Markdown heading: its text, spaces turned into dashes."""
-    text = re.sub(r"[`*_]", "", heading.lstrip("#").strip())
-    return text.replace(" ", "-")
-
-
 def _planned_notebooks() -> set[str]:
     """Notebook numbers the README's notebook map lists."""
     return set(re.findall(r"^\| (\d\d) \|", (ROOT / "README.md").read_text(encoding="utf-8"), re.M))
+
+
+def _written_notebooks() -> set[str]:
+    """Notebook numbers that exist in notebooks/."""
+    return {p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
 
 
 def test_every_row_has_three_non_empty_cells():
@@ -87,16 +87,29 @@ def test_the_notebooks_it_points_to_exist(number):
 
 
 def test_links_lead_to_notebooks_and_their_sections():
-    links = [m.groups() for row in ROWS for m in LINK.finditer(row[2])]
-    assert links, "at least the rows taught in notebook 01 link to their section"
-    for target, anchor in links:
-        path = ROOT / target
-        assert path.exists(), target
-        if anchor:
-            nb = json.loads(path.read_text(encoding="utf-8"))
-            headings = {_anchor(line) for c in nb["cells"] if c["cell_type"] == "markdown"
-                        for line in "".join(c["source"]).splitlines() if line.startswith("#")}
-            assert anchor in headings, f"{target}#{anchor}: no such section (have {sorted(headings)})"
+    text = GLOSSARY.read_text(encoding="utf-8")
+    assert len([t for t, _ in links(text) if ".ipynb#" in t]) >= len(ROWS), "every row links the sections it names"
+    broken = broken_links(text, GLOSSARY)
+    assert not broken, broken
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row[0])
+def test_each_link_names_the_notebook_and_section_it_opens(row):
+    for target, text in links(row[2]):
+        label = LINK_TEXT.match(text)
+        assert label, f"{text!r}: name the section as 'NN §N title'"
+        number, section = label.groups()
+        notebook, anchor = resolve(target, GLOSSARY)
+        assert notebook.name.startswith(f"{number}_") and anchor, f"{text!r} opens {target}"
+        heading = headings(notebook).get(anchor)
+        assert heading is None or heading.section == section, f"{text!r} opens a part of section {heading.section}"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row[0])
+def test_a_notebook_that_exists_is_named_by_a_link_to_its_section(row):
+    for number in TAUGHT.findall(without_links(row[2])):
+        assert number in _planned_notebooks() - _written_notebooks(), (
+            f"{row[0]}: notebook {number} exists, so link the section that teaches the term")
 
 
 def test_chinese_forms_are_quoted_from_the_source_articles():
@@ -110,8 +123,6 @@ def test_chinese_forms_are_quoted_from_the_source_articles():
     assert not missing, f"not found as written in the articles (term, form): {missing}"
 
 
-def test_the_glossary_is_reachable_from_the_readme_and_notebook_01():
+def test_the_glossary_is_reachable_from_the_readme():
     assert "(GLOSSARY.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
-    first = sorted((ROOT / "notebooks").glob("01_*.ipynb"))[0]
-    opening = "".join(json.loads(first.read_text(encoding="utf-8"))["cells"][0]["source"])
-    assert "(../GLOSSARY.md)" in opening
+    # ... and from the opening of every notebook: tests/test_navigation.py

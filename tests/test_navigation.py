@@ -1,0 +1,98 @@
+"""The workbook reads in order, and every link in it leads somewhere.
+
+Each notebook opens with its title (``# NN · Title``), a link to the glossary and a small
+table whose **Builds on** row links earlier notebooks and whose **Next** row links the
+following one; it ends with a **Next:** line that links the following notebook again. The
+last notebook's **Next** leads back to the README. A link to a notebook is named by that
+notebook's title, so a renamed notebook cannot leave a stale name behind. (The glossary's
+links are checked in ``tests/test_glossary.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from _links import broken_links, local_links, markdown_cells, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+TITLE = re.compile(r"# (\d\d · .+)")
+ROW = re.compile(r"^\| \*\*(.+?)\*\* \| (.+) \|$", re.M)
+
+
+def _title(notebook: Path) -> str:
+    """``01 · Bytes per token``: the first line of the notebook's first cell, without its ``#``."""
+    first = markdown_cells(notebook)[0].splitlines()[0]
+    match = TITLE.fullmatch(first)
+    assert match and match.group(1).startswith(notebook.name[:2]), f"{notebook.name} opens with {first!r}"
+    return match.group(1)
+
+
+def _notebook_links(markdown: str, notebook: Path) -> list[tuple[Path, str]]:
+    """``(notebook, link text)`` of every link in ``markdown`` to a notebook, anchors left out."""
+    found = [(resolve(target, notebook)[0], text) for target, text in local_links(markdown)]
+    return [(path, text) for path, text in found if path.suffix == ".ipynb"]
+
+
+def _following(notebook: Path) -> Path | None:
+    index = NOTEBOOKS.index(notebook)
+    return NOTEBOOKS[index + 1] if index + 1 < len(NOTEBOOKS) else None
+
+
+def _assert_named_by_title(found: list[tuple[Path, str]], where: str) -> None:
+    for path, text in found:
+        assert path.exists(), f"{where}: {path.name} does not exist"
+        assert text == _title(path), f"{where}: call {path.name} {_title(path)!r}, not {text!r}"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_link_in_a_notebook_leads_somewhere(notebook):
+    broken = [b for source in markdown_cells(notebook) for b in broken_links(source, notebook)]
+    assert not broken, broken
+
+
+@pytest.mark.parametrize("page", ["README.md", "CONTRIBUTING.md"])
+def test_every_link_in_the_readme_and_contributing_leads_somewhere(page):
+    broken = broken_links((ROOT / page).read_text(encoding="utf-8"), ROOT / page)
+    assert not broken, broken
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_opening_links_the_glossary_and_what_comes_before_and_after(notebook):
+    opening = markdown_cells(notebook)[0]
+    _title(notebook)
+    assert "(../GLOSSARY.md)" in opening, f"{notebook.name}: link the glossary near the opening"
+    rows = dict(ROW.findall(opening))
+    assert {"Builds on", "Next"} <= set(rows), f"{notebook.name}: the opening table needs Builds on and Next"
+
+    before = _notebook_links(rows["Builds on"], notebook)
+    _assert_named_by_title(before, f"{notebook.name}, Builds on")
+    assert all(path.name < notebook.name for path, _ in before), f"{notebook.name} builds on a later notebook"
+    assert bool(before) == (notebook != NOTEBOOKS[0]), f"{notebook.name}: Builds on links the earlier notebooks"
+
+    following = _following(notebook)
+    after = _notebook_links(rows["Next"], notebook)
+    _assert_named_by_title(after, f"{notebook.name}, Next")
+    if following:
+        assert after and after[0][0] == following, f"{notebook.name}: Next links {following.name} first"
+    else:
+        assert "(../README.md)" in rows["Next"], f"{notebook.name}: the last notebook's Next leads back to the README"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_last_cell_says_what_to_read_next(notebook):
+    last = json.loads(notebook.read_text(encoding="utf-8"))["cells"][-1]
+    assert last["cell_type"] == "markdown", f"{notebook.name} ends with a Markdown cell"
+    closing = "".join(last["source"]).strip().split("\n\n")[-1]
+    assert closing.startswith("**Next:** "), f"{notebook.name}: the last paragraph is a **Next:** line"
+
+    following = _following(notebook)
+    after = _notebook_links(closing, notebook)
+    _assert_named_by_title(after, f"{notebook.name}, closing Next")
+    if following:
+        assert after and after[0][0] == following, f"{notebook.name}: the closing Next links {following.name} first"
+    else:
+        assert "(../README.md)" in closing, f"{notebook.name}: the last notebook's closing Next leads to the README"
