@@ -137,14 +137,6 @@ class KVCachePlan:
             f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x",
         ]
 
-    def as_dict(self) -> dict[str, Any]:
-        """Every field and derived figure, for a table."""
-        out = dataclasses.asdict(self)
-        for name in ("kv_bytes_per_request", "kv_pool_bytes", "unrounded_blocks", "unrounded_concurrency",
-                     "headroom_bytes", "fits"):
-            out[name] = getattr(self, name)
-        return out
-
 
 def _gib_to_bytes(name: str, value: object, *, allow_zero: bool = True) -> int:
     """``value`` GiB as whole bytes (GiB = 1024**3 B), refusing negatives and non-numbers."""

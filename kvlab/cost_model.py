@@ -116,10 +116,6 @@ class CostModel:
         """Modelled seconds to copy ``num_tokens`` tokens' KV across the link, one direction (the GPUs in parallel)."""
         return non_negative_int("num_tokens", num_tokens) * self.kv_bytes_per_token / self.link_bytes_per_second
 
-    def bytes_seconds(self, num_bytes: int) -> float:
-        """Modelled seconds to move ``num_bytes`` (per GPU) across the link, one direction."""
-        return non_negative_int("num_bytes", num_bytes) / self.link_bytes_per_second
-
     # ----------------------------------------------------------------- the questions notebook 07 asks
 
     def ttft(self, prompt_tokens: int, reused_tokens: int, where: Where) -> float:
