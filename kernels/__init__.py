@@ -7,7 +7,8 @@
   (``paged_attention.py``; its grid and index arithmetic: ``grid.py``).
 * ``paged_attention_ref`` / ``reshape_and_cache_ref``: the torch specification (``reference.py``).
 * ``backend()``: ``"triton-cuda"``, ``"triton-interpreter"`` or ``"torch-reference"``; choose one with
-  ``KVLAB_KERNEL_BACKEND=cuda|interpreter|torch`` before importing this package.
+  ``KVLAB_KERNEL_BACKEND=cuda|interpreter|torch`` before importing this package. ``default_device()``
+  is where that backend wants its tensors: ``"cuda"`` for native Triton, ``"cpu"`` otherwise.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (vLLM V1's flash layout); index
 tensors may be int32 or int64. Importing this package sets Triton up (``TRITON_INTERPRET=1`` when
@@ -31,9 +32,11 @@ from kvlab.kernels._backend import (
     TRITON_CUDA,
     TRITON_INTERPRETER,
     backend,
+    default_device,
     describe_backend,
+    device_for,
 )
-from kvlab.kernels.checks import AttentionBatch, check_attention, check_cache_write
+from kvlab.kernels.checks import AttentionBatch, check_attention, check_cache_write, check_kernel_device
 from kvlab.kernels.fp8 import E4M3_MAX, calibrated_scale, dequantize_fp8, quantize_fp8
 from kvlab.kernels.grid import KernelConfig, LaunchPlan, choose_config, choose_num_kv_splits, plan_launch
 from kvlab.kernels.layouts import from_legacy_layout, legacy_x, to_legacy_layout
@@ -124,11 +127,14 @@ __all__ = [
     "calibrated_scale",
     "check_attention",
     "check_cache_write",
+    "check_kernel_device",
     "choose_config",
     "choose_num_kv_splits",
     "compute_slot_mapping",
     "dequantize_fp8",
+    "default_device",
     "describe_backend",
+    "device_for",
     "from_legacy_layout",
     "function_sources",
     "gather_kv",

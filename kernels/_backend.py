@@ -148,6 +148,21 @@ def require_triton() -> str:
     return chosen
 
 
+def device_for(name: str) -> str:
+    """Where tensors for backend ``name`` live: ``"cuda"`` for native Triton, else ``"cpu"``.
+
+    Native kernels read GPU memory only; the interpreter and the reference run on CPU tensors.
+    """
+    if name not in BACKENDS:
+        raise UnknownNameError("backend", name, BACKENDS)
+    return "cuda" if name == TRITON_CUDA else "cpu"
+
+
+def default_device() -> str:
+    """The device the kernels of this process want their tensors on (``"cuda"`` or ``"cpu"``)."""
+    return device_for(backend())
+
+
 def describe_backend(name: str | None = None) -> str:
     """One sentence for a learner: what runs the kernels, and what would run elsewhere."""
     name = name or backend()

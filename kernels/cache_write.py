@@ -12,8 +12,8 @@ For an FP8 cache the program stores ``x / scale`` rounded to e4m3 and saturated 
 from __future__ import annotations
 
 import torch
-from kvlab.kernels._backend import require_triton
-from kvlab.kernels.checks import check_cache_write
+from kvlab.kernels._backend import backend, require_triton
+from kvlab.kernels.checks import check_cache_write, check_kernel_device
 from kvlab.kernels.fp8 import E4M3_MAX
 from kvlab.kernels.grid import next_power_of_2
 
@@ -83,6 +83,7 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: 
                              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Check the inputs, then write every non-padding token's K and V into its slot (in place)."""
     w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    check_kernel_device(backend(), key.device)
     if w.num_tokens == 0:
         return
     reshape_and_cache_kernel[(w.num_tokens,)](

@@ -17,6 +17,7 @@ import math
 import numbers
 
 import torch
+from kvlab.kernels._backend import TRITON_CUDA
 
 from kvlab.errors import KernelInputError
 
@@ -107,6 +108,19 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     if len(set(devices.values())) > 1:
         listed = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise KernelInputError(f"all tensors must be on one device, got {listed}")
+
+
+def check_kernel_device(backend_name: str, device: torch.device) -> None:
+    """Native Triton kernels read GPU memory only: on ``triton-cuda`` the tensors must be CUDA tensors.
+
+    Without this check a CPU tensor reaches the launch and Triton fails with a pointer error that
+    names neither the tensor nor the fix.
+    """
+    if backend_name == TRITON_CUDA and device.type != "cuda":
+        raise KernelInputError(
+            f"the triton-cuda backend runs its kernels on CUDA tensors, got tensors on {device}: create them "
+            "with device=kvlab.kernels.default_device() (or move them with .to('cuda'))"
+        )
 
 
 # --------------------------------------------------------------------------- cache write

@@ -378,11 +378,11 @@ def transfer_blocks(src_caches: Sequence[Any], dst_caches: Sequence[Any], transf
         return
     import torch
 
-    src = torch.tensor([s for s, _ in transfers], dtype=torch.int64)
-    dst = torch.tensor([d for _, d in transfers], dtype=torch.int64)
+    src = torch.tensor([s for s, _ in transfers], dtype=torch.int64, device=src_caches[0][0].device)
+    dst = torch.tensor([d for _, d in transfers], dtype=torch.int64, device=dst_caches[0][0].device)
     for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches, strict=True):
-        dst_k[dst] = src_k[src]  # [num_transfers, block_size, num_kv_heads, head_size]
-        dst_v[dst] = src_v[src]
+        dst_k[dst] = src_k[src].to(dst_k.device)  # [num_transfers, block_size, num_kv_heads, head_size]
+        dst_v[dst] = src_v[src].to(dst_v.device)
 
 
 def allocate_cpu_kv_caches(gpu_kv_caches: Sequence[Any], num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

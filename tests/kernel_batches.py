@@ -10,10 +10,10 @@ import dataclasses
 import random
 
 import torch
-from kvlab.kernels import TRITON_CUDA, backend
+from kvlab.kernels import default_device
 from kvlab.kernels.checks import PagedTensors
 
-DEVICE = "cuda" if backend() == TRITON_CUDA else "cpu"
+DEVICE = default_device()
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 #: FP8 (e4m3, scale 1.0) against the unquantized reference on standard-normal K/V: the largest error
 #: measured over 200 seeds was 0.040 (median 0.035, see tests/test_kernels_attention.py); the bound

@@ -12,10 +12,20 @@ import sys
 import textwrap
 
 import pytest
-from kvlab.kernels import TORCH_REFERENCE, TRITON_CUDA, TRITON_INTERPRETER, backend
+import torch
+from kvlab.kernels import (
+    BACKENDS,
+    TORCH_REFERENCE,
+    TRITON_CUDA,
+    TRITON_INTERPRETER,
+    backend,
+    default_device,
+    device_for,
+)
 from kvlab.kernels._backend import choose_backend
+from kvlab.kernels.checks import check_kernel_device
 
-from kvlab.errors import BackendUnavailableError, UnknownNameError
+from kvlab.errors import BackendUnavailableError, KernelInputError, UnknownNameError
 
 ON_GPU = backend() == TRITON_CUDA
 
@@ -123,3 +133,17 @@ def test_the_environment_variable_forces_a_backend():
     if not ON_GPU:
         with pytest.raises(AssertionError, match="BackendUnavailableError: KVLAB_KERNEL_BACKEND=cuda needs a CUDA"):
             run_python("import kvlab.kernels", KVLAB_KERNEL_BACKEND="cuda")
+
+
+def test_each_backend_names_the_device_its_tensors_live_on():
+    assert [device_for(name) for name in BACKENDS] == ["cuda", "cpu", "cpu"]
+    assert default_device() == device_for(backend())
+    with pytest.raises(UnknownNameError, match="triton-cuda"):
+        device_for("cuda")
+
+
+def test_native_kernels_refuse_cpu_tensors_with_a_clear_error():
+    with pytest.raises(KernelInputError, match=r"CUDA tensors, got tensors on cpu.*default_device\(\)"):
+        check_kernel_device(TRITON_CUDA, torch.device("cpu"))
+    check_kernel_device(TRITON_INTERPRETER, torch.device("cpu"))      # the interpreter reads host memory
+    check_kernel_device(TORCH_REFERENCE, torch.device("cpu"))

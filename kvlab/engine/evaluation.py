@@ -22,7 +22,8 @@ from kvlab import kernels
 def hf_greedy(hf_model: Any, prompt: Sequence[int], max_tokens: int) -> list[int]:
     """transformers' greedy generation for one prompt: the new token ids, up to and including an EOS."""
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_tokens, do_sample=False)
+        out = hf_model.generate(torch.tensor([list(prompt)], device=hf_model.device), max_new_tokens=max_tokens,
+                                do_sample=False)
     tokens = out[0, len(prompt):].tolist()
     eos = hf_model.generation_config.eos_token_id
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -36,8 +37,8 @@ def num_agreeing_tokens(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``||actual - expected|| / ||expected||`` in float32."""
-    actual, expected = actual.to(torch.float32), expected.to(torch.float32)
+    """``||actual - expected|| / ||expected||`` in float32, on the CPU (the two may come from different devices)."""
+    actual, expected = actual.to("cpu", torch.float32), expected.to("cpu", torch.float32)
     return float((actual - expected).norm() / expected.norm())
 
 
@@ -48,16 +49,22 @@ def kernel_timer() -> Iterator[dict[str, list[float]]]:
     The engine's attention layer looks the kernels up on ``kvlab.kernels`` at each call, so
     wrapping them there for the duration of the block sees every launch, at the cost of two
     clock reads per call (a profiler would slow the interpreter's Python down many times over).
+    On a GPU, launches return before the kernel ends, so each call is synchronised on both sides.
     """
     seconds: dict[str, list[float]] = {"reshape_and_cache": [], "paged_attention": []}
     originals = {name: getattr(kernels, name) for name in seconds}
+    on_gpu = kernels.backend() == kernels.TRITON_CUDA
 
     def timed(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
+            if on_gpu:
+                torch.cuda.synchronize()
             started = time.perf_counter()
             try:
                 return originals[name](*args, **kwargs)
             finally:
+                if on_gpu:
+                    torch.cuda.synchronize()
                 seconds[name].append(time.perf_counter() - started)
 
         return call
@@ -77,7 +84,8 @@ def measure_throughput(
     """Generated tokens per second of kvlab's engine (batched) and of transformers (one prompt at a time).
 
     Both decode greedily to ``max_tokens`` with EOS ignored, on the same prompts in float32
-    on this machine's CPU, each after an untimed one-token warm-up. ``kernel_seconds`` is the
+    on the engine's device (``engine_kwargs["device"]``, by default where the kernels run),
+    each after an untimed one-token warm-up. ``kernel_seconds`` is the
     time inside ``kvlab.kernels``' ``reshape_and_cache`` and ``paged_attention`` (on CPU:
     Triton's interpreter running each program in Python); the rest is the model's torch
     operations, sampling and the scheduler.
@@ -95,15 +103,17 @@ def measure_throughput(
         kvlab_seconds = time.perf_counter() - started
     write_s, attend_s = sum(kernel_seconds["reshape_and_cache"]), sum(kernel_seconds["paged_attention"])
 
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(engine.device).eval()
     hf_greedy(hf_model, prompts[0], 1)  # warm-up, untimed (transformers imports and sets up on first use)
     hf_tokens = 0
     started = time.perf_counter()
     with torch.no_grad():
         for prompt in prompts:
-            out = hf_model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                    do_sample=False)
+            out = hf_model.generate(torch.tensor([list(prompt)], device=engine.device), max_new_tokens=max_tokens,
+                                    min_new_tokens=max_tokens, do_sample=False)
             hf_tokens += out.shape[1] - len(prompt)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()  # generate may return before the GPU is done
     hf_seconds = time.perf_counter() - started
     kvlab_tokens = sum(len(o) for o in outputs)
     return {

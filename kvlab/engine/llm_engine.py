@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvlab import kernels
 from kvlab._validate import non_negative_int, one_of, positive_int
 from kvlab.budget import KVCachePlan, plan_kv_cache
 from kvlab.engine.loader import load_model
@@ -55,12 +56,32 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_KV_CACHE_MEMORY_GIB = 1
 
 
-def _host_memory_gib() -> float:
-    """This machine's RAM, playing the GPU's memory in the start-up plan of a CPU engine."""
+def _device_memory_gib(device: torch.device) -> float:
+    """The memory the start-up plan divides: the GPU's, or on a CPU engine this machine's RAM in its place."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GiB
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 16.0
+
+
+def engine_device(device: str | torch.device | None = None) -> torch.device:
+    """The device an engine runs on: ``device``, or by default where the kernels run (``kernels.default_device()``).
+
+    Checked before anything is loaded: native Triton kernels need CUDA tensors, so on the
+    ``triton-cuda`` backend a CPU engine is refused, and ``cuda`` needs a device torch can see.
+    """
+    try:
+        chosen = torch.device(kernels.default_device() if device is None else device)
+    except (RuntimeError, TypeError) as error:
+        raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from error
+    if chosen.type not in ("cpu", "cuda"):
+        raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise KvlabValueError(f"device={device!r} needs a CUDA device, and torch sees none here: use 'cpu'")
+    kernels.check_kernel_device(kernels.backend(), chosen)
+    return chosen
 
 
 class LLMEngine:
@@ -71,7 +92,9 @@ class LLMEngine:
     for ``max_num_seqs`` requests of ``max_model_len`` tokens, capped at 1 GiB (vLLM would
     measure the GPU instead; kvlab plans for a CPU). Block 0 is the null block, as in vLLM.
     ``kv_cache_dtype="fp8"`` stores K and V as float8 e4m3 with scale 1.0 (vLLM's default)
-    and the kernels dequantize on load. The model and the cache live on the CPU.
+    and the kernels dequantize on load. The model and the cache live on ``device``: by default
+    the GPU where the kernels run natively, else the CPU (``kernels.default_device()``); a CPU
+    engine plans with this machine's RAM in place of GPU memory.
 
     ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.offload``;
     vLLM sizes its tier in GiB with ``kv_offloading_size``): blocks the pool evicts are copied
@@ -97,14 +120,16 @@ class LLMEngine:
         preemption_mode: str = "recompute",
         kv_cache_metrics: bool = False,
         kv_cache_metrics_sample: float = 1.0,
+        device: str | torch.device | None = None,
     ) -> None:
         one_of("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+        self.device = engine_device(device)
         block_size = positive_int("block_size", block_size)
         if num_gpu_blocks is not None and kv_cache_memory_gib is not None:
             raise KvlabValueError("give num_gpu_blocks or kv_cache_memory_gib, not both")
         self.model_dir = Path(model_dir)
         started = time.perf_counter()
-        self.model = load_model(model_dir)
+        self.model = load_model(model_dir).to(self.device)
         self.load_seconds = time.perf_counter() - started
         self.config = self.model.config
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -121,7 +146,7 @@ class LLMEngine:
         if num_gpu_blocks is not None:
             kv_cache_memory_gib = positive_int("num_gpu_blocks", num_gpu_blocks) * per_block / GiB  # exact: GiB = 2**30
         self.plan: KVCachePlan = plan_kv_cache(
-            self.config.spec, gpu_memory_gib=_host_memory_gib(), weights_gib=self.weights_bytes / GiB,
+            self.config.spec, gpu_memory_gib=_device_memory_gib(self.device), weights_gib=self.weights_bytes / GiB,
             kv_cache_memory_gib=kv_cache_memory_gib, kv_dtype=_SIZING_NAMES[self.cache_dtype],
             block_size=block_size, max_model_len=self.max_model_len,
         )
@@ -133,7 +158,8 @@ class LLMEngine:
         self.num_gpu_blocks = self.plan.num_blocks
         shape = (self.num_gpu_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.cache_dtype), torch.zeros(shape, dtype=self.cache_dtype))
+            (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
             for _ in range(self.config.num_hidden_layers)
         ]  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_size]
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)

@@ -22,9 +22,9 @@ from kvlab.sequence import BlockCopy, compute_slot_mapping
 
 
 def prepare_inputs(
-    scheduler_output: SchedulerOutput, block_size: int
+    scheduler_output: SchedulerOutput, block_size: int, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """``input_ids [num_tokens]``, ``positions [num_tokens]`` and the attention metadata of a step.
+    """``input_ids [num_tokens]``, ``positions [num_tokens]`` and the attention metadata of a step, on ``device``.
 
     Token ``j`` of request ``i`` sits at position ``num_computed_tokens + j`` and its K/V go to
     ``slot_mapping`` of that position through the request's block table. Block-table rows
@@ -45,20 +45,22 @@ def prepare_inputs(
     width = max(len(s.block_ids) for s in scheduler_output.scheduled)
     block_table = [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in scheduler_output.scheduled]
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),  # [num_tokens]
-        block_table=torch.tensor(block_table, dtype=torch.int32),  # [num_seqs, max_blocks_per_seq]
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),  # [num_seqs]
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),  # [num_seqs + 1]
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),  # [num_tokens]
+        block_table=torch.tensor(block_table, dtype=torch.int32, device=device),  # [num_seqs, max_blocks_per_seq]
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),  # [num_seqs]
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),  # [num_seqs + 1]
     )
-    return torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), metadata
+    input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)  # [num_tokens]
+    return input_ids_t, torch.tensor(positions, dtype=torch.int64, device=device), metadata
 
 
 def copy_blocks(kv_caches: Sequence[KVCache], blocks_to_copy: Sequence[BlockCopy]) -> None:
     """Copy whole blocks ``src -> dst`` in every layer's K and V (the physical side of copy-on-write)."""
     if not blocks_to_copy:
         return
-    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64)
-    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64)
+    device = kv_caches[0][0].device
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64, device=device)
     for key_cache, value_cache in kv_caches:  # each [num_blocks, block_size, num_kv_heads, head_size]
         key_cache[dst] = key_cache[src]
         value_cache[dst] = value_cache[src]
@@ -68,13 +70,15 @@ class ModelRunner:
     """Runs a ``LlamaForCausalLM`` on the paged cache for each scheduled step.
 
     With ``keep_logits`` it records, per request, the logits row each sampled token came from
-    (to compare an FP8 cache with a full-precision one, say).
+    (to compare an FP8 cache with a full-precision one, say), copied to the CPU.
+    The step's small tensors are built on the device of ``kv_caches``, where the model runs.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
                  keep_logits: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.device = kv_caches[0][0].device
         self.block_size = block_size
         self.sampler = Sampler()
         self.keep_logits = keep_logits
@@ -87,7 +91,7 @@ class ModelRunner:
         copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput({})
-        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size)
+        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size, self.device)
         hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden_states[metadata.logits_indices])  # [num_seqs, vocab]
         sampled: dict[str, int] = {}
@@ -97,5 +101,5 @@ class ModelRunner:
             for request_id, params in ((s.request_id, s.sampling_params), *s.forked):
                 sampled[request_id] = self.sampler.sample(row, request_id, params)
                 if self.keep_logits:
-                    self.logits.setdefault(request_id, []).append(row.clone())
+                    self.logits.setdefault(request_id, []).append(row.to("cpu", copy=True))
         return ModelRunnerOutput(sampled)

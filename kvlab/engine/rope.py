@@ -50,7 +50,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[num_tokens, head_dim]`` for integer ``positions [num_tokens]``."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        inv_freq = self.inv_freq.to(positions.device)  # [head_dim // 2]; a no-op on the CPU
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
         return emb.cos(), emb.sin()
 

@@ -4,7 +4,8 @@ A draw uses vLLM's trick: ``argmax(probs / q)`` with ``q ~ Exponential(1)`` pick
 with probability ``probs[i]`` (the "exponential race"), and needs only one generator call
 per step. Each request owns its generator, seeded from its ``SamplingParams.seed``, so its
 draws do not depend on which other requests share the batch: a request gives the same
-tokens alone, in a crowd, or after being preempted and recomputed.
+tokens alone, in a crowd, or after being preempted and recomputed. The draw runs on the CPU
+(one row of probabilities per request), so a seed gives the same tokens on a GPU machine too.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ class Sampler:
             return int(logits.argmax())
         generator = self.generators.get(request_id)
         if generator is None:
-            generator = torch.Generator(device=logits.device)
+            generator = torch.Generator()
             if params.seed is None:
                 generator.seed()
             else:
                 generator.manual_seed(params.seed)
             self.generators[request_id] = generator
-        probs = torch.softmax(logits.to(torch.float32) / params.temperature, dim=-1)  # [vocab_size]
+        probs = torch.softmax(logits.to("cpu", torch.float32) / params.temperature, dim=-1)  # [vocab_size]
         q = torch.empty_like(probs).exponential_(generator=generator)
         return int((probs / q).argmax())
 

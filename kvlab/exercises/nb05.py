@@ -70,7 +70,7 @@ def in_tile_kernel(update: Any):
         tiles = importlib.import_module("kvlab.kernels.online_softmax")
         if not compiled:
             compiled.append(tiles.as_kernel_function(update))
-        device = "cuda" if kernels.backend() == kernels.TRITON_CUDA else "cpu"
+        device = kernels.default_device()
         with warnings.catch_warnings():        # a wrong update's nan/inf is reported by the checker, not numpy
             warnings.simplefilter("ignore", RuntimeWarning)
             return tiles.attention_by_tiles(q.to(device), k.to(device), v.to(device), visible.to(device), tile_n,

@@ -6,16 +6,18 @@ comparison has teeth: the tiny model's tokens do depend on its context, so a cac
 or mixed up context would be caught. The Triton interpreter is slow: prompts are short.
 """
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
+from kvlab.kernels import TRITON_CUDA, backend, default_device
 
 from kvlab.engine import LLMEngine, llm_engine, model_runner
 from kvlab.engine.evaluation import relative_error
 from kvlab.engine.model_runner import copy_blocks, prepare_inputs
 from kvlab.engine.toy import random_token_ids
-from kvlab.errors import KvlabValueError, RequestTooLongError
+from kvlab.errors import KernelInputError, KvlabValueError, RequestTooLongError
 from kvlab.scheduler import SamplingParams, ScheduledRequest, SchedulerOutput
 from kvlab.sizing import cdiv
 
@@ -168,6 +170,27 @@ def test_bad_engine_arguments_are_refused_by_name(tiny_llama_dir):
         engine(tiny_llama_dir).add_request("hello")
 
 
+def test_the_engine_runs_where_the_kernels_run(tiny_llama_dir):
+    eng = engine(tiny_llama_dir)
+    where = torch.device(default_device()).type  # "cuda" with native Triton, else "cpu"
+    assert eng.device.type == where
+    assert {p.device.type for p in eng.model.parameters()} == {where}
+    assert {t.device.type for kv in eng.kv_caches for t in kv} == {where}
+
+
+def test_a_device_the_kernels_cannot_use_is_refused_before_anything_loads(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("loaded before the check"))
+    for bad in ("gpu", "meta"):
+        with pytest.raises(KvlabValueError, match=f"device must be 'cpu' or 'cuda'.*{bad}"):
+            LLMEngine(tiny_llama_dir, device=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(KvlabValueError, match="torch sees none"):
+            LLMEngine(tiny_llama_dir, device="cuda")
+    if backend() == TRITON_CUDA:  # native kernels cannot read host memory
+        with pytest.raises(KernelInputError, match="CUDA tensors"):
+            LLMEngine(tiny_llama_dir, device="cpu")
+
+
 def test_the_pool_is_sized_from_memory_as_vllm_sizes_it(tiny_llama_dir):
     eng = LLMEngine(tiny_llama_dir, kv_cache_memory_gib=1 / 1024, block_size=16)  # 1 MiB
     per_block = eng.plan.bytes_per_block
@@ -196,6 +219,8 @@ def test_prepare_inputs_flattens_a_mixed_batch():
         preempted_req_ids=[], finished_req_ids=set(), blocks_to_copy=[])
     input_ids, positions, meta = prepare_inputs(out, block_size=8)
     assert input_ids.tolist() == [5, 6, 7, 8] and positions.tolist() == [0, 1, 2, 17]
+    on_meta = prepare_inputs(out, block_size=8, device="meta")  # every tensor is built where the model runs
+    assert {t.device.type for t in (*on_meta[:2], *dataclasses.astuple(on_meta[2]))} == {"meta"}
     assert meta.slot_mapping.tolist() == [24, 25, 26, 2 * 8 + 1]  # position 17: block 2, offset 1
     assert meta.block_table.tolist() == [[3, 9, 0], [4, 1, 2]]  # padded with the null block
     assert meta.seq_lens.tolist() == [3, 18] and meta.query_start_loc.tolist() == [0, 3, 4]

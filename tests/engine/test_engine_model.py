@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from kvlab.kernels import default_device
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -20,19 +21,25 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 
 def paged_forward(model, token_ids, block_ids, block_size=16, chunks=None):
-    """Run one sequence through the model on a fresh paged cache, chunk by chunk; logits of every token."""
-    cfg = model.config
+    """Run one sequence through the model on a fresh paged cache, chunk by chunk; logits of every token.
+
+    Runs where the kernels run (``default_device()``: the GPU with native Triton, else the CPU).
+    """
+    cfg, device = model.config, default_device()
+    model.to(device)
     shape = (max(block_ids) + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
-    table = torch.tensor([block_ids], dtype=torch.int32)
+    caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+              for _ in range(cfg.num_hidden_layers)]
+    table = torch.tensor([block_ids], dtype=torch.int32, device=device)
     logits, done = [], 0
     for size in chunks or [len(token_ids)]:
-        pos = torch.arange(done, done + size)
+        pos = torch.arange(done, done + size, device=device)
         slots = table[0, pos // block_size].long() * block_size + pos % block_size
-        meta = AttentionMetadata(slots, table, torch.tensor([done + size], dtype=torch.int32),
-                                 torch.tensor([0, size], dtype=torch.int32))
+        meta = AttentionMetadata(slots, table, torch.tensor([done + size], dtype=torch.int32, device=device),
+                                 torch.tensor([0, size], dtype=torch.int32, device=device))
         with torch.no_grad():
-            logits.append(model.compute_logits(model(torch.tensor(token_ids[done:done + size]), pos, caches, meta)))
+            ids = torch.tensor(token_ids[done:done + size], device=device)
+            logits.append(model.compute_logits(model(ids, pos, caches, meta)).cpu())
         done += size
     return torch.cat(logits)
 
