@@ -16,9 +16,11 @@ interpreter (which cannot do bf16 arithmetic) but the activations' dtype on a GP
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from kvlab.kernels._backend import TRITON_INTERPRETER, backend, require_triton
-from kvlab.kernels.checks import AttentionBatch, check_attention
+from kvlab.kernels.checks import AttentionBatch, check_attention, check_kernel_device
 from kvlab.kernels.grid import KernelConfig, LaunchPlan, next_power_of_2, plan_launch
 
 require_triton()  # sets TRITON_INTERPRET (or not) before the decorators below run
@@ -198,11 +200,11 @@ def reduce_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
 
 
-def _compute_dtype(query: torch.Tensor):
+def _compute_dtype(dtype: torch.dtype):
     """float32 in the interpreter (no bf16 arithmetic there); the activations' dtype on a GPU."""
     if backend() == TRITON_INTERPRETER:
         return tl.float32
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[query.dtype]
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
 def num_sms(device: torch.device) -> int:
@@ -212,11 +214,29 @@ def num_sms(device: torch.device) -> int:
     return 1
 
 
+def kernel_constants(plan: LaunchPlan, query_dtype: torch.dtype, trace: bool = False) -> dict[str, Any]:
+    """The compile-time (``tl.constexpr``) arguments of ``paged_attention_kernel`` for ``plan``.
+
+    On a GPU each distinct set is compiled once (about a second) and cached, so nothing here may
+    follow the sequence lengths: an engine's contexts grow every step. ``MAX_TILES`` does, so it is
+    passed only when the trace is on, and 1 otherwise.
+    """
+    b, cfg = plan.batch, plan.config
+    return dict(
+        NUM_Q_HEADS=b.num_q_heads, NUM_KV_HEADS=b.num_kv_heads, GROUP=b.num_queries_per_kv,
+        HEAD_SIZE=b.head_size, HEAD_PAD=max(16, next_power_of_2(b.head_size)), BLOCK_SIZE=b.block_size,
+        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=plan.num_kv_splits,
+        CAUSAL=b.causal, KV_FP8=b.fp8, COMPUTE_DTYPE=_compute_dtype(query_dtype),
+        TRACE=trace, MAX_TILES=plan.max_tiles if trace else 1,
+    )
+
+
 def launch(plan: LaunchPlan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
            out: torch.Tensor, trace: torch.Tensor | None = None) -> torch.Tensor:
     """Run the kernels of ``plan`` (inputs already checked). ``trace``, if given, receives the block trace."""
     b, cfg, splits = plan.batch, plan.config, plan.num_kv_splits
-    head_pad = max(16, next_power_of_2(b.head_size))
+    constants = kernel_constants(plan, query.dtype, trace is not None)
+    head_pad = constants["HEAD_PAD"]
     device = query.device
     if splits > 1:
         split_acc = torch.empty(b.num_tokens, b.num_q_heads, splits, head_pad, dtype=torch.float32, device=device)
@@ -232,12 +252,7 @@ def launch(plan: LaunchPlan, query, key_cache, value_cache, block_table, seq_len
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
-        NUM_Q_HEADS=b.num_q_heads, NUM_KV_HEADS=b.num_kv_heads, GROUP=b.num_queries_per_kv,
-        HEAD_SIZE=b.head_size, HEAD_PAD=head_pad, BLOCK_SIZE=b.block_size,
-        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
-        CAUSAL=b.causal, KV_FP8=b.fp8, COMPUTE_DTYPE=_compute_dtype(query),
-        TRACE=trace is not None, MAX_TILES=plan.max_tiles,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         reduce_splits_kernel[(b.num_tokens, b.num_q_heads)](
@@ -256,6 +271,7 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """Check the inputs, plan the launch, run the Triton kernels; returns ``out`` ``[num_tokens, Hq, D]``."""
     batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
                             causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out)
+    check_kernel_device(backend(), query.device)
     plan = plan_launch(batch, num_kv_splits, config, num_sms(query.device))
     out = torch.empty_like(query) if out is None else out
     return launch(plan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
@@ -271,6 +287,7 @@ def trace_reads(query, key_cache, value_cache, block_table, seq_lens, query_star
     """
     batch: AttentionBatch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                                             causal=causal, num_kv_splits=num_kv_splits)
+    check_kernel_device(backend(), query.device)
     plan = plan_launch(batch, num_kv_splits, config, num_sms(query.device))
     trace = torch.full((*plan.grid, plan.max_tiles, plan.config.tile_n), -2, dtype=torch.int32,
                        device=query.device)

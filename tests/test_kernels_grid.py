@@ -7,7 +7,7 @@ import torch
 from kernel_batches import make_batch
 from kvlab.kernels import KernelConfig, check_attention, choose_config, choose_num_kv_splits, plan_launch
 from kvlab.kernels.grid import MAX_KV_SPLITS, find_seq_idx, program_reads, trace_from_reads
-from kvlab.kernels.paged_attention import trace_reads
+from kvlab.kernels.paged_attention import kernel_constants, trace_reads
 
 from kvlab.errors import KernelInputError
 
@@ -71,3 +71,14 @@ def test_the_kernel_reads_exactly_what_the_mirror_says(splits):
     mirror = trace_from_reads(plan, program_reads(plan, batch.block_table.tolist()))
     assert trace.tolist() == mirror
     assert not torch.isnan(out).any()
+
+
+def test_compile_time_constants_do_not_follow_the_sequence_lengths():
+    # On a GPU each distinct set of constexprs is one more compilation: an engine whose contexts grow
+    # every step must keep hitting the same compiled kernel (the trace alone needs its size baked in).
+    short, long = (make_batch([n, n // 2], [1, 1], seed=0) for n in (40, 900))
+    plans = [plan_launch(check_attention(*b.args()), num_kv_splits=1) for b in (short, long)]
+    assert plans[0].max_tiles != plans[1].max_tiles
+    assert kernel_constants(plans[0], torch.float32) == kernel_constants(plans[1], torch.float32)
+    traced = [kernel_constants(p, torch.float32, trace=True)["MAX_TILES"] for p in plans]
+    assert traced == [p.max_tiles for p in plans]
