@@ -4,6 +4,7 @@
 #   make test TORCH=            let pip choose torch (on Linux that is a CUDA build of several GB)
 #   make present NB=02          one notebook in Voila for a projector (widgets and text, code hidden)
 #   make html                   execute every notebook into a static copy in build/html/ (NB=01 for one)
+#   make gpu-wheels             wheels for a GPU machine without PyPI, for scripts/gpu_check.sh (CONTRIBUTING.md)
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= 2.13.0
@@ -13,6 +14,9 @@ PYTEST_ARGS ?=
 NB     ?=
 VOILA_ARGS ?=
 CHROMIUM ?= $(or $(KVLAB_CHROMIUM),/usr/bin/chromium)
+# The GPU machine's Python (this workplace's H200 image has 3.12) and what it lacks for the engine tests.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS ?= cbor2
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -24,7 +28,7 @@ QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 # The stamp is keyed on pyproject.toml and the torch choice: a second run installs nothing.
 STAMP := $(VENV)/.kvlab-$(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)-torch$(TORCH)
 
-.PHONY: venv lab test test-solutions test-long bench lint strip clean-venv present html
+.PHONY: venv lab test test-solutions test-long bench lint strip clean-venv present html gpu-wheels
 
 venv: $(STAMP)
 
@@ -70,3 +74,10 @@ present: $(STAMP)
 
 html: $(STAMP)
 	$(BIN)/python scripts/export_html.py $(if $(NB),$(wildcard notebooks/$(NB)_*.ipynb))
+
+gpu-wheels:
+	@rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS) $(QUIET_PIP)
+	@ls .whl

@@ -11,18 +11,25 @@ and one prefill. Method, per shape:
 * timing: ``triton.testing.do_bench`` (warm-up, then the median) of the kernel launch alone (the
   launch plan and the checks are done once, as an engine does per step), and of SDPA with each
   fused backend torch offers for the shape (flash, memory-efficient, cuDNN), keeping the fastest;
+  ``do_bench`` times from the Python call, so a tiny shape measures launch overhead as much as the
+  kernel: both are timed again inside a CUDA graph (``do_bench_cudagraph``), which leaves it out;
 * bandwidth: bytes of K, V and Q read plus output written, over the median time, and its ratio
   to a device-to-device copy (read + write) timed the same way in the same run;
 * correctness: the kernel's output against SDPA's, relative error, on the first input set.
 
-On CPU there is no GPU to time: ``--smoke`` runs one tiny shape through the interpreter and says so.
-Depends on torch and triton only (``benchmarks/bench_kernels.py`` saves results with the machine).
+The goal shape (batch 64 x 8K, block 16) runs first, so a run cut short still has it; a shape that
+fails is recorded with its error and the others go on. ``verdict`` reads the issue's two goals off
+the rows. On CPU there is no GPU to time: ``--smoke`` runs one tiny shape through the interpreter
+and says so.
+Depends on torch and triton only (``benchmarks/bench_kernels.py`` saves results with the machine);
+the kernel module is imported on first use, so ``verdict`` and the shapes load without Triton.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import time
@@ -32,10 +39,11 @@ from typing import Any
 import torch
 from kvlab.kernels import TRITON_CUDA, backend, check_attention, plan_launch
 from kvlab.kernels.checks import PagedTensors
-from kvlab.kernels.grid import KernelConfig, LaunchPlan
-from kvlab.kernels.paged_attention import launch, num_sms
+from kvlab.kernels.grid import KernelConfig
 
 GiB = 1024**3
+#: The issue's goal: decode at batch 64 x 8K reaches this share of the measured copy bandwidth.
+GOAL_COPY_FRACTION = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +62,10 @@ class Shape:
     @property
     def kind(self) -> str:
         return "decode" if self.query_len == 1 else "prefill"
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} b{self.batch} ctx{self.context} bs{self.block_size}"
 
     @property
     def kv_bytes(self) -> int:
@@ -75,10 +87,13 @@ class Shape:
         return 4.0 * self.batch * self.num_q_heads * self.head_size * pairs
 
 
+GOAL_SHAPE = Shape(64, 8192, 16)
+
+
 def gpu_shapes() -> list[Shape]:
-    """The issue's grid: decode at batch 1/16/64/256 x 1K/8K/32K x block 16/64, and one prefill."""
+    """The issue's grid, the goal shape first: decode at batch 1/16/64/256 x 1K/8K/32K x block 16/64, one prefill."""
     decode = [Shape(b, c, bs) for bs in (16, 64) for b in (1, 16, 64, 256) for c in (1024, 8192, 32768)]
-    return decode + [Shape(4, 2048, 16, query_len=2048)]
+    return [GOAL_SHAPE] + [s for s in decode if s != GOAL_SHAPE] + [Shape(4, 2048, 16, query_len=2048)]
 
 
 def smoke_shapes() -> list[Shape]:
@@ -119,10 +134,6 @@ def make_inputs(shape: Shape, device: str, generator: torch.Generator) -> Inputs
                   sdpa_q, sdpa_k, sdpa_v)
 
 
-def kernel_call(plan: LaunchPlan, x: Inputs) -> torch.Tensor:
-    return launch(plan, *x.args(), x.out)
-
-
 def sdpa_backends() -> list[tuple[str, Any]]:
     """SDPA's fused GPU backends (the unfused MATH one never wins here, and would copy K/V per query head)."""
     from torch.nn.attention import SDPBackend
@@ -150,6 +161,16 @@ def median_seconds(fn: Callable[[], Any], device: str) -> float:
         fn()
         runs.append(time.perf_counter() - start)
     return statistics.median(runs)
+
+
+def graph_seconds(fn: Callable[[], Any]) -> float | None:
+    """Median seconds per call with the calls captured in a CUDA graph (no launch overhead); None if capture fails."""
+    import triton.testing
+
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
+    except Exception:  # a backend that cannot be captured just gets no graph figure
+        return None
 
 
 def rotating(sets: list[Inputs], call: Callable[[Inputs], Any]) -> Callable[[], Any]:
@@ -186,46 +207,65 @@ def bench_shape(shape: Shape, device: str, copy_bw: float, config: KernelConfig 
     """Time one shape; returns a row of the results table (times in microseconds, bandwidths in GB/s)."""
     g = torch.Generator().manual_seed(0)
     if device == "cuda" and 2 * shape.kv_bytes + 3 * shape.q_bytes > 0.9 * torch.cuda.mem_get_info()[0]:
-        return {"shape": f"{shape.kind} b{shape.batch} ctx{shape.context} bs{shape.block_size}",
-                "skipped": "does not fit in free GPU memory"}
+        return {"shape": shape.name, "skipped": "does not fit in free GPU memory"}
     sets = [make_inputs(shape, device, g) for _ in range(input_sets(shape, device, g))]
     x = sets[0]
     batch = check_attention(*x.args())
+    from kvlab.kernels.paged_attention import launch, num_sms  # here: importing it needs Triton
+
     plan = plan_launch(batch, num_kv_splits, config, num_sms(x.query.device))
-    kernel_out = kernel_call(plan, x).float()
+
+    def kernel_call(s: Inputs) -> torch.Tensor:  # the launch alone: plan and checks were done once, above
+        return launch(plan, *s.args(), s.out)
+
+    kernel_out = kernel_call(x).float()
     row: dict[str, Any] = {
-        "shape": f"{shape.kind} b{shape.batch} ctx{shape.context} bs{shape.block_size}", "kind": shape.kind,
+        "shape": shape.name, "kind": shape.kind,
         "batch": shape.batch, "context": shape.context, "block_size": shape.block_size,
         "dtype": str(shape.dtype).removeprefix("torch."), "input_sets": len(sets),
         "tile_n": plan.config.tile_n, "block_m": plan.config.block_m, "num_warps": plan.config.num_warps,
         "num_stages": plan.config.num_stages, "num_kv_splits": plan.num_kv_splits,
     }
-    seconds = median_seconds(rotating(sets, lambda s: kernel_call(plan, s)), device)
+    kernel_fn = rotating(sets, kernel_call)
+    seconds = median_seconds(kernel_fn, device)
     row.update(kernel_us=seconds * 1e6, kernel_GBps=shape.bytes_moved / seconds / 1e9,
                kernel_TFLOPs=shape.flops / seconds / 1e12, copy_fraction=shape.bytes_moved / seconds / copy_bw)
+    graph = graph_seconds(kernel_fn) if device == "cuda" else None
+    if graph is not None:
+        row.update(kernel_graph_us=graph * 1e6, graph_copy_fraction=shape.bytes_moved / graph / copy_bw)
     if with_sdpa:
         best = None
         for name, sdpa_backend in sdpa_backends() if device == "cuda" else [("default", None)]:
             try:
-                if sdpa_backend is None:
+                with _sdpa_backend(sdpa_backend):
                     reference = sdpa_call(shape, x).float()
                     t = median_seconds(rotating(sets, lambda s: sdpa_call(shape, s)), device)
-                else:
-                    from torch.nn.attention import sdpa_kernel
-
-                    with sdpa_kernel(sdpa_backend):
-                        reference = sdpa_call(shape, x).float()
-                        t = median_seconds(rotating(sets, lambda s: sdpa_call(shape, s)), device)
             except RuntimeError:                       # this backend does not take these inputs
                 continue
             if best is None or t < best[1]:
-                best = (name, t, reference)
+                best = (name, t, reference, sdpa_backend)
         if best is not None:
-            name, t, reference = best
+            name, t, reference, sdpa_backend = best
             row.update(sdpa_backend=name, sdpa_us=t * 1e6, speedup_vs_sdpa=t / seconds,
                        rel_error_vs_sdpa=float((kernel_out - reference).norm() / reference.norm()))
+            if graph is not None:
+                with _sdpa_backend(sdpa_backend):
+                    sdpa_graph = graph_seconds(rotating(sets, lambda s: sdpa_call(shape, s)))
+                if sdpa_graph is not None:
+                    row.update(sdpa_graph_us=sdpa_graph * 1e6, speedup_vs_sdpa_graph=sdpa_graph / graph)
     del sets
     return row
+
+
+def _sdpa_backend(sdpa_backend: Any) -> Any:
+    """``torch.nn.attention.sdpa_kernel(sdpa_backend)``, or no restriction for None (on CPU)."""
+    import contextlib
+
+    if sdpa_backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(sdpa_backend)
 
 
 def run(shapes: Iterable[Shape], device: str | None = None,
@@ -235,15 +275,43 @@ def run(shapes: Iterable[Shape], device: str | None = None,
     copy_bw = copy_bandwidth(device, GiB if device == "cuda" else 64 * 2**20)
     rows = []
     for shape in shapes:
-        row = bench_shape(shape, device, copy_bw)
+        try:
+            row = bench_shape(shape, device, copy_bw)
+        except Exception as exc:  # one failing shape (a compile error, memory) must not lose the rest
+            row = {"shape": shape.name, "error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)
         if on_row:
             on_row(row)
         if device == "cuda":
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (Triton interpreter)"
-    return {"device": name, "backend": backend(), "copy_GBps": copy_bw / 1e9, "rows": rows,
-            "performance": device == "cuda"}
+    results = {"device": name, "backend": backend(), "copy_GBps": copy_bw / 1e9, "rows": rows,
+               "performance": device == "cuda"}
+    results["verdict"] = verdict(results)
+    return results
+
+
+def verdict(results: dict[str, Any], goal: str = GOAL_SHAPE.name) -> dict[str, Any]:
+    """The issue's two goals read off a run: the goal shape's share of copy bandwidth, and every shape against SDPA.
+
+    ``slower_than_sdpa`` lists shapes where SDPA's median beat the kernel's as a Python caller sees
+    them (launch overhead included); ``slower_than_sdpa_in_graphs`` compares the kernels alone (None: not
+    timed in graphs, as on CPU).
+    ``failed`` lists shapes that raised or did not fit; ``wrong`` those whose output strayed from SDPA's.
+    """
+    rows = results["rows"]
+    timed = [r for r in rows if "kernel_us" in r]
+    row = next((r for r in timed if r["shape"] == goal), None)
+    return {
+        "goal_shape": goal,
+        "goal_copy_fraction": row["copy_fraction"] if row else None,
+        "goal_met": bool(row and row["copy_fraction"] >= GOAL_COPY_FRACTION),
+        "slower_than_sdpa": [r["shape"] for r in timed if r.get("speedup_vs_sdpa", math.inf) < 1],
+        "slower_than_sdpa_in_graphs": ([r["shape"] for r in timed if r.get("speedup_vs_sdpa_graph", math.inf) < 1]
+                                       if any("speedup_vs_sdpa_graph" in r for r in timed) else None),
+        "wrong": [r["shape"] for r in timed if r.get("rel_error_vs_sdpa", 0.0) > 1e-2],
+        "failed": [r["shape"] for r in rows if "kernel_us" not in r],
+    }
 
 
 def tile_sweep(shape: Shape = Shape(64, 8192, 16)) -> list[dict[str, Any]]:
@@ -261,8 +329,24 @@ def tile_sweep(shape: Shape = Shape(64, 8192, 16)) -> list[dict[str, Any]]:
     return rows
 
 
+def verdict_line(v: dict[str, Any]) -> str:
+    """``verdict`` in one sentence for a reader."""
+    if v["goal_copy_fraction"] is None:
+        goal = f"goal shape {v['goal_shape']}: not measured"
+    else:
+        goal = (f"goal shape {v['goal_shape']}: {v['goal_copy_fraction']:.0%} of copy bandwidth "
+                f"(goal {GOAL_COPY_FRACTION:.0%}), {'met' if v['goal_met'] else 'NOT met'}")
+    slower = ", ".join(v["slower_than_sdpa"]) or "no shape"
+    graphs = v["slower_than_sdpa_in_graphs"]
+    in_graphs = "not timed" if graphs is None else ", ".join(graphs) or "no shape"
+    line = f"{goal}; slower than SDPA at {slower} (kernels alone, in CUDA graphs: {in_graphs})"
+    if v["failed"] or v["wrong"]:
+        line += f"; failed: {', '.join(v['failed']) or 'none'}; wrong output: {', '.join(v['wrong']) or 'none'}"
+    return line
+
+
 COLUMNS = ("shape", "num_kv_splits", "kernel_us", "sdpa_us", "sdpa_backend", "kernel_GBps", "copy_fraction",
-           "speedup_vs_sdpa", "rel_error_vs_sdpa")
+           "speedup_vs_sdpa", "kernel_graph_us", "sdpa_graph_us", "speedup_vs_sdpa_graph", "rel_error_vs_sdpa")
 
 
 def format_row(row: dict[str, Any]) -> str:
@@ -279,13 +363,22 @@ def format_row(row: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="one tiny shape (the default without a GPU)")
+    parser.add_argument("--rows-to", metavar="FILE", help="also append each row to FILE as a JSON line, as it lands")
     args = parser.parse_args(argv)
     smoke = args.smoke or backend() != TRITON_CUDA
     if smoke:
         print("SMOKE RUN: one tiny shape through", backend(), "- these timings are not performance figures.")
     print(" | ".join(COLUMNS))
-    results = run(smoke_shapes() if smoke else gpu_shapes(), on_row=lambda r: print(format_row(r), flush=True))
+
+    def on_row(row: dict[str, Any]) -> None:
+        print(format_row(row), flush=True)
+        if args.rows_to:                      # a run stopped by a time limit keeps the rows it finished
+            with open(args.rows_to, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    results = run(smoke_shapes() if smoke else gpu_shapes(), on_row=on_row)
     print(f"device: {results['device']}; copy bandwidth {results['copy_GBps']:.3g} GB/s (read + write)")
+    print("verdict:", verdict_line(results["verdict"]))
     return results
 
 

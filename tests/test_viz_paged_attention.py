@@ -4,6 +4,7 @@ import random
 
 import torch
 from kvlab.kernels import compute_slot_mapping
+from kvlab.kernels.bench import GOAL_COPY_FRACTION
 from kvlab.kernels.fp8 import fp8_error_sweep
 from kvlab.kernels.layouts import legacy_x
 from kvlab.kernels.reference import paged_attention_ref, reshape_and_cache_ref
@@ -12,6 +13,7 @@ from kvlab.exercises.nb05 import slot_mapping
 from kvlab.viz.paged_attention import (
     ReadOrderPanel,
     figure_fp8_error,
+    figure_gpu_bench,
     figure_layout_offsets,
     figure_program_reads,
     figure_softmax_states,
@@ -57,6 +59,20 @@ def test_other_figures_draw_from_their_data():
                            attend=paged_attention_ref, device="cpu")
     fig = figure_fp8_error(rows)
     assert list(fig.data[1].y) == [r["error calibrated"] for r in rows]
+
+
+def test_the_gpu_figure_draws_each_decode_shape_against_the_goal():
+    def row(batch, context, block_size, fraction):
+        return {"shape": f"decode b{batch} ctx{context} bs{block_size}", "kind": "decode", "batch": batch,
+                "context": context, "block_size": block_size, "kernel_us": 10.0, "copy_fraction": fraction}
+
+    results = {"rows": [row(64, 8192, 16, 0.85), row(1, 1024, 16, 0.1), row(64, 8192, 64, 0.8),
+                        {"shape": "decode b256 ctx32768 bs64", "error": "OutOfMemoryError"},
+                        {**row(4, 2048, 16, 0.5), "kind": "prefill"}]}
+    fig = figure_gpu_bench(results, title="made-up rows")
+    assert [list(bar.x) for bar in fig.data] == [["b64 × 8K", "b1 × 1K"], ["b64 × 8K"]]
+    assert list(fig.data[0].y) == [0.85, 0.1]
+    assert fig.layout.shapes[0].y0 == GOAL_COPY_FRACTION
 
 
 def test_the_exercise_reference_is_vllms_slot_mapping():

@@ -122,6 +122,25 @@ def figure_fp8_error(rows: Sequence[dict[str, float]]) -> go.Figure:
     return fig
 
 
+def figure_gpu_bench(results: dict[str, Any], title: str) -> go.Figure:
+    """A saved GPU benchmark: each decode shape's share of copy bandwidth against the goal line, SDPA's on hover."""
+    from kvlab.kernels.bench import GOAL_COPY_FRACTION
+
+    rows = [r for r in results["rows"] if "kernel_us" in r and r.get("kind") == "decode"]
+    fig = go.Figure()
+    for block_size, color in ((16, "#1f77b4"), (64, "#ff7f0e")):
+        mine = [r for r in rows if r["block_size"] == block_size]
+        fig.add_bar(x=[f"b{r['batch']} × {r['context'] // 1024}K" for r in mine],
+                    y=[r["copy_fraction"] for r in mine], name=f"block size {block_size}", marker_color=color,
+                    customdata=[[r.get("speedup_vs_sdpa", float("nan")), r["kernel_us"]] for r in mine],
+                    hovertemplate="%{x}: %{y:.0%} of copy bandwidth, %{customdata[1]:.1f} µs, "
+                                  "%{customdata[0]:.2f}× SDPA's speed<extra></extra>")
+    fig.add_hline(y=GOAL_COPY_FRACTION, line_dash="dash", annotation_text=f"goal {GOAL_COPY_FRACTION:.0%} (b64 × 8K)")
+    fig.update_layout(title=title, barmode="group", height=420, yaxis=dict(title="share of copy bandwidth",
+                      tickformat=".0%"), xaxis=dict(title="decode: batch × context"))
+    return fig
+
+
 # --------------------------------------------------------------------------- panel
 
 
