@@ -2,13 +2,14 @@
 
     python scripts/export_html.py [notebooks/NN_name.ipynb ...] [--out build/html] [--timeout 900]
 
-Each page is one file that needs no network for its figures: plotly.js is inlined once
-per page, before anything else can claim it as an AMD module, and every figure is a
-plotly div drawn by it. Interactive panels cannot run without a kernel, so each is
-replaced by a static snapshot built from the widget state that execution recorded: its
-controls (disabled, at their values), its text and its figures, as a learner sees them
-after Run All. ``index.html`` lists the pages in order with their titles, and
-``glossary.html`` is ``GLOSSARY.md`` with links pointing at the pages.
+Each page is one file that needs no network: plotly.js is inlined once per page, before
+anything else can claim it as an AMD module, and every figure is a plotly div drawn by it;
+formulas are converted from TeX to MathML, which browsers draw themselves (no MathJax).
+Interactive panels cannot run without a kernel, so each is replaced by a static snapshot
+built from the widget state that execution recorded: its controls (disabled, at their
+values), its text and its figures, as a learner sees them after Run All. ``index.html``
+lists the pages in order with their titles, and ``glossary.html`` is ``GLOSSARY.md`` with
+links pointing at the pages.
 """
 
 from __future__ import annotations
@@ -48,12 +49,16 @@ STYLE = """
 """
 
 
-# JupyterLab's look, less the two scripts a static page must not fetch: require.js (nothing
-# here needs it, and plotly.js must not become an AMD module) and the widget manager.
+# JupyterLab's look, less the three scripts a static page must not fetch: require.js (nothing
+# here needs it, and plotly.js must not become an AMD module), the widget manager, and MathJax
+# from its CDN (the formulas are MathML already, see typeset_math).
 TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
 {%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
 {%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
 """
+# A code span or fence (left alone), display math $$...$$, or inline math $...$.
+MATH = re.compile(r"(`+).*?\1|\$\$(.+?)\$\$|\$([^$\n]+?)\$", re.S)
 
 
 @dataclasses.dataclass
@@ -199,6 +204,36 @@ def self_test_answers(notebook: str) -> str:
     return f'<details class="kvlab-answers"><summary>Answers (computed by kvlab)</summary><ol>{items}</ol></details>'
 
 
+def tex_to_mathml(markdown: str) -> str:
+    """``markdown`` with its ``$...$`` and ``$$...$$`` formulas as MathML; code spans and fences untouched.
+
+    Browsers draw MathML themselves, so a page needs neither MathJax nor the network. Inside
+    ``\\text{...}`` an escaped ``\\_`` is a plain underscore (MathML text needs no escaping).
+    """
+    from latex2mathml.converter import convert
+
+    def typeset(match: re.Match) -> str:
+        if match.group(1):
+            return match.group(0)
+        display = match.group(2) is not None
+        tex = (match.group(2) if display else match.group(3)).strip()
+        tex = re.sub(r"\\text(?:tt)?\{[^}]*\}", lambda t: t.group(0).replace("\\_", "_"), tex)
+        return convert(tex, display="block" if display else "inline")
+
+    return MATH.sub(typeset, markdown)
+
+
+def typeset_math(nb: Any) -> int:
+    """Convert the formulas of every markdown cell to MathML, in place; returns how many cells changed."""
+    changed = 0
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and "$" in cell.source:
+            typeset = tex_to_mathml(cell.source)
+            changed += typeset != cell.source
+            cell.source = typeset
+    return changed
+
+
 def _text(value: Any) -> str:
     return "".join(value) if isinstance(value, list) else str(value)
 
@@ -326,6 +361,7 @@ def export(notebooks: list[Path], out: Path, timeout: int = 900, log: Any = prin
         title, summary = title_and_summary(nb)
         snapshot = Snapshot(nb)
         snapshot.apply(nb)
+        typeset_math(nb)
         target = out / page_name(path)
         target.write_text(notebook_page(nb, title or path.stem, machine, known), encoding="utf-8")
         page = Page(path, target, title or path.stem, summary, snapshot.figures, snapshot.panels,

@@ -1,4 +1,4 @@
-"""The static copy (``make html``): pages with their titles, every figure embedded, drawn with no network.
+"""The static copy (``make html``): pages with their titles, figures and formulas embedded, drawn with no network.
 
 ``make html`` exports every notebook; here notebook 01 alone is exported (about 15 s),
 which exercises every kind of output the copy handles: plotly figures, a widget panel
@@ -56,9 +56,23 @@ def test_page_embeds_every_figure_and_one_inlined_plotly_js(exported):
     assert expected >= 3  # two figures and the panel's FigureWidget in notebook 01
     assert page.figures == expected == text.count('class="plotly-graph-div"') == text.count("Plotly.newPlot(")
     assert text.count(f'id="{export_html.PLOTLYJS_ID}"') == 1
-    external = re.findall(r'<script[^>]+src="([^"]+)"', text)
-    assert not [src for src in external if "plotly" in src.lower()], external
-    assert all("mathjax" in src.lower() for src in external), external  # only math typesetting may come from a CDN
+    assert re.findall(r'<script[^>]+src="([^"]+)"', text) == []      # nothing from a CDN, MathJax included
+
+
+def test_formulas_are_mathml_that_the_browser_draws_itself(exported):
+    _, _, text = exported
+    assert len(re.findall(r'<math [^>]*display="block"', text)) == 1        # notebook 01's one formula
+    body = text.split("</head>", 1)[1]                                    # the head inlines plotly.js
+    assert re.search(r"<mtext>bytes.per.token</mtext><mo>=</mo><mi>f</mi>", body) and "$$" not in body
+
+
+def test_tex_becomes_mathml_outside_code_only():
+    convert = export_html.tex_to_mathml
+    assert convert("no math, `$PATH` and\n```\n$$x$$\n```") == "no math, `$PATH` and\n```\n$$x$$\n```"
+    inline = convert("the sum $a+b$ here")
+    assert inline.startswith("the sum <math") and 'display="inline"' in inline and inline.endswith("</math> here")
+    block = convert("$$\\text{block\\_size} \\times 2$$")
+    assert 'display="block"' in block and "<mtext>block_size</mtext>" in block and "\\" not in block
 
 
 def test_panels_become_static_snapshots_with_the_self_test_answers(exported):
@@ -94,5 +108,8 @@ def test_figures_draw_in_chromium_with_the_network_cut_off(exported, tmp_path):
                               f" && document.querySelectorAll('.js-plotly-plot').length >= {page.figures}")
         drawn = tab.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')]"
                              ".map(p => p.querySelectorAll('g.trace').length)")
+        heights = tab.evaluate("() => [...document.querySelectorAll('math')]"
+                               ".map(m => m.getBoundingClientRect().height)")
     assert len(drawn) == page.figures and all(drawn), drawn
-    assert all("mathjax" in url.lower() for url in fetched), fetched
+    assert fetched == []
+    assert heights and all(h > 10 for h in heights), heights    # laid out as formulas, not left as TeX
