@@ -104,6 +104,15 @@ def nearest_rank(values: Iterable[float], q: float) -> float | None:
     return ordered[math.ceil(q * len(ordered)) - 1]
 
 
+def prometheus_float(value: float) -> str:
+    """A number as Prometheus' Python client writes it: ``3.0``, ``0.25``, ``+Inf``."""
+    if value == math.inf:
+        return "+Inf"
+    if value == -math.inf:
+        return "-Inf"
+    return repr(float(value))
+
+
 class Histogram:
     """A Prometheus histogram that also keeps its raw values, so exact quantiles sit beside bucket estimates."""
 
@@ -154,14 +163,21 @@ class Histogram:
                 return lower + (bound - lower) * (rank - below) / inside if inside else bound
         return self.buckets[-1]
 
-    def prometheus_lines(self) -> list[str]:
-        """The histogram in Prometheus text format: ``# HELP``, ``# TYPE``, buckets, ``_sum``, ``_count``."""
+    def prometheus_lines(self, labels: dict[str, str] | None = None) -> list[str]:
+        """The histogram in Prometheus' text format, as its Python client writes it: ``# HELP``, ``# TYPE``,
+        cumulative buckets, ``_count``, ``_sum``; ``labels`` on every sample, sorted with ``le`` among them."""
         counts = self.cumulative_counts()
-        lines = [f"# HELP {self.name} {self.documentation}", f"# TYPE {self.name} histogram"]
-        lines += [f'{self.name}_bucket{{le="{float(b)}"}} {c}' for b, c in zip(self.buckets, counts, strict=False)]
-        lines += [f'{self.name}_bucket{{le="+Inf"}} {counts[-1]}', f"{self.name}_sum {self.sum}",
-                  f"{self.name}_count {self.count}"]
-        return lines
+        bounds = [prometheus_float(b) for b in self.buckets] + ["+Inf"]
+
+        def sample(suffix: str, value: float, le: str | None = None) -> str:
+            pairs = sorted({**(labels or {}), **({"le": le} if le else {})}.items())
+            text = ",".join(f'{key}="{val}"' for key, val in pairs)
+            return f"{self.name}{suffix}{{{text}}} {prometheus_float(value)}" if text else \
+                f"{self.name}{suffix} {prometheus_float(value)}"
+
+        return [f"# HELP {self.name} {self.documentation}", f"# TYPE {self.name} histogram",
+                *(sample("_bucket", c, le) for le, c in zip(bounds, counts, strict=True)),
+                sample("_count", self.count), sample("_sum", self.sum)]
 
 
 class KVCacheMetricsCollector:

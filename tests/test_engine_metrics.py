@@ -3,7 +3,8 @@
 import pytest
 
 from kvlab.cache_stats import PrefixCacheStats
-from kvlab.engine.metrics import METRICS, EngineMetrics, prometheus_text
+from kvlab.engine.metrics import LATENCY_HISTOGRAMS, METRICS, EngineMetrics, LatencyMetrics, prometheus_text
+from kvlab.errors import RequestStateError
 from kvlab.scheduler import SchedulerStats
 
 LABELS = {"model_name": "tiny", "engine": "0"}
@@ -36,3 +37,37 @@ def test_the_text_is_what_prometheus_client_writes_for_the_same_metrics():
     expected = [line for line in prometheus_client.generate_latest(registry).decode().splitlines()
                 if "_created" not in line]
     assert prometheus_text(metrics, LABELS).splitlines() == expected
+
+
+def test_latency_histograms_follow_each_request_from_arrival_to_its_last_token():
+    latency = LatencyMetrics()
+    latency.arrived(["a", "a#1"], now=10.0)                     # a request with n=2 and its second sample
+    latency.arrived(["b"], now=10.5)
+    latency.tokens("a", got_tokens=True, finished=False, now=11.0)     # prefill done: first tokens
+    latency.tokens("a#1", got_tokens=True, finished=False, now=11.0)
+    latency.tokens("b", got_tokens=False, finished=False, now=11.0)    # a prefill chunk: no token yet
+    latency.tokens("a", got_tokens=True, finished=False, now=11.25)
+    latency.tokens("b", got_tokens=True, finished=False, now=11.25)
+    latency.tokens("a", got_tokens=True, finished=True, now=12.0)     # preempted in between: a long gap
+    h = latency.histograms
+    assert h["vllm:time_to_first_token_seconds"].values == [1.0, 1.0, 0.75]
+    assert h["vllm:time_per_output_token_seconds"].values == [0.25, 0.75]
+    assert h["vllm:e2e_request_latency_seconds"].values == [2.0]
+    assert list(h) == list(LATENCY_HISTOGRAMS)
+    assert latency.summary()["vllm:time_to_first_token_seconds"] == {"count": 3, "p50": 1.0, "p90": 1.0, "max": 1.0}
+    assert latency.summary()["vllm:time_per_output_token_seconds"]["p50"] == 0.25
+    assert LATENCY_HISTOGRAMS["vllm:time_to_first_token_seconds"][1][-1] == 2560.0     # vLLM's buckets
+
+
+def test_latency_ids_are_checked_and_a_refused_arrival_changes_nothing():
+    latency = LatencyMetrics()
+    latency.arrived(["a"], now=0.0)
+    with pytest.raises(RequestStateError, match=r"\['a'\]"):
+        latency.arrived(["c", "a"], now=1.0)
+    with pytest.raises(RequestStateError, match="never timed"):
+        latency.tokens("c", got_tokens=True, finished=False, now=1.0)      # "c" was not taken either
+    latency.tokens("a", got_tokens=False, finished=True, now=2.0)          # aborted before any token
+    assert [h.count for h in latency.histograms.values()] == [0, 0, 1]
+    text = latency.prometheus_text(LABELS)
+    assert 'vllm:e2e_request_latency_seconds_bucket{engine="0",le="2.0",model_name="tiny"} 1.0' in text
+    assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 0.0' in text

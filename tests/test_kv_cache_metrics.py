@@ -178,9 +178,26 @@ def test_prometheus_text_has_cumulative_buckets_sum_and_count():
     lines = h.prometheus_lines()
     assert lines[0] == "# HELP vllm:kv_block_lifetime_seconds doc"
     assert lines[1] == "# TYPE vllm:kv_block_lifetime_seconds histogram"
-    assert 'vllm:kv_block_lifetime_seconds_bucket{le="5.0"} 3' in lines
-    assert 'vllm:kv_block_lifetime_seconds_bucket{le="+Inf"} 5' in lines
-    assert lines[-2:] == ["vllm:kv_block_lifetime_seconds_sum 113.5", "vllm:kv_block_lifetime_seconds_count 5"]
+    assert 'vllm:kv_block_lifetime_seconds_bucket{le="5.0"} 3.0' in lines
+    assert 'vllm:kv_block_lifetime_seconds_bucket{le="+Inf"} 5.0' in lines
+    assert lines[-2:] == ["vllm:kv_block_lifetime_seconds_count 5.0", "vllm:kv_block_lifetime_seconds_sum 113.5"]
+
+
+@pytest.mark.parametrize("labels", [{}, {"model_name": "tiny", "engine": "0"}])
+def test_histogram_text_is_what_prometheus_client_writes(labels):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    values, buckets = (0.5, 3, 3, 7, 100, 2.25), (1, 5, 10, 2560.0)
+    ours = Histogram("vllm:kv_block_lifetime_seconds", "Lifetime of KV blocks.", buckets)
+    registry = prometheus_client.CollectorRegistry()
+    theirs = prometheus_client.Histogram(ours.name, ours.documentation, list(labels), buckets=buckets,
+                                         registry=registry)
+    theirs = theirs.labels(**labels) if labels else theirs
+    for v in values:
+        ours.observe(v)
+        theirs.observe(v)
+    expected = [line for line in prometheus_client.generate_latest(registry).decode().splitlines()
+                if "_created" not in line]
+    assert ours.prometheus_lines(labels) == expected
 
 
 def test_exact_quantiles_are_nearest_rank_and_bucket_quantiles_interpolate_like_prometheus():

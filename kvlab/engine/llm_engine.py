@@ -24,7 +24,7 @@ from kvlab import kernels
 from kvlab._validate import non_negative_int, one_of, positive_int
 from kvlab.budget import KVCachePlan, plan_kv_cache
 from kvlab.engine.loader import load_model
-from kvlab.engine.metrics import EngineMetrics, prometheus_text
+from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.errors import KvlabValueError, RequestStateError
 from kvlab.kv_cache_metrics import KVCacheMetricsCollector
@@ -182,6 +182,7 @@ class LLMEngine:
         self.executor = (self.model_runner if self.connector is None else
                          OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
         self.metrics = EngineMetrics()
+        self.latency = LatencyMetrics()  # vLLM's time-to-first-token, per-token and end-to-end histograms
         self.history: list[SchedulerStats] = []
         self.step_seconds: list[float] = []
         self.outputs: dict[str, list[int]] = {}  # request id -> generated tokens (children included)
@@ -251,9 +252,16 @@ class LLMEngine:
         """Queue one prompt; return its request id. A request that could never fit is refused, changing nothing."""
         params = SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
         request = self._make_request(prompt, params, request_id)
-        self.scheduler.add_request(request)
-        self.outputs[request.request_id] = []
+        self._queue([request], n)
         return request.request_id
+
+    def _queue(self, requests: Sequence[GenerationRequest], n: int) -> None:
+        """Hand checked requests to the scheduler and start their clocks (and those of their n - 1 samples)."""
+        ids = [i for r in requests for i in (r.request_id, *(child_request_id(r.request_id, k) for k in range(1, n)))]
+        self.latency.arrived(ids, time.perf_counter())  # first: it refuses a clashing id before anything changes
+        for request in requests:
+            self.scheduler.add_request(request)
+            self.outputs[request.request_id] = []
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -264,8 +272,10 @@ class LLMEngine:
         """Schedule, execute and update once; return what each request produced in this step."""
         started = time.perf_counter()
         self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
-        self.step_seconds.append(time.perf_counter() - started)
+        now = time.perf_counter()
+        self.step_seconds.append(now - started)
         for out in outputs:
+            self.latency.tokens(out.request_id, bool(out.new_token_ids), out.finished, now)
             self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 self.finish_reasons[out.request_id] = out.finish_reason
@@ -296,9 +306,7 @@ class LLMEngine:
             raise KvlabValueError("prompts must be a list of prompts (strings or lists of token ids), not one prompt")
         params = SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
         requests = [self._make_request(p, params, None) for p in prompts]
-        for request in requests:
-            self.scheduler.add_request(request)
-            self.outputs[request.request_id] = []
+        self._queue(requests, n)
         ids = [r.request_id for r in requests]
         wanted = set(ids) | {child_request_id(i, k) for i in ids for k in range(1, n)}
         if use_tqdm is None:
@@ -330,8 +338,10 @@ class LLMEngine:
         return sum(h.num_scheduled_tokens for h in self.history)
 
     def metrics_text(self) -> str:
-        """The metrics in Prometheus' text format, labelled as vLLM labels them (block lifetimes too, if recorded)."""
-        text = prometheus_text(self.metrics, {"model_name": self.model_dir.name, "engine": "0"})
+        """The metrics in Prometheus' text format, labelled as vLLM labels them: gauges and counters, the
+        latency histograms (seconds on this machine's clock), and block lifetimes if recorded."""
+        labels = {"model_name": self.model_dir.name, "engine": "0"}
+        text = prometheus_text(self.metrics, labels) + self.latency.prometheus_text(labels)
         return text if self.kv_cache_metrics is None else text + self.kv_cache_metrics.metrics_text()
 
     def history_frame(self) -> Any:

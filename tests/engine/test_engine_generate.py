@@ -17,7 +17,7 @@ from kvlab.engine import LLMEngine, llm_engine, model_runner
 from kvlab.engine.evaluation import relative_error
 from kvlab.engine.model_runner import copy_blocks, prepare_inputs
 from kvlab.engine.toy import random_token_ids
-from kvlab.errors import KernelInputError, KvlabValueError, RequestTooLongError
+from kvlab.errors import KernelInputError, KvlabValueError, RequestStateError, RequestTooLongError
 from kvlab.scheduler import SamplingParams, ScheduledRequest, SchedulerOutput
 from kvlab.sizing import cdiv
 
@@ -77,6 +77,24 @@ def test_prefix_hits_give_the_same_tokens_and_are_counted(tiny_llama_dir, hf_gre
     text = eng.metrics_text()
     assert "vllm:prefix_cache_hits_total{" in text and "# TYPE vllm:prefix_cache_hits_total counter" in text
     assert f'{{engine="0",model_name="{tiny_llama_dir.name}"}} 64.0' in text
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+
+
+def test_every_request_and_sample_is_timed_once_per_token(tiny_llama_dir):
+    eng = engine(tiny_llama_dir)
+    eng.generate([random_token_ids(n, seed=n) for n in (5, 20, 40)], max_tokens=4, ignore_eos=True)
+    eng.add_request(random_token_ids(9, seed=9), max_tokens=3, n=2, temperature=1.0, seed=0, ignore_eos=True)
+    while eng.has_unfinished_requests():
+        eng.step()
+    h = eng.latency.histograms
+    assert h["vllm:time_to_first_token_seconds"].count == 3 + 2          # every request, each sample
+    assert h["vllm:time_per_output_token_seconds"].count == 3 * 3 + 2 * 2  # every later token
+    assert h["vllm:e2e_request_latency_seconds"].count == 5
+    assert all(v > 0 for hist in h.values() for v in hist.values)         # seconds on this machine's clock
+    eng.add_request([5, 6, 7], request_id="x", n=2, temperature=1.0)     # its second sample will be "x#1"
+    with pytest.raises(RequestStateError, match="already being timed"):   # refused before the scheduler sees it
+        eng.add_request([5, 6, 7], request_id="x#1")
+    assert eng.scheduler.get_num_unfinished_requests() == 1
 
 
 def test_chunked_prefill_under_a_small_token_budget_matches(tiny_llama_dir, hf_greedy):
