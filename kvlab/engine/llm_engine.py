@@ -90,7 +90,7 @@ class LLMEngine:
     The pool holds ``num_gpu_blocks`` blocks (vLLM's ``num_gpu_blocks_override``), or as many
     as ``kv_cache_memory_gib`` buys (vLLM's ``kv_cache_memory_bytes``), or by default enough
     for ``max_num_seqs`` requests of ``max_model_len`` tokens, capped at 1 GiB (vLLM would
-    measure the GPU instead; kvlab plans for a CPU). Block 0 is the null block, as in vLLM.
+    profile the GPU instead; kvlab does not profile). Block 0 is the null block, as in vLLM.
     ``kv_cache_dtype="fp8"`` stores K and V as float8 e4m3 with scale 1.0 (vLLM's default)
     and the kernels dequantize on load. The model and the cache live on ``device``: by default
     the GPU where the kernels run natively, else the CPU (``kernels.default_device()``); a CPU
