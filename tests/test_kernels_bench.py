@@ -1,6 +1,7 @@
 """The benchmark measures what it says: the issue's shapes, the bytes it counts, and a run that works on CPU."""
 
 import dataclasses
+import json
 
 from kvlab.kernels import TRITON_CUDA, backend, bench
 from kvlab.kernels.bench import (
@@ -83,3 +84,11 @@ def test_the_verdict_reads_both_goals_off_the_rows():
         "wrong output: none")
     assert verdict_line(verdict({"rows": []})) == ("goal shape decode b64 ctx8192 bs16: not measured; slower than "
                                                    "SDPA at no shape (kernels alone, in CUDA graphs: not timed)")
+
+
+def test_rows_are_kept_as_they_land_so_a_run_stopped_by_a_time_limit_keeps_them(tmp_path, capsys):
+    rows_file = tmp_path / "rows.jsonl"
+    results = bench.main(["--smoke", "--rows-to", str(rows_file)])
+    (line,) = rows_file.read_text().splitlines()
+    assert json.loads(line) == results["rows"][0]
+    assert "not performance figures" in capsys.readouterr().out
