@@ -88,7 +88,8 @@ def _tile_case(rng: random.Random, num_keys: int, *, loud: float = 1.0, late_max
     if late_max:                                    # the last tile's keys point along each query
         k[-8:] += 3.0 * q[rng.randrange(16)] / q.norm(dim=1).mean()
     visible = torch.ones(16, num_keys, dtype=torch.bool)
-    visible[:8, :hidden_start] = False              # half the rows see nothing in the first tiles
+    visible[:8, :min(hidden_start, num_keys - 1)] = False  # half the rows see nothing in the first tiles,
+                                                           # but every row sees its last key at least
     return Case((q, k, v, visible, 16), probes=probes)
 
 
