@@ -15,6 +15,7 @@ reading per engine step, as vLLM reads them per engine-core iteration.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable
 
@@ -113,7 +114,7 @@ class LatencyMetrics:
     def arrived(self, request_ids: Iterable[str], now: float) -> None:
         """Requests (a parent and its future parallel samples) queued at ``now``; all or none are taken."""
         ids = list(request_ids)
-        clash = sorted({i for i in ids if i in self._requests or ids.count(i) > 1})
+        clash = sorted({i for i, n in collections.Counter(ids).items() if n > 1 or i in self._requests})
         if clash:
             raise RequestStateError(f"request ids {clash} are already being timed")
         for request_id in ids:
