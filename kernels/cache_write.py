@@ -46,6 +46,21 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def quantize_e4m3(x, scale, FP8_MAX: tl.constexpr):
+    """``x / scale`` as e4m3, saturated at ±FP8_MAX, bit for bit what ``torch`` stores (NaN included).
+
+    ``div_rn`` is correctly rounded like torch's ``x / scale`` (a GPU's default ``/`` may be
+    approximate). ``tl.clamp`` may turn NaN into a bound where torch keeps NaN, so NaN is
+    written explicitly as e4m3's NaN, 0x7F with the input's sign bit (0xFF when negative).
+    """
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    q = round_to_e4m3(tl.clamp(y, -FP8_MAX, FP8_MAX)).to(tl.float8e4nv)
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    nan = (sign | 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return tl.where(y != y, nan, q)
+
+
+@triton.jit
 def reshape_and_cache_kernel(
     key_ptr, value_ptr,              # [num_tokens, num_kv_heads, head_size]
     key_cache_ptr, value_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, head_size]
@@ -69,9 +84,9 @@ def reshape_and_cache_kernel(
 
     k = tl.load(key_ptr + token * stride_key_tok + heads * stride_key_head + dims, mask=mask)   # [H, D]
     v = tl.load(value_ptr + token * stride_value_tok + heads * stride_value_head + dims, mask=mask)
-    if FP8:  # div_rn: correctly rounded like torch's x / scale (a GPU's default '/' may be approximate)
-        k = round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX))
-        v = round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX))
+    if FP8:
+        k = quantize_e4m3(k, k_scale, FP8_MAX)
+        v = quantize_e4m3(v, v_scale, FP8_MAX)
     k_dst = key_cache_ptr + block * stride_kc_blk + offset * stride_kc_slot + heads * stride_kc_head + dims
     v_dst = value_cache_ptr + block * stride_vc_blk + offset * stride_vc_slot + heads * stride_vc_head + dims
     tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)

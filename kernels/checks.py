@@ -45,10 +45,21 @@ def check_ndim(name: str, tensor: object, ndim: int, layout: str) -> torch.Tenso
 
 
 def check_index_tensor(name: str, tensor: object, ndim: int, layout: str) -> torch.Tensor:
-    """An integer tensor (int32 or int64) with ``ndim`` dimensions."""
+    """An integer tensor (int32 or int64) with ``ndim`` dimensions, laid out as the kernels read it.
+
+    The kernels read index tensors with unit stride along their last dimension (a block table's
+    row stride is passed), while the checks read values through the tensor's own strides. A strided
+    view (``seq_lens[::2]``, a transposed block table) would make the two disagree, so the kernels
+    would act on values nobody checked: such views are refused, not followed.
+    """
     check_ndim(name, tensor, ndim, layout)
     if tensor.dtype not in INDEX_DTYPES:
         raise KernelInputError(f"{name}.dtype must be int32 or int64, got {_name(tensor.dtype)}")
+    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise KernelInputError(
+            f"{name} must be contiguous in its last dimension (stride 1), got strides {tuple(tensor.stride())}: "
+            f"pass {name}.contiguous()"
+        )
     return tensor
 
 
@@ -90,6 +101,9 @@ def check_cache_pair(key_cache: object, value_cache: object, compute_dtype: torc
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise KernelInputError("key_cache and value_cache must be contiguous in head_size (stride 1)")
+    for dim, size in zip(("num_blocks", "block_size", "num_kv_heads", "head_size"), key_cache.shape, strict=True):
+        if size < 1:
+            raise KernelInputError(f"key_cache has {dim} = {size}: every dimension of {layout} must be at least 1")
 
 
 def check_float_activations(name: str, tensor: torch.Tensor) -> None:
@@ -261,6 +275,10 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
     num_blocks, block_size, num_kv_heads, cache_head_size = key_cache.shape
     if cache_head_size != head_size:
         raise KernelInputError(f"query has head_size {head_size} but the caches hold head_size {cache_head_size}")
+    if num_q_heads < 1:
+        raise KernelInputError(
+            f"query has {num_q_heads} heads: [num_tokens, num_q_heads, head_size] needs num_q_heads >= 1"
+        )
     if num_q_heads % num_kv_heads:
         raise KernelInputError(
             f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}: "

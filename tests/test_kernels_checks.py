@@ -55,6 +55,20 @@ CASES = [
     ("a negative softmax scale", lambda b: dict(scale=-1.0), "scale must be a finite number > 0"),
     ("zero splits", lambda b: dict(num_kv_splits=0), "num_kv_splits must be a positive integer"),
     ("an out buffer of the wrong dtype", lambda b: dict(out=b.query.half()), "out must match query"),
+    # Strided index views: the checks would read one set of values and the kernel another (issue 14).
+    ("seq_lens a strided view hiding huge lengths",
+     lambda b: dict(seq_lens=torch.tensor([20, 4000, 5, 4000], dtype=torch.int32)[::2]),
+     "seq_lens must be contiguous in its last dimension"),
+    ("a block table with transposed storage", lambda b: dict(block_table=b.block_table.t().contiguous().t()),
+     "block_table must be contiguous in its last dimension"),
+    ("query_start_loc a strided view",
+     lambda b: dict(query_start_loc=torch.tensor([0, 9, 2, 9, 7], dtype=torch.int32)[::2]),
+     "query_start_loc must be contiguous"),
+    ("a cache with no KV heads", lambda b: dict(key_cache=b.key_cache[:, :, :0], value_cache=b.value_cache[:, :, :0]),
+     "key_cache has num_kv_heads = 0"),
+    ("a cache with blocks of size 0", lambda b: dict(key_cache=b.key_cache[:, :0], value_cache=b.value_cache[:, :0]),
+     "key_cache has block_size = 0"),
+    ("a query with no heads", lambda b: dict(query=b.query[:, :0]), "needs num_q_heads >= 1"),
 ]
 
 
@@ -94,6 +108,13 @@ WRITE_CASES = [
      "num_kv_heads and head_size must agree"),
     ("float slot_mapping", dict(slot_mapping=torch.arange(6.0)), "slot_mapping.dtype must be int32 or int64"),
     ("scale on a float32 cache", dict(k_scale=2.0), "only applies to an FP8 cache"),
+    ("slot_mapping a strided view hiding slots far past the cache",
+     dict(slot_mapping=torch.tensor([1, 5e7, 5, 5e7, 9, 5e7, 11, 5e7, 13, 5e7, 15, 5e7]).long()[::2]),
+     "slot_mapping must be contiguous in its last dimension"),
+    ("a cache with no KV heads", dict(key=torch.randn(6, 0, 32), value=torch.randn(6, 0, 32),
+                                     key_cache=torch.full((4, 8, 0, 32), float("nan")),
+                                     value_cache=torch.full((4, 8, 0, 32), float("nan"))),
+     "key_cache has num_kv_heads = 0"),
 ]
 
 
@@ -105,3 +126,29 @@ def test_reshape_and_cache_refuses_bad_input_and_writes_nothing(fn, changes, mes
     with pytest.raises(KernelInputError, match=message):
         fn(**args)
     assert torch.isnan(args["key_cache"]).all() and torch.isnan(args["value_cache"]).all()
+
+
+def test_a_strided_view_of_safe_values_is_refused_too_and_its_contiguous_copy_runs():
+    """The rule is about layout, not values: the same numbers pass once they are laid out as the kernel reads."""
+    batch = good()
+    view = torch.stack([batch.seq_lens, batch.seq_lens], dim=1)[:, 0]         # stride 2, values unchanged
+    args, _ = call(batch)
+    with pytest.raises(KernelInputError, match="seq_lens must be contiguous"):
+        paged_attention(**{**args, "seq_lens": view})
+    torch.testing.assert_close(paged_attention(**{**args, "seq_lens": view.contiguous()}),
+                               paged_attention_ref(**args), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [reshape_and_cache, reshape_and_cache_ref], ids=["kernel", "reference"])
+def test_nan_and_infinities_written_to_an_fp8_cache_store_what_torch_stores(fn):
+    """NaN stays NaN (with its sign), ±inf saturate to ±448: the kernel's bits equal torch's cast."""
+    key = torch.randn(4, 2, 32)
+    key[0, 0, :4] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])
+    key[1, 1, :2] = torch.tensor([1e30, -1e-30])
+    caches = [torch.zeros(4, 8, 2, 32, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2)]
+    slots = torch.tensor([3, 9, 17, 30], device=DEVICE)
+    fn(key.to(DEVICE), key.to(DEVICE), *caches, slots)
+    expected = (key / 1.0).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)        # [4, 2, 32]
+    stored = caches[0].view(torch.uint8).reshape(-1, 2, 32)[slots.cpu()].cpu()
+    assert torch.equal(stored, expected)
+    assert stored[0, 0, :4].tolist() == [0x7F, 0xFF, 0x7E, 0xFE]
