@@ -59,6 +59,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvlab kernels tests notebooks scripts benchmarks
+	$(BIN)/python scripts/check_layers.py
 
 strip: $(STAMP)
 	$(BIN)/python scripts/strip_notebooks.py

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlab.blocks import BlockPool  # noqa: E402
+from kvlab.core.block_pool import BlockPool  # noqa: E402
 from kvlab.machine import machine_line, save_measurement  # noqa: E402
 
 POOL_BLOCKS = 100_000

@@ -1,4 +1,4 @@
-"""How long kvlab.fragmentation.simulate takes for 10,000 ShareGPT-like requests, per policy.
+"""How long kvlab.sim.fragmentation.simulate takes for 10,000 ShareGPT-like requests, per policy.
 
 Method: ``sharegpt_like(10_000, seed=0)`` served from a pool of 56,256 token slots (preset A's
 usable tokens) with ``max_model_len=2048`` and block size 16; each policy is run 5 times in
@@ -9,9 +9,9 @@ are reported, with the simulation's own step count. The target is under 2 s per 
 import statistics
 import time
 
-from kvlab.fragmentation import POLICIES, simulate
 from kvlab.machine import machine_line, save_measurement
-from kvlab.workloads import sharegpt_like
+from kvlab.sim.fragmentation import POLICIES, simulate
+from kvlab.sim.workloads import sharegpt_like
 
 N, POOL, MAX_MODEL_LEN, REPEATS = 10_000, 56_256, 2048, 5
 

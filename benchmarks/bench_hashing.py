@@ -1,13 +1,14 @@
 """Hashing cost per block for vLLM's four prefix-cache hash functions, at block sizes 16 and 64.
 
 Method: best of 7 runs of 20,000 ``hash_block_tokens`` calls on random 32-byte parents and random
-token ids (``kvlab.hash_cost.measure_hash_cost``), plus the bare SHA-256 and xxh3-128 digests of
+token ids (``kvlab.sim.hash_cost.measure_hash_cost``), plus the bare SHA-256 and xxh3-128 digests of
 the same pickled inputs. Saved to ``data/measurements/hashing.json`` with the machine.
 """
 
-from kvlab.hash_cost import measure_hash_cost, prefill_seconds
+from kvlab.capacity.cost_model import prefill_seconds
+from kvlab.capacity.models import get_model
 from kvlab.machine import machine_line, save_measurement
-from kvlab.models import get_model
+from kvlab.sim.hash_cost import measure_hash_cost
 
 NUMBER, REPEAT = 20_000, 7
 
@@ -25,7 +26,7 @@ def main() -> None:
               f"{estimate:,.0f} µs")
     path = save_measurement(
         "hashing", rows,
-        method=f"kvlab.hash_cost.measure_hash_cost(block_sizes=(16, 64), number={NUMBER}, repeat={REPEAT}): "
+        method=f"kvlab.sim.hash_cost.measure_hash_cost(block_sizes=(16, 64), number={NUMBER}, repeat={REPEAT}): "
                "best-of-repeat seconds per hash_block_tokens call, random 32-byte parents, token ids < 32000",
     )
     print(f"saved to {path}")

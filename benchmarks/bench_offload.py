@@ -2,7 +2,7 @@
 
 Method: Llama-3-8B-shaped KV caches (32 layers of K and V, blocks of 16 tokens x 8 KV heads x
 128 dimensions in bf16: 2 MiB per block over all layers) with 256 blocks on the "GPU" side
-and 256 on the CPU side, both host tensors. Time ``kvlab.offload.transfer_blocks`` copying
+and 256 on the CPU side, both host tensors. Time ``kvlab.core.kv_offload.transfer_blocks`` copying
 64 blocks at scattered ids one way and back with ``time.perf_counter``, best of 7 (noise on
 a shared machine only adds time), and report bytes per second. This is host memory
 bandwidth through PyTorch's indexed copy, not a PCIe transfer: on a GPU machine the same
@@ -11,8 +11,8 @@ call crosses the link and the cost model's figure applies instead.
 
 import torch
 
+from kvlab.engine.kv_offload import allocate_cpu_kv_caches, transfer_blocks
 from kvlab.machine import machine_line, save_measurement
-from kvlab.offload import allocate_cpu_kv_caches, transfer_blocks
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 32, 16, 8, 128
 NUM_BLOCKS, NUM_COPIES, REPEAT = 256, 64, 7

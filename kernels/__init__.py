@@ -4,7 +4,7 @@
   each token's K and V into its slot of the paged cache (``cache_write.py``).
 * ``paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, ...)``
   attends every query token to its sequence's keys, read through the block table
-  (``paged_attention.py``; its grid and index arithmetic: ``grid.py``).
+  (``attention.py``; its grid and index arithmetic: ``grid.py``).
 * ``paged_attention_ref`` / ``reshape_and_cache_ref``: the torch specification (``reference.py``).
 * ``backend()``: ``"triton-cuda"``, ``"triton-interpreter"`` or ``"torch-reference"``; choose one with
   ``KVLAB_KERNEL_BACKEND=cuda|interpreter|torch`` before importing this package. ``default_device()``
@@ -14,9 +14,8 @@ Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (vLLM V1's flas
 tensors may be int32 or int64. Importing this package sets Triton up (``TRITON_INTERPRET=1`` when
 there is no GPU) and then imports the kernel modules, before anything else can decorate them.
 
-Note: the function ``kvlab.kernels.paged_attention`` shadows the module of the same name as an
-attribute of this package; ``from kvlab.kernels.paged_attention import paged_attention_kernel``
-still reaches the module.
+The kernels live in ``attention.py`` (so the function ``kvlab.kernels.paged_attention`` shadows
+no module) and ``cache_write.py``; ``kvlab.kernels.attention.paged_attention_kernel`` is the kernel.
 """
 
 from __future__ import annotations
@@ -51,9 +50,9 @@ from kvlab.kernels.reference import (
 from kvlab.errors import UnknownNameError
 
 if backend() != TORCH_REFERENCE:
-    # Imported here, first, so the submodule binding below is replaced by the function of the same name.
+    # Imported once here, where the backend is known: importing them decorates the kernels.
+    from kvlab.kernels.attention import paged_attention_triton
     from kvlab.kernels.cache_write import reshape_and_cache_triton
-    from kvlab.kernels.paged_attention import paged_attention_triton
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -105,7 +104,7 @@ def function_sources(module: str) -> dict[str, str]:
     return sources
 
 
-def kernel_source(name: str, module: str = "paged_attention") -> str:
+def kernel_source(name: str, module: str = "attention") -> str:
     """The source of function ``name`` in ``kernels/<module>.py`` (default: the attention kernels)."""
     sources = function_sources(module)
     if name not in sources:

@@ -211,7 +211,7 @@ def bench_shape(shape: Shape, device: str, copy_bw: float, config: KernelConfig 
     sets = [make_inputs(shape, device, g) for _ in range(input_sets(shape, device, g))]
     x = sets[0]
     batch = check_attention(*x.args())
-    from kvlab.kernels.paged_attention import launch, num_sms  # here: importing it needs Triton
+    from kvlab.kernels.attention import launch, num_sms  # here: importing it needs Triton
 
     plan = plan_launch(batch, num_kv_splits, config, num_sms(x.query.device))
 

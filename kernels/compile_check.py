@@ -28,7 +28,7 @@ from kvlab.kernels.grid import next_power_of_2
 
 from kvlab.errors import BackendUnavailableError
 
-KERNEL_MODULES = ("paged_attention", "cache_write", "online_softmax")
+KERNEL_MODULES = ("attention", "cache_write", "online_softmax")
 POINTER_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8": "*fp8e4nv"}
 
 

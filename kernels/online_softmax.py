@@ -3,7 +3,7 @@
 ``attention_by_tiles_kernel`` is the paged kernel with everything but the softmax taken away: one
 program, ``BLOCK_M`` query rows, contiguous K and V, a visibility mask. It folds each key tile
 into the running ``(m, l, acc)`` with the update function it is given as a compile-time argument,
-by default ``online_softmax_update`` from ``paged_attention.py``. Notebook 05's exercise passes
+by default ``online_softmax_update`` from ``attention.py``. Notebook 05's exercise passes
 the learner's own update here, and ``softmax_states`` records the running state after each tile
 so the notebook can show the maximum being revised.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 from kvlab.kernels._backend import require_triton
-from kvlab.kernels.paged_attention import online_softmax_update
+from kvlab.kernels.attention import online_softmax_update
 
 from kvlab.errors import KernelInputError
 

@@ -1,27 +1,93 @@
 """kvlab: the code behind a workbook on how LLM serving engines manage the KV cache.
 
-Each module holds one concept, named as vLLM V1 names it, so a learner can open
-``vllm/v1/core/`` next. The notebooks in ``notebooks/`` tell the story and import
-everything from here.
+kvlab follows vLLM 0.33.0 (``VLLM_VERSION``): its names and behaviour, so that a learner who
+finishes the workbook can open ``vllm/v1/core/`` next and find the same files. The package is
+in layers; each may import only the layers below it (``tests/test_architecture.py`` enforces
+the rules written in ``pyproject.toml``, ``[tool.kvlab.layers]``):
+
+* top level: ``errors``, ``units`` (binary units, ``cdiv``), ``data`` (where ``data/`` is),
+  ``machine`` (what a measurement ran on), ``_validate`` (argument checks);
+* ``capacity/``: arithmetic on model configs and GPUs, no torch;
+* ``core/``: the allocator and the scheduler, bookkeeping only, mirroring ``vllm/v1/core/``;
+* ``sim/``: seeded workloads and the simulations the notebooks run on ``core`` and ``capacity``;
+* ``kernels/`` (``kvlab.kernels``): the Triton kernels, which import nothing of kvlab but ``errors``;
+* ``engine/``: a real model serving through ``core`` and ``kernels``;
+* ``viz/`` (figures and panels) and ``exercises/`` (the grader) on top.
+
+The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirrors.
+
+==  ==================================  ==========================================================
+#   kvlab module                        mirrors (vLLM 0.33.0) or teaches
+==  ==================================  ==========================================================
+01  capacity.models                     ``config.json`` fields (``vllm/config/model.py`` reads them)
+01  capacity.sizing                     ``AttentionSpec.page_size_bytes`` (``vllm/v1/kv_cache_interface.py``)
+02  capacity.budget                     ``vllm/v1/core/kv_cache_utils.py`` (``get_kv_cache_configs``), the worker's
+                                        memory profiling (``vllm/v1/worker/gpu_worker.py``)
+02  sim.workloads, sim.fragmentation    contiguous reservation against paging (the PagedAttention paper)
+03  core.kv_cache_utils                 ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``)
+03  core.block_pool                     ``BlockPool`` (``vllm/v1/core/block_pool.py``)
+03  core.sequence, sim.block_scenarios  block tables, slot mapping, fork and copy-on-write (the paper's, and
+                                        ``vllm/v1/worker/block_table.py``)
+04  core.hashing                        ``hash_block_tokens``, ``NONE_HASH`` (``kv_cache_utils.py``,
+                                        ``vllm/utils/hashing.py``)
+04  core.request                        ``Request`` (``vllm/v1/request.py``)
+04  core.kv_cache_manager               ``KVCacheManager`` (``vllm/v1/core/kv_cache_manager.py``,
+                                        ``single_type_kv_cache_manager.py``)
+04  core.cache_stats                    ``PrefixCacheStats``, ``CachingMetrics`` (``vllm/v1/metrics/stats.py``)
+04  sim.prefix_sim, sim.hash_cost,      hit rates against pool size, hashing cost, collisions on purpose
+    sim.collisions
+05  kernels (attention, cache_write)    ``triton_unified_attention.py``, ``reshape_and_cache_flash``
+                                        (``vllm/v1/attention/ops/``)
+06  core.sched.output                   ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``), ``SamplingParams``
+06  core.sched.scheduler                ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``)
+06  engine                              ``LLMEngine``, ``GPUModelRunner``, the sampler (``vllm/v1/engine/``,
+                                        ``vllm/v1/worker/``)
+07  capacity.hardware, cost_model,      GPUs and links as datasheets give them; a modelled cost of prefill and copies;
+    playbook, source_deployments        the capacity-planning playbook and the source articles' deployments
+07  core.kv_cache_metrics               ``KVCacheMetricsCollector`` (``vllm/v1/core/kv_cache_metrics.py``)
+07  core.kv_offload, engine.kv_offload  ``OffloadingConnector``, ``CPUOffloadingManager`` (``vllm/v1/kv_offload/``)
+07  sim.serving_sim                     multi-turn chat on the no-compute scheduler
+==  ==================================  ==========================================================
+
+The names below are importable from ``kvlab`` itself; they load on first use, so importing
+``kvlab.errors`` (as the kernels do) pulls in nothing else.
 """
 
-from kvlab.errors import KvlabError, KvlabValueError
-from kvlab.models import ModelSpec, get_model, list_models
-from kvlab.sizing import kv_bytes, kv_bytes_per_token
-from kvlab.units import GiB, KiB, MiB, format_bytes
+from __future__ import annotations
 
-__all__ = [
-    "GiB",
-    "KiB",
-    "KvlabError",
-    "KvlabValueError",
-    "MiB",
-    "ModelSpec",
-    "format_bytes",
-    "get_model",
-    "kv_bytes",
-    "kv_bytes_per_token",
-    "list_models",
-]
+import importlib
+from typing import Any
 
+VLLM_VERSION = "0.33.0"
 __version__ = "0.1.0"
+
+#: top-level name -> the module that defines it
+_LAZY = {
+    "KvlabError": "kvlab.errors",
+    "KvlabValueError": "kvlab.errors",
+    "ModelSpec": "kvlab.capacity.models",
+    "get_model": "kvlab.capacity.models",
+    "list_models": "kvlab.capacity.models",
+    "kv_bytes": "kvlab.capacity.sizing",
+    "kv_bytes_per_token": "kvlab.capacity.sizing",
+    "GiB": "kvlab.units",
+    "KiB": "kvlab.units",
+    "MiB": "kvlab.units",
+    "cdiv": "kvlab.units",
+    "format_bytes": "kvlab.units",
+}
+
+__all__ = ["VLLM_VERSION", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a top-level name from its module the first time it is asked for (PEP 562)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -9,7 +9,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from kvlab.models import DATA_DIR
+from kvlab.data import DATA_DIR
 
 MEASUREMENTS_DIR = DATA_DIR / "measurements"
 

@@ -1,4 +1,4 @@
-"""Binary units (KiB = 1024 B, GiB = 1024**3 B) and a formatter, so every notebook counts alike."""
+"""Binary units (KiB = 1024 B, GiB = 1024**3 B), a formatter and ``cdiv``, so every notebook counts alike."""
 
 from __future__ import annotations
 
@@ -14,3 +14,8 @@ def format_bytes(num_bytes: float, digits: int = 3) -> str:
         if abs(value) >= size:
             return f"{value / size:.{digits}f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{value:g} B"
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, as vLLM's ``cdiv``: the blocks needed for ``a`` tokens in blocks of ``b``."""
+    return -(-a // b)

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvlab.block_scenarios import snapshot
-from kvlab.blocks import BlockPool
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.hashing import hash_token_blocks
+from kvlab.core.sequence import Sequence
 from kvlab.errors import BlockStateError, KvlabError, OutOfBlocksError, RequestStateError
-from kvlab.hashing import hash_token_blocks
-from kvlab.sequence import Sequence
-from kvlab.sizing import cdiv
+from kvlab.sim.block_scenarios import snapshot
+from kvlab.units import cdiv
 
 HASHES = ("x", "y", "z")  # few values, so several blocks end up cached under one hash
 

@@ -2,7 +2,9 @@
 
 import pytest
 
-from kvlab.block_scenarios import (
+from kvlab.core.hashing import hash_token_blocks
+from kvlab.errors import KvlabValueError, UnknownNameError
+from kvlab.sim.block_scenarios import (
     SCENARIOS,
     Op,
     Scenario,
@@ -14,8 +16,6 @@ from kvlab.block_scenarios import (
     walk_fork,
     walk_free_queue,
 )
-from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.hashing import hash_token_blocks
 
 
 def test_walk_1_snapshots_are_the_source_table():

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvlab.blocks import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from kvlab.errors import BlockStateError, KvlabValueError, OutOfBlocksError
 
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab import GiB, KiB, MiB, ModelSpec, get_model
-from kvlab.budget import (
+from kvlab.capacity.budget import (
     PRESETS,
     max_concurrency,
     max_model_len_for,
@@ -15,9 +15,9 @@ from kvlab.budget import (
     plan_kv_cache,
     plan_preset,
 )
+from kvlab.capacity.models import weights_bytes
+from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.models import weights_bytes
-from kvlab.sizing import kv_bytes_per_token
 
 # scenario, plan_kv_cache arguments, budget GiB (as the table rounds it), KV per request GiB, concurrency
 SOURCE_TABLE = [

@@ -2,10 +2,10 @@
 
 import pytest
 
-from kvlab.cost_model import DEFAULT_PREFILL_MFU, CostModel, cost_model
+from kvlab.capacity.cost_model import DEFAULT_PREFILL_MFU, CostModel, cost_model
+from kvlab.capacity.hardware import get_gpu, get_link
+from kvlab.capacity.models import ModelSpec
 from kvlab.errors import KvlabValueError
-from kvlab.hardware import get_gpu, get_link
-from kvlab.models import ModelSpec
 
 TINY = ModelSpec.from_hf_config({
     "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

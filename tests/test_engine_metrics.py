@@ -2,10 +2,10 @@
 
 import pytest
 
-from kvlab.cache_stats import PrefixCacheStats
+from kvlab.core.cache_stats import PrefixCacheStats
+from kvlab.core.sched.output import SchedulerStats
 from kvlab.engine.metrics import LATENCY_HISTOGRAMS, METRICS, EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.errors import RequestStateError
-from kvlab.scheduler import SchedulerStats
 
 LABELS = {"model_name": "tiny", "engine": "0"}
 

@@ -1,6 +1,6 @@
 """Contiguous reservation against paging: worked examples, invariants, and a step-by-step reference.
 
-The event-driven simulator in ``kvlab.fragmentation`` skips the steps in which nothing but
+The event-driven simulator in ``kvlab.sim.fragmentation`` skips the steps in which nothing but
 growth happens. ``reference`` below walks every step the way the module docstring states
 the rules (and the way vLLM's scheduler loop reads: oldest first, ``running.pop()`` when
 a block is missing), so the two must agree slot for slot.
@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.fragmentation import CATEGORIES, FirstFit, reservation, simulate
-from kvlab.sizing import cdiv
-from kvlab.workloads import fixed, sharegpt_like
+from kvlab.sim.fragmentation import CATEGORIES, FirstFit, reservation, simulate
+from kvlab.sim.workloads import fixed, sharegpt_like
+from kvlab.units import cdiv
 
 
 def reference(requests, pool_tokens, max_model_len, policy, block_size=16, seed=0):

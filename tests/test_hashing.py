@@ -10,11 +10,10 @@ import cbor2
 import pytest
 import xxhash
 
-from kvlab import hashing
-from kvlab.collisions import count_distinct_hashes, find_block_collision, truncated_hash
-from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.hash_cost import H100_SXM_BF16_DENSE_FLOPS, measure_hash_cost, prefill_flops, prefill_seconds
-from kvlab.hashing import (
+from kvlab.capacity.cost_model import H100_SXM_BF16_DENSE_FLOPS, prefill_flops, prefill_seconds
+from kvlab.capacity.models import get_model
+from kvlab.core import hashing
+from kvlab.core.hashing import (
     HASH_FUNCTIONS,
     generate_block_hash_extra_keys,
     get_hash_fn_by_name,
@@ -22,8 +21,10 @@ from kvlab.hashing import (
     hash_block_tokens,
     none_hash_from_seed,
 )
-from kvlab.models import get_model
-from kvlab.request import MultiModalFeatureSpec, PlaceholderRange, Request
+from kvlab.core.request import MultiModalFeatureSpec, PlaceholderRange, Request
+from kvlab.errors import KvlabValueError, UnknownNameError
+from kvlab.sim.collisions import count_distinct_hashes, find_block_collision, truncated_hash
+from kvlab.sim.hash_cost import measure_hash_cost
 
 
 def test_the_four_functions_are_serialisation_then_digest():
@@ -77,7 +78,7 @@ def test_none_hash_is_random_per_process_unless_a_seed_is_set(monkeypatch):
 
 
 def test_separate_processes_agree_on_hashes_only_with_the_same_pythonhashseed():
-    code = ("from kvlab import hashing; h = hashing.init_none_hash(hashing.sha256_cbor); "
+    code = ("from kvlab.core import hashing; h = hashing.init_none_hash(hashing.sha256_cbor); "
             "print(hashing.hash_block_tokens(hashing.sha256_cbor, None, range(16)).hex())")
 
     def run(seed):

@@ -100,7 +100,7 @@ def test_kernels_still_interpret_when_triton_was_imported_first():
         assert "triton" in sys.modules
         triton.knobs.runtime.interpret = False
         import kvlab.kernels as K
-        from kvlab.kernels.paged_attention import paged_attention_kernel
+        from kvlab.kernels.attention import paged_attention_kernel
         assert K.backend() == "triton-interpreter", K.backend()
         assert type(paged_attention_kernel).__name__ == "InterpretedFunction"
     """, SMALL_BATCH, "print('ok')")

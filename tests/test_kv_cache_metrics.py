@@ -5,9 +5,8 @@ import random
 
 import pytest
 
-from kvlab.blocks import BlockPool
-from kvlab.errors import KvlabValueError
-from kvlab.kv_cache_metrics import (
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_metrics import (
     SECONDS_BUCKETS,
     STEPS_BUCKETS,
     Histogram,
@@ -17,6 +16,7 @@ from kvlab.kv_cache_metrics import (
     nearest_rank,
     pool_too_small,
 )
+from kvlab.errors import KvlabValueError
 
 
 class FakeClock:

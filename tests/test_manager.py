@@ -2,13 +2,13 @@
 
 import pytest
 
-from kvlab.collisions import find_block_collision, truncated_hash
+from kvlab.capacity.models import get_model
+from kvlab.capacity.sizing import kv_bytes
+from kvlab.core.kv_cache_manager import KVCacheManager, Request, RequestStatus, find_longest_cache_hit
+from kvlab.core.request import MultiModalFeatureSpec, PlaceholderRange
 from kvlab.errors import KvlabValueError, RequestStateError, UnknownNameError
-from kvlab.manager import KVCacheManager, Request, RequestStatus, find_longest_cache_hit
-from kvlab.models import get_model
-from kvlab.prefix_sim import admit
-from kvlab.request import MultiModalFeatureSpec, PlaceholderRange
-from kvlab.sizing import kv_bytes
+from kvlab.sim.collisions import find_block_collision, truncated_hash
+from kvlab.sim.prefix_sim import admit
 from kvlab.units import MiB
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import Request
 from kvlab.errors import KvlabValueError, RequestStateError
-from kvlab.manager import KVCacheManager
-from kvlab.request import Request
 
 
 def forked_pair(num_blocks=8, num_prompt=6, block_size=4):

@@ -15,9 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvlab.manager import KVCacheManager
-from kvlab.request import Request, RequestStatus
-from kvlab.sizing import cdiv
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import Request, RequestStatus
+from kvlab.units import cdiv
 
 PREFIXES = [(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9), (5,) * 12]
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from kvlab import ModelSpec, get_model, list_models
+from kvlab.capacity.models import MODELS_DIR, count_parameters, weights_bytes
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
-from kvlab.models import MODELS_DIR, count_parameters, weights_bytes
 
 REQUIRED_PRESETS = {"llama-2-7b", "llama-3-8b", "llama-3-70b", "deepseek-v3", "qwen3-8b", "mistral-7b-v0.1"}
 

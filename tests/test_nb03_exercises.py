@@ -2,9 +2,9 @@
 
 import random
 
-from kvlab.block_scenarios import Op, Scenario, random_workload, record
 from kvlab.exercises import check, self_test
 from kvlab.exercises.nb03 import cow_append
+from kvlab.sim.block_scenarios import Op, Scenario, random_workload, record
 
 
 def test_the_cow_append_reference_is_what_sequence_append_does():

@@ -5,17 +5,11 @@ import random
 import pytest
 import torch
 
+from kvlab.core.kv_cache_manager import KVCacheManager, Request
+from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
+from kvlab.core.kv_offload import CPUOffloadingManager, KVConnectorMetadata, OffloadingConnector
+from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches, transfer_blocks
 from kvlab.errors import BlockStateError
-from kvlab.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.manager import KVCacheManager, Request
-from kvlab.offload import (
-    CPUOffloadingManager,
-    KVConnectorMetadata,
-    OffloadingConnector,
-    OffloadingExecutor,
-    allocate_cpu_kv_caches,
-    transfer_blocks,
-)
 
 # ----------------------------------------------------------------- the CPU tier's bookkeeping
 

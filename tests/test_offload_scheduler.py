@@ -7,12 +7,13 @@ is never overwritten by a store of the same step.
 
 import pytest
 
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector
+from kvlab.core.sched.output import GenerationRequest, SamplingParams
+from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, step
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import KvlabValueError
-from kvlab.manager import KVCacheManager
-from kvlab.offload import CPUOffloadingManager, OffloadingConnector
-from kvlab.scheduler import GenerationRequest, NoComputeExecutor, SamplingParams, Scheduler, step
-from kvlab.serving_sim import ChatWorkload, simulate_chat
+from kvlab.sim.serving_sim import ChatWorkload, simulate_chat
 
 
 class CheckedConnector(OffloadingConnector):

@@ -5,22 +5,24 @@ import math
 
 import pytest
 
-from kvlab.budget import plan_kv_cache
-from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.hardware import GB, get_gpu, get_link, list_gpus, list_links
-from kvlab.playbook import (
+from kvlab.capacity.budget import plan_kv_cache
+from kvlab.capacity.hardware import GB, get_gpu, get_link, list_gpus, list_links
+from kvlab.capacity.playbook import (
     LEVERS,
-    SOURCE_DEPLOYMENTS,
     Deployment,
     Workload,
-    comparison_rows,
     concurrency_at,
     decide,
     plan_deployment,
     rank_levers,
+)
+from kvlab.capacity.source_deployments import (
+    SOURCE_DEPLOYMENTS,
+    comparison_rows,
     reproduce,
     source_arithmetic,
 )
+from kvlab.errors import KvlabValueError, UnknownNameError
 from kvlab.units import GiB, KiB, MiB
 
 # ----------------------------------------------------------------- hardware

@@ -3,7 +3,7 @@
 import pytest
 
 from kvlab.errors import KvlabValueError
-from kvlab.prefix_sim import (
+from kvlab.sim.prefix_sim import (
     SimRequest,
     chat_workload,
     min_num_blocks,

@@ -10,17 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import RequestStatus
+from kvlab.core.sched.output import GenerationRequest, SamplingParams
+from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, run_until_done, step
 from kvlab.errors import KvlabValueError, RequestTooLongError
-from kvlab.manager import KVCacheManager
-from kvlab.request import RequestStatus
-from kvlab.scheduler import (
-    GenerationRequest,
-    NoComputeExecutor,
-    SamplingParams,
-    Scheduler,
-    run_until_done,
-    step,
-)
 
 
 def make_scheduler(num_blocks=64, block_size=4, caching=True, **kwargs):

@@ -2,10 +2,10 @@
 
 import pytest
 
-from kvlab.block_scenarios import snapshot
-from kvlab.blocks import BlockPool
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.sequence import Sequence, compute_slot_mapping, contents_of
 from kvlab.errors import KvlabValueError, OutOfBlocksError, RequestStateError
-from kvlab.sequence import Sequence, compute_slot_mapping, contents_of
+from kvlab.sim.block_scenarios import snapshot
 
 
 def refs(pool):
@@ -160,7 +160,7 @@ def test_bad_input_names_the_parameter_and_changes_nothing():
     s.extend([5])
     with pytest.raises(KvlabValueError, match="block_size"):
         Sequence(pool, 0)
-    with pytest.raises(KvlabValueError, match="pool must be a kvlab.blocks.BlockPool"):
+    with pytest.raises(KvlabValueError, match="pool must be a kvlab.core.block_pool.BlockPool"):
         Sequence("pool", 2)
     for bad in ([1, -1], [1, "a"], [True]):
         with pytest.raises(KvlabValueError, match="token_ids"):

@@ -7,8 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab import GiB, KiB, MiB, ModelSpec, get_model, kv_bytes, kv_bytes_per_token
-from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.sizing import (
+from kvlab.capacity.sizing import (
     KV_DTYPE_BYTES,
     blocks_for_tokens,
     breakdown,
@@ -18,6 +17,7 @@ from kvlab.sizing import (
     tail_waste,
     vector_bytes,
 )
+from kvlab.errors import KvlabValueError, UnknownNameError
 from kvlab.units import format_bytes
 
 # model, bf16/token, fp8/token, 128K tokens in bf16, smaller than MHA by (the source material's table)

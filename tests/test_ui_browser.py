@@ -231,7 +231,7 @@ def _kvlab_ui_panels(kind):
         if name.startswith("_") or not isinstance(state, dict):
             continue
         if kind == "budget" and "plan" in state:
-            from kvlab.budget import plan_kv_cache
+            from kvlab.capacity.budget import plan_kv_cache
             settings = getattr(v, "settings", None)
             inputs = dict(settings() if callable(settings) else state["inputs"])
             model = inputs.get("model")
@@ -322,7 +322,7 @@ def test_nb02_utilization_and_model_move_the_concurrency_as_kvlab_budget_compute
     * a plotly FigureWidget (the GPU's memory);
     and, in the kernel, a global whose ``state`` dict has "plan" (the ``KVCachePlan`` shown)
     and whose ``settings()`` (or ``state["inputs"]``) are the keyword arguments of
-    ``kvlab.budget.plan_kv_cache`` for the current controls.
+    ``kvlab.capacity.budget.plan_kv_cache`` for the current controls.
     """
     run = lab_runs("02")
     page = run.page
@@ -342,7 +342,7 @@ def test_nb02_utilization_and_model_move_the_concurrency_as_kvlab_budget_compute
     _wait_for_change(page, panel, old_text)
     after = next(p for p in _panels(run.probe, "budget") if p["name"] == before["name"])
     assert after["utilization"] == pytest.approx(new)
-    assert after["log"] == after["recomputed"] != before["log"]  # what kvlab.budget computes for the new settings
+    assert after["log"] == after["recomputed"] != before["log"]  # what capacity.budget computes for the new settings
     assert _shows(panel, after["log"])
     assert _wait_for_plot_change(panel, figure_before) != figure_before
 

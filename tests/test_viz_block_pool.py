@@ -3,7 +3,7 @@
 import pytest
 
 import kvlab.viz.block_pool as viz
-from kvlab.block_scenarios import SCENARIOS, get_scenario, record, step_at, walk_fork, walk_free_queue
+from kvlab.sim.block_scenarios import SCENARIOS, get_scenario, record, step_at, walk_fork, walk_free_queue
 from kvlab.viz.block_pool import BlockPoolPanel, assign_colours, figure_pool, figure_step
 
 

@@ -3,11 +3,11 @@
 import pytest
 
 from kvlab import GiB
-from kvlab.budget import plan_kv_cache, plan_preset
-from kvlab.fragmentation import CATEGORIES, simulate
+from kvlab.capacity.budget import plan_kv_cache, plan_preset
+from kvlab.sim.fragmentation import CATEGORIES, simulate
+from kvlab.sim.workloads import sharegpt_like
 from kvlab.viz.budget import BudgetPanel, figure_block_size_sweep, figure_memory, memory_segments, panel_state
 from kvlab.viz.fragmentation import figure_breakdown, figure_lengths
-from kvlab.workloads import sharegpt_like
 
 
 def test_panel_state_is_the_library_plan():

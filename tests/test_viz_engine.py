@@ -1,7 +1,8 @@
 """Notebook 06's panel is a thin view over panel_state: a real scheduler run, its numbers and its picture."""
 
-from kvlab.manager import KVCacheManager
-from kvlab.scheduler import GenerationRequest, SamplingParams, Scheduler, run_until_done
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.output import GenerationRequest, SamplingParams
+from kvlab.core.sched.scheduler import Scheduler, run_until_done
 from kvlab.viz.engine import ServingPanel, figure_compare_runs, figure_engine_history, panel_state
 
 

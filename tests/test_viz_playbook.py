@@ -1,6 +1,6 @@
 """Notebook 07's playbook panel is a thin view: its state is the library's answer, errors show in the panel."""
 
-from kvlab.playbook import comparison_rows, reproduce
+from kvlab.capacity.source_deployments import comparison_rows, reproduce
 from kvlab.viz.playbook import PlaybookPanel, figure_levers, figure_source_vs_exact, panel_state
 
 

@@ -3,9 +3,9 @@
 import pytest
 
 import kvlab.viz.prefix_cache as viz
+from kvlab.core.kv_cache_manager import KVCacheManager, Request
 from kvlab.errors import UnknownNameError
-from kvlab.manager import KVCacheManager, Request
-from kvlab.prefix_sim import WORKLOADS, simulate
+from kvlab.sim.prefix_sim import WORKLOADS, simulate
 
 
 def test_panel_state_is_the_simulation_at_that_pool_size():

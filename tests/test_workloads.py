@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.workloads import (
+from kvlab.sim.workloads import (
     alpaca_like,
     fixed,
     length_filter,

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlab._validate import positive_int
+from kvlab.capacity.models import ModelSpec
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
-from kvlab.models import ModelSpec
 
 #: ``model_type`` values whose decoder is the one ``kvlab.engine.model`` implements.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -57,7 +57,7 @@ class DecoderConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before the rotation
     max_position_embeddings: int | None
     eos_token_id: tuple[int, ...]
-    spec: ModelSpec  # the same file read by kvlab.models, for KV sizing
+    spec: ModelSpec  # the same file read by kvlab.capacity.models, for KV sizing
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -1,7 +1,7 @@
 """``LLMEngine``: a checkpoint, a paged KV cache, the scheduler and the model runner in one serving loop.
 
 Start-up follows vLLM: load the weights, size the KV pool (a block count, or a memory
-budget cut into blocks by ``kvlab.budget``), allocate one K and one V tensor
+budget cut into blocks by ``kvlab.capacity.budget``), allocate one K and one V tensor
 ``[num_blocks, block_size, num_kv_heads, head_size]`` per layer, and print the start-up
 lines. Each ``step()`` is vLLM's ``EngineCore.step``: the scheduler picks tokens, the runner
 computes them through ``kvlab.kernels``, the scheduler appends the samples and frees
@@ -22,30 +22,28 @@ import torch
 
 from kvlab import kernels
 from kvlab._validate import non_negative_int, one_of, positive_int
-from kvlab.budget import KVCachePlan, plan_kv_cache
+from kvlab.capacity.budget import KVCachePlan, plan_kv_cache
+from kvlab.capacity.sizing import kv_bytes_per_token
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
+from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector
+from kvlab.core.sched.output import (
+    GenerationRequest,
+    RequestOutput,
+    SamplingParams,
+    SchedulerOutput,
+    SchedulerStats,
+    child_request_id,
+)
+from kvlab.core.sched.scheduler import DEFAULT_MAX_NUM_SEQS, Scheduler, check_request_fits, step
+from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches
 from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.errors import KvlabValueError, RequestStateError
-from kvlab.kv_cache_metrics import KVCacheMetricsCollector
-from kvlab.manager import KVCacheManager
-from kvlab.offload import CPUOffloadingManager, OffloadingConnector, OffloadingExecutor, allocate_cpu_kv_caches
-from kvlab.scheduler import (
-    DEFAULT_MAX_NUM_SEQS,
-    GenerationRequest,
-    RequestOutput,
-    SamplingParams,
-    Scheduler,
-    SchedulerOutput,
-    SchedulerStats,
-    check_request_fits,
-    child_request_id,
-    step,
-)
-from kvlab.sizing import cdiv, kv_bytes_per_token
-from kvlab.units import GiB
+from kvlab.units import GiB, cdiv
 
-#: kv_cache_dtype -> (torch dtype of the cache tensors or None for the model's, kvlab.sizing name or None).
+#: kv_cache_dtype -> (torch dtype of the cache tensors or None for the model's, kvlab.capacity.sizing name or None).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn,
                                                    "fp8_e4m3": torch.float8_e4m3fn}
 _SIZING_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -96,7 +94,7 @@ class LLMEngine:
     the GPU where the kernels run natively, else the CPU (``kernels.default_device()``); a CPU
     engine plans with this machine's RAM in place of GPU memory.
 
-    ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.offload``;
+    ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.core.kv_offload``;
     vLLM sizes its tier in GiB with ``kv_offloading_size``): blocks the pool evicts are copied
     there and copied back on a prefix hit. ``preemption_mode="swap"`` resumes preempted requests
     from that tier instead of recomputing them. ``kv_cache_metrics`` records vLLM's block lifetime
@@ -163,10 +161,10 @@ class LLMEngine:
             for _ in range(self.config.num_hidden_layers)
         ]  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_size]
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
-        # vLLM's --kv-cache-metrics: block lifetimes, idle time before eviction, reuse gaps (kvlab.kv_cache_metrics).
+        # vLLM's --kv-cache-metrics: block lifetimes, idle time before eviction, reuse gaps (core.kv_cache_metrics).
         self.kv_cache_metrics = KVCacheMetricsCollector(kv_cache_metrics_sample) if kv_cache_metrics else None
         self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
-        # kvlab.offload: an optional CPU tier of cpu_offload_blocks blocks (vLLM's kv_offloading_size, in blocks).
+        # kvlab.core.kv_offload: an optional CPU tier of cpu_offload_blocks blocks (vLLM's kv_offloading_size).
         self.cpu_offload_blocks = non_negative_int("cpu_offload_blocks", cpu_offload_blocks)
         one_of("preemption_mode", preemption_mode, ("recompute", "swap"))
         if preemption_mode == "swap" and not cpu_offload_blocks:

@@ -19,9 +19,9 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
+from kvlab.core.kv_cache_metrics import Histogram, prometheus_float
+from kvlab.core.sched.output import SchedulerStats
 from kvlab.errors import RequestStateError
-from kvlab.kv_cache_metrics import Histogram, prometheus_float
-from kvlab.scheduler import SchedulerStats
 
 #: name -> (type, help), in the order vLLM registers them.
 METRICS: dict[str, tuple[str, str]] = {

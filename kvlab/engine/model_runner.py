@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvlab.core.sequence import BlockCopy, compute_slot_mapping
 from kvlab.engine.attention import AttentionMetadata
 from kvlab.engine.model import KVCache, LlamaForCausalLM
 from kvlab.engine.sampler import Sampler
-from kvlab.scheduler import ModelRunnerOutput, SchedulerOutput
-from kvlab.sequence import BlockCopy, compute_slot_mapping
 
 
 def prepare_inputs(

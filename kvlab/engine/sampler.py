@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kvlab.scheduler import SamplingParams
+from kvlab.core.sched.output import SamplingParams
 
 
 class Sampler:

@@ -5,15 +5,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from kvlab.capacity.models import ModelSpec, get_model
+from kvlab.capacity.sizing import KV_DTYPE_BYTES, blocks_for_tokens, kv_bytes, kv_bytes_per_token, tail_waste
 from kvlab.exercises.core import Case, Exercise, Question, register, register_question
-from kvlab.models import ModelSpec, get_model
-from kvlab.sizing import (
-    KV_DTYPE_BYTES,
-    blocks_for_tokens,
-    kv_bytes,
-    kv_bytes_per_token,
-    tail_waste,
-)
 from kvlab.units import KiB, format_bytes
 
 
@@ -76,7 +70,7 @@ register(Exercise(
         "K and V take over all layers on one GPU. Read num_hidden_layers, num_attention_heads, "
         "num_key_value_heads (absent: MHA), head_dim (absent: hidden_size // num_attention_heads). "
         "A config with kv_lora_rank is MLA: it stores one latent of kv_lora_rank + qk_rope_head_dim "
-        "values per layer. Bytes per element: kvlab.sizing.KV_DTYPE_BYTES[kv_dtype]."
+        "values per layer. Bytes per element: kvlab.capacity.sizing.KV_DTYPE_BYTES[kv_dtype]."
     ),
     signature="def bytes_per_token(config: dict, kv_dtype: str = 'bf16') -> int:",
     reference=bytes_per_token,

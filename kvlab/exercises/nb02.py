@@ -7,14 +7,14 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.budget import PRESETS, max_concurrency, num_gpu_blocks, plan_kv_cache, plan_preset
-from kvlab.budget import max_model_len_for as _max_model_len_for
+from kvlab.capacity.budget import PRESETS, max_concurrency, num_gpu_blocks, plan_kv_cache, plan_preset
+from kvlab.capacity.budget import max_model_len_for as _max_model_len_for
+from kvlab.capacity.models import get_model
+from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.exercises.core import Case, Exercise, Question, register, register_question
-from kvlab.fragmentation import simulate
-from kvlab.models import get_model
-from kvlab.sizing import kv_bytes_per_token
+from kvlab.sim.fragmentation import simulate
+from kvlab.sim.workloads import sharegpt_like
 from kvlab.units import GiB, KiB, format_bytes
-from kvlab.workloads import sharegpt_like
 
 # ----------------------------------------------------------------- 02.num_blocks
 
@@ -75,7 +75,7 @@ register(Exercise(
     explain=_explain_blocks,
     hints=[
         "Two steps: bytes_per_block = bytes_per_token * block_size; num_blocks = available // bytes_per_block.",
-        "A request of max_model_len tokens needs ceil(max_model_len / block_size) blocks; kvlab.sizing.cdiv does "
+        "A request of max_model_len tokens needs ceil(max_model_len / block_size) blocks; kvlab.units.cdiv does "
         "the ceiling division.",
         "Negative available memory means 0 blocks, and 0 blocks means concurrency 0.",
     ],

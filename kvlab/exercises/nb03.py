@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvlab.block_scenarios import parallel_sampling, random_workload, record, walk_free_queue
-from kvlab.blocks import BlockPool
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.sequence import compute_slot_mapping
 from kvlab.exercises.core import Case, Exercise, Question, register, register_question
-from kvlab.sequence import compute_slot_mapping
+from kvlab.sim.block_scenarios import parallel_sampling, random_workload, record, walk_free_queue
 
 # ----------------------------------------------------------------- 03.cow_append
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from kvlab.capacity.models import get_model
+from kvlab.capacity.sizing import kv_bytes
+from kvlab.core.hashing import get_request_block_hasher, hash_block_tokens, sha256
+from kvlab.core.kv_cache_manager import KVCacheManager, find_longest_cache_hit
+from kvlab.core.request import Request
 from kvlab.exercises.core import Case, Exercise, Question, register, register_question
-from kvlab.hashing import get_request_block_hasher, hash_block_tokens, sha256
-from kvlab.manager import KVCacheManager, find_longest_cache_hit
-from kvlab.models import get_model
-from kvlab.prefix_sim import admit
-from kvlab.request import Request
-from kvlab.sizing import kv_bytes
+from kvlab.sim.prefix_sim import admit
 from kvlab.units import format_bytes
 
 # ----------------------------------------------------------------- 04.chained_hashes
@@ -51,7 +51,7 @@ register(Exercise(
     title="a request's chained block hashes",
     task=(
         "Return one hash per *full* block of `token_ids`, in order. Block i's hash is "
-        "`hash_block_tokens(sha256, parent, block_i_tokens)` (both from `kvlab.hashing`), where the parent is "
+        "`hash_block_tokens(sha256, parent, block_i_tokens)` (both from `kvlab.core.hashing`), where the parent is "
         "the previous block's hash, and for the first block the `none_hash` you are given (the seed of the "
         "chain). A trailing partial block gets no hash."
     ),

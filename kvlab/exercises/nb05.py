@@ -17,8 +17,7 @@ import torch
 
 from kvlab.errors import BackendUnavailableError
 from kvlab.exercises.core import Case, Exercise, Question, register, register_question
-from kvlab.sizing import cdiv
-from kvlab.units import format_bytes
+from kvlab.units import cdiv, format_bytes
 
 #: ``triton.language``, bound by ``_kernels()`` on first use so the reference below can run as a kernel.
 tl: Any = None

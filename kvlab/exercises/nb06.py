@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvlab.cache_stats import interpret_hit_rate
+from kvlab.core.cache_stats import interpret_hit_rate
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import Request
+from kvlab.core.sched.output import GenerationRequest, SamplingParams
+from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, run_until_done, step
 from kvlab.exercises.core import Case, Exercise, Question, register, register_question
-from kvlab.manager import KVCacheManager
-from kvlab.request import Request
-from kvlab.scheduler import GenerationRequest, NoComputeExecutor, SamplingParams, Scheduler, run_until_done, step
-from kvlab.sizing import cdiv
+from kvlab.units import cdiv
 
 # ----------------------------------------------------------------- 06.preemption_victim
 

@@ -6,14 +6,15 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from kvlab.cost_model import CostModel, cost_model
+from kvlab.capacity.cost_model import CostModel, cost_model
+from kvlab.capacity.hardware import GB
+from kvlab.capacity.playbook import Deployment, Workload, rank_levers
+from kvlab.capacity.source_deployments import reproduce
+from kvlab.core.kv_cache_metrics import nearest_rank
+from kvlab.core.kv_cache_metrics import pool_too_small as _pool_too_small
 from kvlab.exercises.core import Case, Exercise, register
 from kvlab.exercises.nb02 import _ask  # notebook 02's helper: a question answered from the numbers it computes
-from kvlab.hardware import GB
-from kvlab.kv_cache_metrics import nearest_rank
-from kvlab.kv_cache_metrics import pool_too_small as _pool_too_small
-from kvlab.playbook import Deployment, Workload, rank_levers, reproduce
-from kvlab.serving_sim import ChatWorkload, simulate_chat
+from kvlab.sim.serving_sim import ChatWorkload, simulate_chat
 from kvlab.units import GiB
 
 # ----------------------------------------------------------------- 07.pool_too_small

@@ -1,6 +1,6 @@
 """Notebook 03's pictures: the physical block pool, each block table, the free queue, and a step-through panel.
 
-``figure_pool`` draws one ``PoolSnapshot`` (from ``kvlab.block_scenarios``): one cell per
+``figure_pool`` draws one ``PoolSnapshot`` (from ``kvlab.sim.block_scenarios``): one cell per
 physical block, coloured by state (free, cached-but-free with its hash prefix, in use by one
 sequence in that sequence's colour, shared with its ref count, null); below it each live
 sequence's block table with an arrow from every entry to its physical block; at the bottom the
@@ -17,8 +17,17 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from kvlab.block_scenarios import SCENARIOS, BlockView, PoolSnapshot, Scenario, Step, get_scenario, record, step_at
-from kvlab.blocks import _short_hash
+from kvlab.core.kv_cache_utils import short_hash
+from kvlab.sim.block_scenarios import (
+    SCENARIOS,
+    BlockView,
+    PoolSnapshot,
+    Scenario,
+    Step,
+    get_scenario,
+    record,
+    step_at,
+)
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 
 #: Sequence colours (Okabe-Ito, told apart by colour-blind readers too).
@@ -51,7 +60,7 @@ def _cell_style(view: BlockView, colours: dict[str, str]) -> tuple[str, str, str
     if view.state == "null":
         return STATE_COLOURS["null"], "#6B7280", "#6B7280", "null"
     if view.state == "cached":
-        return STATE_COLOURS["cached"], "#D97706", "#78350F", "#" + _short_hash(view.block_hash)[:4]
+        return STATE_COLOURS["cached"], "#D97706", "#78350F", "#" + short_hash(view.block_hash)[:4]
     if view.state == "free":
         return STATE_COLOURS["free"], "#9CA3AF", "#6B7280", "free"
     if view.ref_cnt == 1 and len(view.holders) == 1:
@@ -71,7 +80,7 @@ def _hover(view: BlockView, block_size: int) -> str:
     if view.state in ("in use", "cached"):
         parts.append(f"{view.num_tokens} of {block_size} slots written")
     if view.block_hash is not None:
-        parts.append("hash " + _short_hash(view.block_hash))
+        parts.append("hash " + short_hash(view.block_hash))
     return "<br>".join(parts)
 
 

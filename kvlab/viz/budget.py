@@ -1,7 +1,7 @@
 """Notebook 02's budget panel and pictures: one GPU's memory, its KV blocks, and the start-up log.
 
 ``panel_state`` is the pure function behind ``BudgetPanel``: it plans with
-``kvlab.budget.plan_kv_cache`` and draws the figure; tests and notebook cells call it directly.
+``kvlab.capacity.budget.plan_kv_cache`` and draws the figure; tests and notebook cells call it directly.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import plotly.graph_objects as go
 
 from kvlab._validate import one_of
-from kvlab.budget import PRESETS, KVCachePlan, plan_kv_cache
-from kvlab.models import WEIGHT_DTYPE_BYTES, get_model, list_models, weights_bytes
-from kvlab.sizing import KV_DTYPE_BYTES
+from kvlab.capacity.budget import PRESETS, KVCachePlan, plan_kv_cache
+from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, get_model, list_models, weights_bytes
+from kvlab.capacity.sizing import KV_DTYPE_BYTES
 from kvlab.units import GiB, format_bytes
 from kvlab.viz.widgets import Panel, error_area, figure_widget, guarded, keep_for_new_views, replace_figure
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from kvlab.models import ModelSpec, get_model, list_models, weights_bytes
-from kvlab.sizing import KV_DTYPE_BYTES, breakdown, kv_bytes, kv_bytes_per_token
+from kvlab.capacity.models import ModelSpec, get_model, list_models, weights_bytes
+from kvlab.capacity.sizing import KV_DTYPE_BYTES, breakdown, kv_bytes, kv_bytes_per_token
 from kvlab.units import GiB, KiB, format_bytes
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 

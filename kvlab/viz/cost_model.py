@@ -1,6 +1,6 @@
 """Notebook 07's cost-model pictures: time to first token against prefix reuse, and swap against recompute.
 
-Every y value is modelled (``kvlab.cost_model``), and every title says so.
+Every y value is modelled (``kvlab.capacity.cost_model``), and every title says so.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from kvlab.cost_model import CostModel
+from kvlab.capacity.cost_model import CostModel
 
 WHERE_LABELS = {
     "recompute": "no cache (or evicted from a GPU-only cache): recompute",

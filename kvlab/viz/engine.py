@@ -15,16 +15,10 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.manager import KVCacheManager
-from kvlab.prefix_sim import shared_prompt_workload
-from kvlab.scheduler import (
-    GenerationRequest,
-    NoComputeExecutor,
-    SamplingParams,
-    Scheduler,
-    SchedulerStats,
-    run_until_done,
-)
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.output import GenerationRequest, SamplingParams, SchedulerStats
+from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, run_until_done
+from kvlab.sim.prefix_sim import shared_prompt_workload
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 
 COLOURS = {"usage": "#1d4ed8", "running": "#16a34a", "waiting": "#f59e0b", "preempted": "#b42318",

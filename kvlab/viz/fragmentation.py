@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from kvlab.fragmentation import CATEGORIES, FragmentationResult
-from kvlab.workloads import validate_requests
+from kvlab.sim.fragmentation import CATEGORIES, FragmentationResult
+from kvlab.sim.workloads import validate_requests
 
 CATEGORY_COLOURS = {
     "used": "#16a34a",

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import plotly.graph_objects as go
 
-from kvlab.kv_cache_metrics import KVCacheMetricsCollector
+from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 
 
 def figure_lifetime_histograms(collector: KVCacheMetricsCollector, title: str = "") -> go.Figure:

@@ -1,4 +1,4 @@
-"""Notebook 07's capacity-planning panel: a thin view over ``kvlab.playbook.plan_deployment``.
+"""Notebook 07's capacity-planning panel: a thin view over ``kvlab.capacity.playbook.plan_deployment``.
 
 ``panel_state`` is the pure function behind ``PlaybookPanel``; tests and notebook cells call
 it directly, and the panel keeps its last result in ``panel.state``.
@@ -13,10 +13,11 @@ from typing import Any
 import plotly.graph_objects as go
 
 from kvlab._validate import one_of
-from kvlab.hardware import list_gpus
-from kvlab.models import WEIGHT_DTYPE_BYTES, list_models
-from kvlab.playbook import SOURCE_DEPLOYMENTS, Deployment, PlaybookResult, Workload, concurrency_at, plan_deployment
-from kvlab.sizing import KV_DTYPE_BYTES
+from kvlab.capacity.hardware import list_gpus
+from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, list_models
+from kvlab.capacity.playbook import Deployment, PlaybookResult, Workload, concurrency_at, plan_deployment
+from kvlab.capacity.sizing import KV_DTYPE_BYTES
+from kvlab.capacity.source_deployments import SOURCE_DEPLOYMENTS
 from kvlab.units import format_bytes
 from kvlab.viz.widgets import Panel, error_area, figure_widget, replace_figure
 

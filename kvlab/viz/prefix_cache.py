@@ -10,13 +10,13 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.blocks import BlockPool
-from kvlab.cache_stats import interpret_hit_rate
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.cache_stats import interpret_hit_rate
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import Request
 from kvlab.errors import UnknownNameError
-from kvlab.manager import KVCacheManager
-from kvlab.prefix_sim import WORKLOADS, SimResult, min_num_blocks, simulate
-from kvlab.request import Request
-from kvlab.sizing import cdiv
+from kvlab.sim.prefix_sim import WORKLOADS, SimResult, min_num_blocks, simulate
+from kvlab.units import cdiv
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 
 STATUS_COLOURS = {"hit": "#16a34a", "computed": "#2563eb", "partial": "#9ca3af"}

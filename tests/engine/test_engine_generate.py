@@ -13,13 +13,13 @@ import pytest
 import torch
 from kvlab.kernels import TRITON_CUDA, backend, default_device
 
+from kvlab.core.sched.output import SamplingParams, ScheduledRequest, SchedulerOutput
 from kvlab.engine import LLMEngine, llm_engine, model_runner
 from kvlab.engine.evaluation import relative_error
 from kvlab.engine.model_runner import copy_blocks, prepare_inputs
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import KernelInputError, KvlabValueError, RequestStateError, RequestTooLongError
-from kvlab.scheduler import SamplingParams, ScheduledRequest, SchedulerOutput
-from kvlab.sizing import cdiv
+from kvlab.units import cdiv
 
 
 def engine(model_dir, **kwargs):

@@ -1,6 +1,6 @@
 """Plausible wrong answers to notebook 01's exercises, each failing for a reason the checker names."""
 
-from kvlab.sizing import KV_DTYPE_BYTES
+from kvlab.capacity.sizing import KV_DTYPE_BYTES
 
 
 def _heads_and_dim(config):

@@ -1,6 +1,6 @@
 """Plausible wrong answers to notebook 04's exercises, each failing for a reason the checker names."""
 
-from kvlab.hashing import hash_block_tokens, sha256
+from kvlab.core.hashing import hash_block_tokens, sha256
 
 
 def _blocks(token_ids, block_size):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvlab._validate import positive_int
+from kvlab.data import DATA_DIR
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 Attention = Literal["mha", "gqa", "mqa", "mla"]
@@ -34,7 +35,6 @@ WEIGHT_DTYPE_BYTES: dict[str, float] = {
 }
 _TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
-DATA_DIR = Path(os.environ.get("KVLAB_DATA", Path(__file__).resolve().parents[1] / "data"))
 MODELS_DIR = DATA_DIR / "models"
 
 

@@ -22,10 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvlab._validate import non_negative_int, positive_int
-from kvlab.blocks import BlockPool, KVCacheBlock
-from kvlab.cache_stats import CachingMetrics, PrefixCacheStats
-from kvlab.errors import KvlabValueError, RequestStateError
-from kvlab.hashing import (
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.cache_stats import CachingMetrics, PrefixCacheStats
+from kvlab.core.hashing import (
     BlockHash,
     HashFn,
     generate_block_hash_extra_keys,
@@ -34,8 +33,10 @@ from kvlab.hashing import (
     hash_fn_name,
     none_hash_from_seed,
 )
-from kvlab.request import Request, RequestStatus
-from kvlab.sizing import cdiv
+from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.request import Request, RequestStatus
+from kvlab.errors import KvlabValueError, RequestStateError
+from kvlab.units import cdiv
 
 __all__ = ["KVCacheManager", "Request", "RequestStatus", "find_longest_cache_hit"]
 

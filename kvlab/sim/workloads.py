@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from kvlab._validate import non_negative_int, one_of, positive_int
+from kvlab.data import DATA_DIR
 from kvlab.errors import KvlabValueError
-from kvlab.models import DATA_DIR
 
 WORKLOADS_FILE = DATA_DIR / "workloads" / "paged_attention_sosp23.json"
 

@@ -1,9 +1,8 @@
-"""The physical block pool: ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` and ``BlockPool``.
+"""The physical block pool: every block, the free queue, and the index of cached full blocks.
 
-Mirrors ``vllm/v1/core/kv_cache_utils.py`` and ``vllm/v1/core/block_pool.py`` (one KV cache
-group, so block hashes carry no group id). Free blocks and cached blocks share one doubly
-linked queue: eviction is what happens when allocation reaches a block that still has a
-hash, and a prefix hit takes a cached block out of the middle of the queue in O(1).
+Mirrors ``vllm/v1/core/block_pool.py`` (vLLM 0.33.0) for one KV cache group, so block hashes
+carry no group id. ``KVCacheBlock`` and ``FreeKVCacheBlockQueue`` live in
+``kvlab.core.kv_cache_utils``, as in vLLM.
 
 Every operation checks its whole input before it changes anything, so a call that raises
 leaves the pool exactly as it was.
@@ -12,19 +11,18 @@ leaves the pool exactly as it was.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvlab._validate import non_negative_int, positive_int
+from kvlab.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 from kvlab.errors import BlockStateError, OutOfBlocksError
-
-BlockHash = Hashable  # bytes from kvlab.hashing; any hashable value works for teaching
 
 
 class BlockPoolObserver(Protocol):
     """What ``BlockPool`` tells its optional ``metrics_collector``, at the points vLLM's ``BlockPool`` calls it.
 
-    ``kvlab.kv_cache_metrics.KVCacheMetricsCollector`` is one; the pool behaves the same with or without.
+    ``kvlab.core.kv_cache_metrics.KVCacheMetricsCollector`` is one; the pool behaves the same with or without.
     """
 
     def on_block_allocated(self, block: KVCacheBlock) -> None: ...  # get_new_blocks handed the block out
@@ -34,134 +32,6 @@ class BlockPoolObserver(Protocol):
     def on_block_evicted(self, block: KVCacheBlock) -> None: ...  # the free queue gave the block up for reuse
 
     def reset(self) -> None: ...  # reset_prefix_cache succeeded
-
-
-class KVCacheBlock:
-    """Metadata of one physical KV block: its id, who uses it, what it caches, its queue links."""
-
-    __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null", "_pool")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0  # how many requests' block tables (or direct holders) point here
-        self._block_hash: BlockHash | None = None  # set once the block is full and cached
-        self.prev_free_block: KVCacheBlock | None = None
-        self.next_free_block: KVCacheBlock | None = None
-        self.is_null = False  # block 0 when reserved: a placeholder that never holds KV
-        self._pool: object | None = None
-
-    @property
-    def block_hash(self) -> BlockHash | None:
-        """The hash of the block's whole prefix, or None while the block is partial or uncached."""
-        return self._block_hash
-
-    @block_hash.setter
-    def block_hash(self, block_hash: BlockHash) -> None:
-        if self._block_hash is not None:
-            raise BlockStateError(f"block {self.block_id} already has a hash; reset it before caching again")
-        self._block_hash = block_hash
-
-    def reset_hash(self) -> None:
-        """Forget the cached content's identity (the block is being evicted or reused)."""
-        self._block_hash = None
-
-    def __repr__(self) -> str:
-        cached = "" if self._block_hash is None else f", hash={_short_hash(self._block_hash)}"
-        null = ", null" if self.is_null else ""
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached}{null})"
-
-
-def _short_hash(block_hash: BlockHash) -> str:
-    """The first bytes of a hash in hex (or its repr), for pictures and messages."""
-    return block_hash[:4].hex() if isinstance(block_hash, bytes) else repr(block_hash)[:10]
-
-
-class FreeKVCacheBlockQueue:
-    """The free blocks as a doubly linked list: O(1) at both ends and from the middle.
-
-    The head is allocated first. A ``deque`` could pop the head, but a prefix hit must take a
-    cached block out of the middle, which only the links make O(1). Two sentinel blocks
-    (ids -1) bound the list, so no operation needs a special case for an empty end.
-    """
-
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.num_free_blocks = len(blocks)
-        self.fake_free_list_head = KVCacheBlock(-1)
-        self.fake_free_list_tail = KVCacheBlock(-1)
-        chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
-        for left, right in zip(chain, chain[1:], strict=False):
-            left.next_free_block = right
-            right.prev_free_block = left
-        self.fake_free_list_head.prev_free_block = None
-        self.fake_free_list_tail.next_free_block = None
-
-    def popleft(self) -> KVCacheBlock:
-        """Take the block at the head (the least recently freed)."""
-        if self.num_free_blocks == 0:
-            raise OutOfBlocksError("the pool is out of blocks: the free queue is empty")
-        block = self.fake_free_list_head.next_free_block
-        assert block is not None and block is not self.fake_free_list_tail
-        self._unlink(block)
-        return block
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` blocks from the head, in queue order."""
-        n = non_negative_int("n", n)
-        if n > self.num_free_blocks:
-            raise OutOfBlocksError(
-                f"the pool is out of blocks: asked for {n}, only {self.num_free_blocks} are free"
-            )
-        return [self.popleft() for _ in range(n)]
-
-    def remove(self, block: KVCacheBlock) -> None:
-        """Take ``block`` out of the middle of the queue (a prefix hit on a free cached block)."""
-        if block.prev_free_block is None or block.next_free_block is None:
-            raise BlockStateError(f"block {block.block_id} is not in the free queue")
-        self._unlink(block)
-
-    def append(self, block: KVCacheBlock) -> None:
-        """Put ``block`` at the tail: it will be allocated last."""
-        self._insert_before(self.fake_free_list_tail, block)
-
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Put ``blocks`` at the tail, keeping their order."""
-        for block in blocks:
-            self.append(block)
-
-    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put ``blocks`` in front of the head, keeping their order: they are allocated next."""
-        anchor = self.fake_free_list_head.next_free_block
-        assert anchor is not None
-        for block in blocks:
-            self._insert_before(anchor, block)
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """The free blocks from head to tail."""
-        out = []
-        block = self.fake_free_list_head.next_free_block
-        while block is not None and block is not self.fake_free_list_tail:
-            out.append(block)
-            block = block.next_free_block
-        return out
-
-    def _unlink(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free_block, block.next_free_block
-        assert prev is not None and nxt is not None
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
-        block.prev_free_block = block.next_free_block = None
-        self.num_free_blocks -= 1
-
-    def _insert_before(self, anchor: KVCacheBlock, block: KVCacheBlock) -> None:
-        if block.prev_free_block is not None or block.next_free_block is not None:
-            raise BlockStateError(f"block {block.block_id} is already in the free queue")
-        prev = anchor.prev_free_block
-        assert prev is not None
-        prev.next_free_block = block
-        block.prev_free_block = prev
-        block.next_free_block = anchor
-        anchor.prev_free_block = block
-        self.num_free_blocks += 1
 
 
 class BlockPool:

@@ -47,8 +47,8 @@ import numpy as np
 
 from kvlab._validate import one_of, positive_int
 from kvlab.errors import KvlabValueError
-from kvlab.sizing import cdiv
-from kvlab.workloads import validate_requests
+from kvlab.sim.workloads import validate_requests
+from kvlab.units import cdiv
 
 POLICIES = ("max", "pow2", "oracle", "paged")
 CATEGORIES = ("used", "reserved", "internal", "external", "free")

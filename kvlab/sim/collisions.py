@@ -14,8 +14,8 @@ import random
 from collections.abc import Iterable
 
 from kvlab._validate import positive_int
+from kvlab.core.hashing import BlockHash, HashFn, get_hash_fn_by_name, hash_block_tokens
 from kvlab.errors import KvlabError, KvlabValueError
-from kvlab.hashing import BlockHash, HashFn, get_hash_fn_by_name, hash_block_tokens
 
 
 def truncated_hash(hash_fn_name: str = "sha256", bits: int = 16) -> HashFn:

@@ -10,8 +10,8 @@ the ``OffloadingConnector``, which ``--kv-offloading-size`` configures):
 * ``OffloadingConnector`` (scheduler side): watches the GPU ``BlockPool`` for evictions, finds
   hits in the CPU tier beyond the GPU's own (``get_num_new_matched_tokens``), and turns both
   into one step's transfers (``build_connector_meta``), as vLLM's ``KVConnector`` does.
-* ``OffloadingExecutor`` (worker side): performs a step's transfers on real tensors (GPU to
-  CPU first, then CPU to GPU), then lets the model run. ``transfer_blocks`` is the copy.
+* ``kvlab.engine.kv_offload.OffloadingExecutor`` (worker side, in the engine because it moves
+  tensors): performs a step's transfers (GPU to CPU first, then CPU to GPU), then lets the model run.
 
 Where kvlab differs from vLLM, on purpose: a block is stored when the GPU pool **evicts** it
 (write-back), as issue 10 asks; vLLM's OffloadingConnector stores every block as soon as it is
@@ -26,18 +26,17 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvlab._validate import non_negative_int, positive_int
-from kvlab.blocks import BlockPoolObserver, KVCacheBlock
+from kvlab.core.block_pool import BlockPoolObserver
+from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.errors import BlockStateError, KvlabValueError
-from kvlab.sizing import cdiv
+from kvlab.units import cdiv
 
 if TYPE_CHECKING:
-    import torch
-
-    from kvlab.manager import KVCacheManager
-    from kvlab.request import Request
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.request import Request
 
 BlockHash = Hashable
 BlockTransfer = tuple[int, int]  # (source block id, destination block id)
@@ -367,51 +366,3 @@ class OffloadingConnector:
         for request_id in swapped_in:
             self.cpu.free_swap(request_id)
         self._pending_release = ([], [])
-
-
-# ----------------------------------------------------------------- the worker side
-
-
-def transfer_blocks(src_caches: Sequence[Any], dst_caches: Sequence[Any], transfers: Sequence[BlockTransfer]) -> None:
-    """Copy whole blocks ``src -> dst`` in every layer's K and V from one set of caches to another (``swap_blocks``)."""
-    if not transfers:
-        return
-    import torch
-
-    src = torch.tensor([s for s, _ in transfers], dtype=torch.int64, device=src_caches[0][0].device)
-    dst = torch.tensor([d for _, d in transfers], dtype=torch.int64, device=dst_caches[0][0].device)
-    for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches, strict=True):
-        dst_k[dst] = src_k[src].to(dst_k.device)  # [num_transfers, block_size, num_kv_heads, head_size]
-        dst_v[dst] = src_v[src].to(dst_v.device)
-
-
-def allocate_cpu_kv_caches(gpu_kv_caches: Sequence[Any], num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """CPU tensors shaped like the GPU caches but with ``num_blocks`` blocks (pinned memory on a CUDA machine)."""
-    import torch
-
-    num_blocks = positive_int("num_blocks", num_blocks)
-    out = []
-    for key_cache, value_cache in gpu_kv_caches:  # each [num_gpu_blocks, block_size, num_kv_heads, head_size]
-        shape = (num_blocks, *key_cache.shape[1:])
-        pin = key_cache.is_cuda
-        out.append((torch.zeros(shape, dtype=key_cache.dtype, pin_memory=pin),
-                    torch.zeros(shape, dtype=value_cache.dtype, pin_memory=pin)))
-    return out
-
-
-class OffloadingExecutor:
-    """Wraps an executor: makes the step's CPU-tier copies (stores, then loads) before the model runs."""
-
-    def __init__(self, inner: Any, gpu_kv_caches: Sequence[Any], cpu_kv_caches: Sequence[Any],
-                 connector: OffloadingConnector) -> None:
-        self.inner = inner
-        self.gpu_kv_caches = gpu_kv_caches
-        self.cpu_kv_caches = cpu_kv_caches
-        self.connector = connector
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        meta: KVConnectorMetadata | None = scheduler_output.kv_connector_metadata
-        if meta is not None:
-            transfer_blocks(self.gpu_kv_caches, self.cpu_kv_caches, meta.stores)
-            transfer_blocks(self.cpu_kv_caches, self.gpu_kv_caches, meta.loads)
-        return self.inner.execute_model(scheduler_output)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 from kvlab._validate import non_negative_int
-from kvlab.blocks import KVCacheBlock
+from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.errors import KvlabValueError
 
 Unit = Literal["seconds", "steps"]

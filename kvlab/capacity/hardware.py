@@ -15,8 +15,8 @@ import json
 import re
 from fractions import Fraction
 
+from kvlab.data import DATA_DIR
 from kvlab.errors import UnknownNameError
-from kvlab.models import DATA_DIR
 from kvlab.units import GiB, MiB
 
 HARDWARE_DIR = DATA_DIR / "hardware"
@@ -56,7 +56,7 @@ class GPUSpec:
 
     @property
     def memory_gib(self) -> float:
-        """``memory_bytes`` in GiB, the unit ``kvlab.budget.plan_kv_cache`` takes."""
+        """``memory_bytes`` in GiB, the unit ``kvlab.capacity.budget.plan_kv_cache`` takes."""
         return self.memory_bytes / GiB
 
     def memory_row(self) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """How many bytes the KV cache takes: ``f x L x Hkv x D x b`` per token, then per request.
 
 Everything here is exact integer arithmetic on a ``ModelSpec``; the budget simulator
-(``kvlab.budget``) and every later notebook build on ``kv_bytes_per_token``.
+(``kvlab.capacity.budget``) and every later notebook build on ``kv_bytes_per_token``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from kvlab._validate import positive_int
+from kvlab.capacity.models import ModelSpec
 from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.models import ModelSpec
+from kvlab.units import cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -172,11 +173,6 @@ def kv_cache_tensors(
         else:
             out.append(torch.empty(*shape, model.head_dim, dtype=torch_dtypes[name], device=device))
     return out
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division, as vLLM's ``cdiv``: the blocks needed for ``a`` tokens in blocks of ``b``."""
-    return -(-a // b)
 
 
 def blocks_for_tokens(tokens: int, block_size: int) -> int:

@@ -19,9 +19,10 @@ import weakref
 from collections.abc import Iterable
 
 from kvlab._validate import non_negative_int, positive_int
-from kvlab.blocks import BlockPool, KVCacheBlock
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.errors import BlockStateError, KvlabValueError, OutOfBlocksError, RequestStateError
-from kvlab.sizing import cdiv
+from kvlab.units import cdiv
 
 BlockCopy = tuple[int, int]  # (src_block_id, dst_block_id): a copy the engine must make on the KV tensors
 
@@ -70,7 +71,7 @@ def contents_of(pool: BlockPool, block_size: int) -> BlockContents:
     the store lives as long as its pool does. A pool has one block size for all its sequences.
     """
     if not isinstance(pool, BlockPool):
-        raise KvlabValueError(f"pool must be a kvlab.blocks.BlockPool, got {type(pool).__name__}")
+        raise KvlabValueError(f"pool must be a kvlab.core.block_pool.BlockPool, got {type(pool).__name__}")
     block_size = positive_int("block_size", block_size)
     contents = _CONTENTS.get(pool)
     if contents is None:

@@ -1,9 +1,6 @@
-"""What prefix caching costs (hashing every full block) against what a hit saves (a block's prefill).
+"""What prefix caching costs: hashing every full block, measured on this CPU with ``measure_hash_cost``.
 
-Hashing is measured here, on this CPU, with ``measure_hash_cost``. Prefill is estimated from
-arithmetic: a forward pass costs about ``2 x num_params`` FLOPs per token (the matmuls; the
-attention term grows with context and is left out, so the estimate is a floor), divided by an
-assumed GPU throughput, stated with its source below. Change the assumption to your own GPU.
+What a hit saves (a block's prefill) is estimated in ``kvlab.capacity.cost_model``.
 """
 
 from __future__ import annotations
@@ -16,16 +13,8 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-from kvlab._validate import fraction_in_unit_interval, positive_int, positive_number
-from kvlab.errors import KvlabValueError
-from kvlab.hashing import HASH_FUNCTIONS, get_hash_fn_by_name, hash_block_tokens
-from kvlab.models import ModelSpec
-
-#: NVIDIA H100 SXM, dense BF16 Tensor Core peak: 989 TFLOP/s (the datasheet's 1,979 TFLOP/s is
-#: "with sparsity", i.e. twice the dense rate). Source: NVIDIA H100 Tensor Core GPU datasheet.
-H100_SXM_BF16_DENSE_FLOPS = 989e12
-#: Share of peak a large prefill sustains (model FLOPs utilisation); 0.5 is an assumption.
-ASSUMED_PREFILL_MFU = 0.5
+from kvlab._validate import positive_int
+from kvlab.core.hashing import HASH_FUNCTIONS, get_hash_fn_by_name, hash_block_tokens
 
 
 def measure_hash_cost(
@@ -74,21 +63,3 @@ def _time_calls(fn: Callable[[bytes], bytes], payloads: list[bytes]) -> float:
     for payload in payloads:
         fn(payload)
     return time.perf_counter() - start
-
-
-def prefill_flops(model: ModelSpec, num_tokens: int) -> float:
-    """Approximate FLOPs to prefill ``num_tokens`` tokens: ``2 x num_params`` per token (matmuls only)."""
-    if model.num_params is None:
-        raise KvlabValueError(f"{model.name} has no parameter count; prefill FLOPs cannot be estimated")
-    return 2.0 * model.num_params * positive_int("num_tokens", num_tokens)
-
-
-def prefill_seconds(
-    model: ModelSpec,
-    num_tokens: int,
-    peak_flops: float = H100_SXM_BF16_DENSE_FLOPS,
-    mfu: float = ASSUMED_PREFILL_MFU,
-) -> float:
-    """Estimated GPU seconds to prefill ``num_tokens`` tokens at ``mfu`` of ``peak_flops``."""
-    return prefill_flops(model, num_tokens) / (positive_number("peak_flops", peak_flops)
-                                               * fraction_in_unit_interval("mfu", mfu))

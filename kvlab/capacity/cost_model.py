@@ -12,7 +12,7 @@ Prefill FLOPs for ``n`` new tokens after ``s`` cached ones: ``2 x P x n`` for th
 matmuls (``P``: parameters outside the embedding and the LM head), the causal attention
 ``2 x H_q x (d_qk + d_v)`` per query-key pair over ``n x s + n (n + 1) / 2`` pairs and
 layer, and the LM head once (the first token's logits). Every layer is counted as full
-attention, as ``kvlab.budget`` sizes it. Dense models only: an MoE's active parameters are
+attention, as ``kvlab.capacity.budget`` sizes it. Dense models only: an MoE's active parameters are
 not its ``num_params``, so pass ``active_params``.
 """
 
@@ -21,12 +21,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from kvlab._validate import fraction_in_unit_interval, non_negative_int, positive_int
+from kvlab._validate import fraction_in_unit_interval, non_negative_int, positive_int, positive_number
+from kvlab.capacity.hardware import GPUSpec, LinkSpec, get_gpu, get_link
+from kvlab.capacity.models import ModelSpec, get_model
+from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.errors import KvlabValueError
-from kvlab.hardware import GPUSpec, LinkSpec, get_gpu, get_link
-from kvlab.hash_cost import ASSUMED_PREFILL_MFU
-from kvlab.models import ModelSpec, get_model
-from kvlab.sizing import kv_bytes_per_token
+
+#: NVIDIA H100 SXM, dense BF16 Tensor Core peak: 989 TFLOP/s (the datasheet's 1,979 TFLOP/s is
+#: "with sparsity", i.e. twice the dense rate). Source: NVIDIA H100 Tensor Core GPU datasheet.
+H100_SXM_BF16_DENSE_FLOPS = 989e12
+#: Share of peak a large prefill sustains (model FLOPs utilisation); 0.5 is an assumption.
+ASSUMED_PREFILL_MFU = 0.5
+
 
 DEFAULT_PREFILL_MFU = ASSUMED_PREFILL_MFU  # kvlab's assumption (0.5, shared with notebook 04), not a measurement
 DEFAULT_LINK_EFFICIENCY = 1.0  # the theoretical bandwidth: an upper bound on what a copy reaches
@@ -183,3 +189,24 @@ def cost_model(
     spec = model if isinstance(model, ModelSpec) else get_model(model)
     gpu_spec = get_gpu(gpu)
     return CostModel(spec, gpu_spec, get_link(link or gpu_spec.host_link), **kwargs)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- the quick estimate (notebook 04)
+
+
+def prefill_flops(model: ModelSpec, num_tokens: int) -> float:
+    """Approximate FLOPs to prefill ``num_tokens`` tokens: ``2 x num_params`` per token (matmuls only)."""
+    if model.num_params is None:
+        raise KvlabValueError(f"{model.name} has no parameter count; prefill FLOPs cannot be estimated")
+    return 2.0 * model.num_params * positive_int("num_tokens", num_tokens)
+
+
+def prefill_seconds(
+    model: ModelSpec,
+    num_tokens: int,
+    peak_flops: float = H100_SXM_BF16_DENSE_FLOPS,
+    mfu: float = ASSUMED_PREFILL_MFU,
+) -> float:
+    """Estimated GPU seconds to prefill ``num_tokens`` tokens at ``mfu`` of ``peak_flops``."""
+    return prefill_flops(model, num_tokens) / (positive_number("peak_flops", peak_flops)
+                                               * fraction_in_unit_interval("mfu", mfu))

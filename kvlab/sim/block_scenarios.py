@@ -22,10 +22,10 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from types import MappingProxyType
 
 from kvlab._validate import non_negative_int, one_of, positive_int
-from kvlab.blocks import BlockPool
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.hashing import hash_token_blocks
+from kvlab.core.sequence import BlockCopy, Sequence, contents_of
 from kvlab.errors import KvlabError, KvlabValueError
-from kvlab.hashing import hash_token_blocks
-from kvlab.sequence import BlockCopy, Sequence, contents_of
 
 OP_KINDS = ("start", "append", "extend", "fork", "cache", "release")
 

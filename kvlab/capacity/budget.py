@@ -29,10 +29,10 @@ from kvlab._validate import (
     positive_int,
     positive_number,
 )
+from kvlab.capacity.models import ModelSpec, get_model, weights_bytes
+from kvlab.capacity.sizing import canonical_kv_dtype, kv_bytes_per_token
 from kvlab.errors import KvlabValueError
-from kvlab.models import ModelSpec, get_model, weights_bytes
-from kvlab.sizing import canonical_kv_dtype, cdiv, kv_bytes_per_token
-from kvlab.units import GiB, format_bytes
+from kvlab.units import GiB, cdiv, format_bytes
 
 #: vLLM's default ``gpu_memory_utilization`` (``vllm/config/cache.py``) and ``block_size`` (64).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92

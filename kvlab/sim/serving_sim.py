@@ -6,7 +6,7 @@ reply ends. At most ``max_active`` conversations are open; when one ends, the ne
 So a conversation's blocks are needed again about once per turn, and whether they survive
 until then depends on the pool: the situation the block-lifetime diagnostic reads.
 
-Requests run through ``kvlab.scheduler.Scheduler`` with ``NoComputeExecutor``: the scheduling,
+Requests run through ``kvlab.core.sched.scheduler.Scheduler`` with ``NoComputeExecutor``: the scheduling,
 prefix hits, evictions, preemptions and CPU-tier transfers are the engine's own; only the
 model is missing (its made-up tokens become the next turn's history). A step is one engine
 iteration, idle ones included, so lifetimes in steps are comparable across runs. The seconds
@@ -19,11 +19,12 @@ import dataclasses
 import random
 
 from kvlab._validate import non_negative_int, positive_int
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector, PoolDiagnosis
+from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector, OffloadStats
+from kvlab.core.sched.output import GenerationRequest, SamplingParams
+from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, step
 from kvlab.errors import KvlabValueError
-from kvlab.kv_cache_metrics import KVCacheMetricsCollector, PoolDiagnosis
-from kvlab.manager import KVCacheManager
-from kvlab.offload import CPUOffloadingManager, OffloadingConnector, OffloadStats
-from kvlab.scheduler import GenerationRequest, NoComputeExecutor, SamplingParams, Scheduler, step
 
 VOCAB_SIZE = 32_000
 

@@ -22,10 +22,10 @@ import random
 from collections import deque
 
 from kvlab._validate import positive_int
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import Request, RequestStatus
 from kvlab.errors import KvlabValueError
-from kvlab.manager import KVCacheManager
-from kvlab.request import Request, RequestStatus
-from kvlab.sizing import cdiv
+from kvlab.units import cdiv
 
 VOCAB_SIZE = 32_000
 

@@ -27,7 +27,7 @@ from kvlab._validate import non_negative_int, one_of, positive_int
 from kvlab.errors import KvlabValueError
 
 if TYPE_CHECKING:
-    from kvlab.request import Request
+    from kvlab.core.request import Request
 
 BlockHash = bytes
 HashFn = Callable[[Any], bytes]

@@ -1,0 +1,5 @@
+"""Capacity arithmetic: bytes per token from real configs, vLLM's memory budget, GPUs, costs, the playbook.
+
+Pure arithmetic on ``config.json`` fields and datasheet numbers: nothing here imports torch.
+Notebooks 01, 02 and 07.
+"""

@@ -1,0 +1,96 @@
+"""kvlab's layers hold: the import contracts in pyproject.toml, checked on the source and in a fresh process.
+
+The rules themselves are data (``[tool.kvlab.layers]``); ``scripts/check_layers.py`` reads every
+module's imports with ``ast``. The last tests show the checker can fail: a deliberately wrong
+import in a scratch copy of the package is caught.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("check_layers", ROOT / "scripts" / "check_layers.py")
+check_layers = sys.modules["check_layers"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check_layers)
+
+
+def test_every_layer_contract_holds():
+    violations = check_layers.check(check_layers.load_contracts())
+    assert not violations, "\n".join(map(str, violations))
+
+
+def test_every_module_is_covered_by_a_layer():
+    """A new top-level module or package must be placed in a layer (and so in a contract) on purpose."""
+    covered = {p for c in check_layers.load_contracts() for p in c["modules"] if p != "kvlab"}
+    covered |= {"kvlab.viz", "kvlab.exercises"}                       # the top layers, checked by the viz rule
+    modules = [m for m, _ in check_layers.iter_modules(check_layers.SOURCE_DIRS) if m != "kvlab"]
+    stray = [m for m in modules if not any(m == p or m.startswith(p + ".") for p in covered)]
+    assert not stray, f"modules in no layer: {stray}"
+
+
+def _fresh_import(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_importing_kvlab_errors_pulls_in_nothing_else_of_kvlab():
+    """The kernels import kvlab.errors; kvlab/__init__ must not drag the rest of the package in behind it."""
+    loaded = _fresh_import("import sys, kvlab.errors; print(sorted(m for m in sys.modules if m.startswith('kvlab')))")
+    assert loaded == "['kvlab', 'kvlab.errors']"
+
+
+def test_capacity_core_and_sim_load_without_torch():
+    modules = [m for m, _ in check_layers.iter_modules(check_layers.SOURCE_DIRS)
+               if m.startswith(("kvlab.capacity", "kvlab.core", "kvlab.sim"))]
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
+        "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    assert _fresh_import(code) == "[]"
+
+
+def test_the_top_level_names_notebooks_use_load_lazily():
+    import kvlab
+
+    assert kvlab.VLLM_VERSION == "0.33.0"
+    assert kvlab.kv_bytes_per_token(kvlab.get_model("llama-3-8b"), "bf16") == 128 * kvlab.KiB
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        kvlab.nonsense  # noqa: B018
+
+
+@pytest.mark.parametrize(("where", "line", "contract"), [
+    ("kvlab/core/request.py", "from kvlab.engine import LLMEngine", "core is bookkeeping"),
+    ("kvlab/core/sched/scheduler.py", "    from kvlab.engine.model_runner import ModelRunner", "core is bookkeeping"),
+    ("kvlab/capacity/budget.py", "import torch", "capacity is arithmetic"),
+    ("kernels/grid.py", "from kvlab.core import hashing", "the kernels import nothing"),
+    ("kvlab/sim/prefix_sim.py", "from kvlab.engine import LLMEngine", "sim runs on core"),
+    ("kvlab/engine/model.py", "from kvlab.viz.engine import EnginePanel", "only notebooks"),
+    ("kvlab/units.py", "from kvlab.capacity.models import get_model", "the top level"),
+])
+def test_a_deliberately_wrong_import_breaks_a_contract(tmp_path, where, line, contract):
+    for folder in ("kvlab", "kernels"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / where
+    body = target.read_text()
+    if line.startswith(" "):                                       # inside a function: add one
+        body += f"\n\ndef _sneaky():\n{line}\n"
+    else:
+        body += f"\n{line}\n"
+    target.write_text(body)
+    dirs = {"kvlab": tmp_path / "kvlab", "kvlab.kernels": tmp_path / "kernels"}
+    violations = check_layers.check(check_layers.load_contracts(), dirs)
+    assert violations and all(v.imp.path == target for v in violations), [str(v) for v in violations]
+    assert any(contract in v.contract for v in violations), [str(v) for v in violations]
+
+
+def test_an_import_under_type_checking_or_inside_a_function_is_not_a_load_time_import(tmp_path):
+    module = tmp_path / "kvlab" / "capacity" / "lazy.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n\n"
+                      "def f():\n    import torch\n    return torch\n")
+    imports = check_layers.module_imports("kvlab.capacity.lazy", module, set())
+    assert [(i.imported, i.at_load) for i in imports] == [("typing", True), ("torch", False)]
