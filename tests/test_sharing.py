@@ -29,3 +29,13 @@ def test_bad_arguments_are_refused():
         parallel_sampling_saving([(4, 4)], n=0)
     with pytest.raises(KvlabValueError, match="requests"):
         parallel_sampling_saving([], n=2)
+
+
+def test_the_papers_figures_are_read_from_the_data():
+    from kvlab.sim.workloads import paper_results
+
+    results = paper_results()
+    assert results["kv_token_states_percent"]["Orca (Oracle)"] == 38.2
+    assert results["memory_saving_percent"]["beam search, Alpaca"] == [37.6, 55.2]
+    results["kv_token_states_percent"].clear()
+    assert paper_results()["kv_token_states_percent"]                  # a copy: the data stays as read
