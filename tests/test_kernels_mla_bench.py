@@ -31,7 +31,7 @@ def test_the_gpu_shapes_are_deepseek_v3s_attention():
 def test_a_smoke_run_agrees_with_the_naive_path_and_does_not_call_itself_performance():
     results = mla_bench.run(mla_bench.smoke_shapes())
     (row,) = results["rows"]
-    assert row["rel_error_vs_naive"] < 1e-5
+    assert row["rel_error_vs_naive"] < 1e-4
     assert results["performance"] == (backend() == TRITON_CUDA)
 
 

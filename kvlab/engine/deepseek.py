@@ -17,7 +17,6 @@ same numbers as transformers.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +27,7 @@ from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.deepseek_rope import DeepseekRotaryEmbedding
 from kvlab.engine.loader import read_weights
 from kvlab.engine.mla import MLAAttention
-from kvlab.engine.model import RMSNorm
+from kvlab.engine.model import LlamaForCausalLM, RMSNorm
 from kvlab.errors import KvlabValueError
 
 
@@ -52,7 +51,8 @@ class DeepseekV2Gate(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))   # float32 always
-        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+        # a fixed per-expert offset learned outside back-propagation; a Parameter, as vLLM keeps it
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k], experts [T, k])`` for hidden states ``[T, hidden_size]``."""
@@ -184,26 +184,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden_size]`` of the flat batch; the latents are written to ``kv_caches``."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden_size] -> [n, vocab_size]`` in float32."""
-        return (hidden_states @ self.lm_head.weight.T).to(torch.float32)
-
-    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (parameters and the routers' correction biases) into the tensors of the same name."""
-        items = dict(weights.items() if isinstance(weights, Mapping) else weights)
-        targets = {**dict(self.named_parameters(remove_duplicate=False)), **dict(self.named_buffers())}
-        if self.config.tie_word_embeddings:
-            targets.pop("lm_head.weight", None)
-        missing = sorted(set(targets) - set(items))
-        if missing:
-            raise KvlabValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
-        with torch.no_grad():
-            for name, target in targets.items():
-                tensor = items[name]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise KvlabValueError(f"{name} has shape {tuple(tensor.shape)} in the checkpoint; "
-                                          f"the config implies {tuple(target.shape)}")
-                target.copy_(tensor.to(target.dtype))
+    #: ``[n, hidden_size] -> [n, vocab_size]`` in float32, and the checkpoint copied into the parameters of
+    #: the same names (every one required, shapes checked): the same two steps as the Llama's.
+    compute_logits = LlamaForCausalLM.compute_logits
+    load_weights = LlamaForCausalLM.load_weights
 
 
 def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> DeepseekV2ForCausalLM:

@@ -4,20 +4,21 @@ import json
 
 import pytest
 import torch
-from kvlab.kernels import default_device
+from kvlab.kernels import compute_slot_mapping, concat_and_cache_mla, default_device, dequantize_fp8, quantize_fp8
+from kvlab.kernels.mla_absorb import naive_attention, split_kv_b_proj
 from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
 from kvlab import KiB, get_model, kv_bytes_per_token
-from kvlab.capacity.mla import mla_dims
+from kvlab.capacity.mla import MLADims, mla_dims
 from kvlab.data import DATA_DIR
 from kvlab.engine import AttentionMetadata
 from kvlab.engine.deepseek import DeepseekV2MoE, load_deepseek
 from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.deepseek_rope import DeepseekRotaryEmbedding, deepseek_rope, yarn_inv_freq
 from kvlab.engine.evaluation import relative_error
-from kvlab.engine.mla import allocate_mla_kv_caches
+from kvlab.engine.mla import MLAAttention, allocate_mla_kv_caches
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
@@ -152,3 +153,40 @@ def test_logits_equal_transformers_whole_chunked_or_decoded(tiny_deepseek_dir, h
     with torch.no_grad():
         expected = hf_deepseek(torch.tensor([prompt])).logits[0]
     assert relative_error(ours, expected) < 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_the_mla_layer_decodes_and_prefills_one_mixed_batch_as_the_naive_formula(cache_dtype):
+    # request 0 decodes its 21st token, request 1 prefills 6 tokens after 10 cached ones; FP8 latents with a scale
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    device, g = default_device(), torch.Generator().manual_seed(0)
+    layer = MLAAttention(dims, scale=0.2)
+    layer.k_scale = 0.05 if cache_dtype == torch.float8_e4m3fn else 1.0
+    latents = [torch.randn(n, dims.latent_size, generator=g) for n in (21, 16)]            # every latent, rotated
+    cache = torch.zeros(6, 8, dims.latent_size, device=device).to(cache_dtype)
+    table = torch.tensor([[4, 0, 2], [1, 5, 0]], dtype=torch.int32, device=device)
+    for i, (n, new) in enumerate(((21, 1), (16, 6))):                                   # the context, already cached
+        kernels_write(latents[i][: n - new], table[i], cache, layer.k_scale)
+    q = torch.randn(7, 4, dims.qk_head_dim, generator=g)
+    new = torch.cat([latents[0][20:], latents[1][10:]])                                  # this step's 7 tokens
+    seq_lens = torch.tensor([21, 16], dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, 1, 7], dtype=torch.int32, device=device)
+    slots = compute_slot_mapping(table, seq_lens, query_start_loc, 8)       # 2 * 8 + 4, then 5 * 8 + 2 ..
+    meta = AttentionMetadata(slots, table, seq_lens, query_start_loc)
+    weight = torch.randn(4 * 32, 32, generator=g) / 32**0.5
+    out = layer(q.to(device), new[:, :32].to(device), new[:, 32:].to(device), cache, meta, weight.to(device)).cpu()
+    w_uk, w_uv = split_kv_b_proj(weight, 4, 16, 16)
+    for rows, lat in ((slice(0, 1), latents[0]), (slice(1, 7), latents[1])):
+        if cache_dtype == torch.float8_e4m3fn:
+            lat = dequantize_fp8(quantize_fp8(lat, layer.k_scale), layer.k_scale)        # what the cache holds
+        expected = naive_attention(q[rows, :, :16], q[rows, :, 16:], lat[:, :32], lat[:, 32:], w_uk, w_uv, 0.2)
+        assert relative_error(out[rows], expected) < 1e-5
+
+
+def kernels_write(latents, block_row, cache, k_scale):
+    """Write one request's first latents through its block-table row (positions 0, 1, ...)."""
+    block_size = cache.shape[1]
+    pos = torch.arange(latents.shape[0], device=cache.device)
+    slots = block_row[pos // block_size].long() * block_size + pos % block_size
+    latents = latents.to(cache.device)
+    concat_and_cache_mla(latents[:, :32], latents[:, 32:], cache, slots, k_scale=k_scale)
