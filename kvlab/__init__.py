@@ -50,6 +50,13 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 07  core.kv_cache_metrics               ``KVCacheMetricsCollector`` (``vllm/v1/core/kv_cache_metrics.py``)
 07  core.kv_offload, engine.kv_offload  ``OffloadingConnector``, ``CPUOffloadingManager`` (``vllm/v1/kv_offload/``)
 07  sim.serving_sim                     multi-turn chat on the no-compute scheduler
+09  capacity.mla                        naive (``forward_mha``) against absorbed (``forward_mqa``) MLA, counted
+                                        (``vllm/model_executor/layers/attention/mla_attention.py``)
+09  kernels (mla_cache_write,           ``concat_and_cache_mla`` (``vllm/_custom_ops.py``); the Triton MLA decode
+    mla_decode, mla_absorb)             (``vllm/v1/attention/backends/mla/triton_mla.py``,
+                                        ``vllm/v1/attention/ops/triton_decode_attention.py``)
+09  engine.mla, engine.deepseek         ``MLAAttention``, ``DeepseekV2ForCausalLM`` (``vllm/model_executor/models/
+                                        deepseek_v2.py``) over one latent cache per layer (``MLAAttentionSpec``)
 ==  ==================================  ==========================================================
 
 The names below are importable from ``kvlab`` itself; they load on first use, so importing
