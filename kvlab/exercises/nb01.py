@@ -7,7 +7,7 @@ from typing import Any
 
 from kvlab.capacity.models import ModelSpec, get_model
 from kvlab.capacity.sizing import KV_DTYPE_BYTES, blocks_for_tokens, kv_bytes, kv_bytes_per_token, tail_waste
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import KiB, format_bytes
 
 
@@ -153,17 +153,17 @@ def _block_question() -> dict[str, Any]:
             "blocks": blocks_for_tokens(2050, 16), "wasted_slots": tail_waste(2050, 16)}
 
 
-register_question(Question(
-    id="01.q1",
-    text=("Block size 16, Llama-3-70B with TP=8 (bf16 KV): how big is one block on one GPU, how many "
-          "blocks does a 2,050-token request take, and how many slots of its last block stay empty?"),
-    answer=lambda: (lambda v: (
+ask(
+    "01.q1",
+    "Block size 16, Llama-3-70B with TP=8 (bf16 KV): how big is one block on one GPU, how many "
+          "blocks does a 2,050-token request take, and how many slots of its last block stay empty?",
+    _block_question,
+    lambda v: (
         f"Each GPU holds 1 of the 8 KV heads: {format_bytes(v['bytes_per_token'])} per token, so a block "
         f"of 16 tokens is {format_bytes(v['block_bytes'])}. 2,050 tokens need ceil(2050/16) = {v['blocks']} "
         f"blocks; the last holds 2 tokens and leaves {v['wasted_slots']} of 16 slots empty. Paging wastes "
-        "at most one partial block per request, never the whole maximum length."))(_block_question()),
-    values=_block_question,
-))
+        "at most one partial block per request, never the whole maximum length."),
+)
 
 
 def _shrink_question() -> dict[str, Any]:
@@ -172,17 +172,17 @@ def _shrink_question() -> dict[str, Any]:
             "gqa_bf16": kv_bytes_per_token(model, "bf16"), "gqa_fp8": kv_bytes_per_token(model, "fp8")}
 
 
-register_question(Question(
-    id="01.q2",
-    text=("Llama-3-70B goes from MHA (64 KV heads) to GQA (8 KV heads), then to an FP8 KV cache. "
-          "How many bytes per token at each step, and which layer of the problem does each step change?"),
-    answer=lambda: (lambda v: (
+ask(
+    "01.q2",
+    "Llama-3-70B goes from MHA (64 KV heads) to GQA (8 KV heads), then to an FP8 KV cache. "
+          "How many bytes per token at each step, and which layer of the problem does each step change?",
+    _shrink_question,
+    lambda v: (
         f"MHA bf16: {format_bytes(v['mha_bf16'])} → GQA-8 bf16: {format_bytes(v['gqa_bf16'])} → GQA-8 fp8: "
         f"{format_bytes(v['gqa_fp8'])}, {v['mha_bf16'] // v['gqa_fp8']}× smaller in all. GQA is architecture "
         "(fixed when the model is trained), FP8 is numerics (a serving flag, with an accuracy cost); paging, the "
-        "third layer, changes neither number, only how the bytes are placed and shared."))(_shrink_question()),
-    values=_shrink_question,
-))
+        "third layer, changes neither number, only how the bytes are placed and shared."),
+)
 
 
 def _mla_tp_question() -> dict[str, Any]:
@@ -190,13 +190,13 @@ def _mla_tp_question() -> dict[str, Any]:
     return {"tp1": kv_bytes_per_token(model, "bf16", 1), "tp8": kv_bytes_per_token(model, "bf16", 8)}
 
 
-register_question(Question(
-    id="01.q3",
-    text="DeepSeek-V3 (MLA) moves from TP=1 to TP=8. How much KV does one token take on each GPU?",
-    answer=lambda: (lambda v: (
+ask(
+    "01.q3",
+    "DeepSeek-V3 (MLA) moves from TP=1 to TP=8. How much KV does one token take on each GPU?",
+    _mla_tp_question,
+    lambda v: (
         f"Still {format_bytes(v['tp8'])} on every GPU (TP=1: {format_bytes(v['tp1'])}). MLA's latent cannot "
         "be split by heads, so each rank keeps a full copy; GQA models, by contrast, divide their KV heads "
         f"across ranks (Llama-3-70B: {kv_bytes_per_token(get_model('llama-3-70b'), 'bf16', 8) // KiB} KiB "
-        "per GPU at TP=8)."))(_mla_tp_question()),
-    values=_mla_tp_question,
-))
+        "per GPU at TP=8)."),
+)

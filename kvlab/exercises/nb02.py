@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
 from typing import Any
 
 from kvlab.capacity.budget import PRESETS, max_concurrency, num_gpu_blocks, plan_kv_cache, plan_preset
 from kvlab.capacity.budget import max_model_len_for as _max_model_len_for
 from kvlab.capacity.models import get_model
 from kvlab.capacity.sizing import kv_bytes_per_token
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.sim.fragmentation import simulate
 from kvlab.sim.workloads import sharegpt_like
 from kvlab.units import GiB, KiB, format_bytes
@@ -130,12 +129,6 @@ register(Exercise(
 # ----------------------------------------------------------------- self-test
 
 
-def _ask(question_id: str, text: str, values: Callable[[], dict[str, Any]],
-         answer: Callable[[dict[str, Any]], str]) -> None:
-    """Register a question whose answer is written from the numbers ``values`` computes."""
-    register_question(Question(id=question_id, text=text, answer=lambda: answer(values()), values=values))
-
-
 def _startup_values() -> dict[str, Any]:
     plan = plan_preset("A")
     return {"log": plan.startup_log(), "num_blocks": plan.num_blocks, "usable_tokens": plan.usable_tokens,
@@ -143,7 +136,7 @@ def _startup_values() -> dict[str, Any]:
             "max_concurrency": plan.max_concurrency, "usable_concurrency": plan.usable_concurrency}
 
 
-_ask(
+ask(
     "02.q1",
     "Preset A: Llama-3-70B in bf16 on a 160 GiB GPU at gpu_memory_utilization 0.92, 130 GiB of weights, block 64, "
     "max_model_len 8192. What two lines does vLLM print at start-up, and how many token slots can requests really use?",
@@ -167,7 +160,7 @@ def _pooled_values() -> dict[str, Any]:
             "per_token_tp8": kv_bytes_per_token(model, "bf16", 8)}
 
 
-_ask(
+ask(
     "02.q2",
     "Pooling 8 x 141 GiB and 625 GiB of DeepSeek-V3 weights gives room for 192 requests of 32K tokens. How many does "
     "an 8-GPU TP=8 deployment actually hold, and why?",
@@ -187,7 +180,7 @@ def _block_size_values() -> dict[str, Any]:
     return {b: {"max_concurrency": p.max_concurrency, "usable_tokens": p.usable_tokens} for b, p in plans.items()}
 
 
-_ask(
+ask(
     "02.q3",
     "Preset A with block size 256 instead of 16: does vLLM's maximum concurrency go up?",
     _block_size_values,
@@ -207,7 +200,7 @@ def _fragmentation_values() -> dict[str, Any]:
             for p in ("max", "paged")}
 
 
-_ask(
+ask(
     "02.q4",
     "2,000 ShareGPT-like requests share preset A's usable KV slots, max_model_len 2048. Reserving max_model_len "
     "contiguous slots per request, what share of the pool holds tokens? And with 16-token blocks?",

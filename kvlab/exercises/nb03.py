@@ -7,7 +7,7 @@ from typing import Any
 
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.sequence import compute_slot_mapping
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.sim.block_scenarios import parallel_sampling, random_workload, record, walk_free_queue
 
 # ----------------------------------------------------------------- 03.cow_append
@@ -197,20 +197,20 @@ def _sampling_question() -> dict[str, Any]:
             "copies": sum(len(s.copies) for s in steps)}
 
 
-register_question(Question(
-    id="03.q1",
-    text=("Four samples fork from a 40-token prompt (block size 16), then each writes one token. How many "
+ask(
+    "03.q1",
+    "Four samples fork from a 40-token prompt (block size 16), then each writes one token. How many "
           "physical blocks are in use right after the fork, and after every sample has written its token? "
-          "How many copies did copy-on-write make?"),
-    answer=lambda: (lambda v: (
+          "How many copies did copy-on-write make?",
+    _sampling_question,
+    lambda v: (
         f"{v['blocks_after_fork']} blocks after the fork (not {v['blocks_without_sharing']}): all four tables point "
         f"at the same two full blocks and the partly filled third. After one token each: "
         f"{v['blocks_after_one_token_each']} blocks, from {v['copies']} copies. Only the partly filled block is "
         "copied, and only by the first three writers: by the time the fourth writes, it is that block's last "
         "holder (ref_cnt 1) and writes in place. The two full blocks stay shared until the samples finish."
-    ))(_sampling_question()),
-    values=_sampling_question,
-))
+    ),
+)
 
 
 def _slot_question() -> dict[str, Any]:
@@ -220,18 +220,18 @@ def _slot_question() -> dict[str, Any]:
             "first_of_block_1": compute_slot_mapping(table, block_size, [block_size])[0]}
 
 
-register_question(Question(
-    id="03.q2",
-    text=("A request holds 45 tokens in blocks [7, 3, 12] of 16 slots. At which slot of the KV cache does its "
-          "newest token (position 44) live, and where does position 16 live?"),
-    answer=lambda: (lambda v: (
+ask(
+    "03.q2",
+    "A request holds 45 tokens in blocks [7, 3, 12] of 16 slots. At which slot of the KV cache does its "
+          "newest token (position 44) live, and where does position 16 live?",
+    _slot_question,
+    lambda v: (
         f"Position 44 is in logical block 44 // 16 = {v['logical']}, physical block {v['physical']}, at offset "
         f"44 % 16 = {v['offset']}: slot {v['physical']} × 16 + {v['offset']} = {v['newest']}. Position 16 opens "
         f"logical block 1, physical block 3: slot {v['first_of_block_1']}. Logically adjacent tokens can live far "
         "apart; the kernel only ever sees these slot numbers."
-    ))(_slot_question()),
-    values=_slot_question,
-))
+    ),
+)
 
 
 def _queue_question() -> dict[str, Any]:
@@ -239,15 +239,15 @@ def _queue_question() -> dict[str, Any]:
     return {"queue": steps[3].snapshot.free_queue_labels, "table_c": list(steps[4].snapshot.tables["C"])}
 
 
-register_question(Question(
-    id="03.q3",
-    text=("Walk 2: request A held blocks [0, 1, 2] (0 and 1 full and cached) and finishes; then C needs 5 blocks "
-          "from a 6-block pool. What is the free queue after A, which blocks does C get, and what is lost?"),
-    answer=lambda: (lambda v: (
+ask(
+    "03.q3",
+    "Walk 2: request A held blocks [0, 1, 2] (0 and 1 full and cached) and finishes; then C needs 5 blocks "
+          "from a 6-block pool. What is the free queue after A, which blocks does C get, and what is lost?",
+    _queue_question,
+    lambda v: (
         f"Queue after A, head to tail: {', '.join(v['queue'])} (* = still cached). The partial block goes to the "
         "head (nothing to reuse in it), the cached ones to the tail, 1 before 0 because A is freed tail first. "
         f"C gets {v['table_c']}: reaching block 1 evicts its hash, and only block 0, the start of A's prompt, "
         "survives for a later prefix hit."
-    ))(_queue_question()),
-    values=_queue_question,
-))
+    ),
+)

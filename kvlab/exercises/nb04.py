@@ -10,7 +10,7 @@ from kvlab.capacity.sizing import kv_bytes
 from kvlab.core.hashing import get_request_block_hasher, hash_block_tokens, sha256
 from kvlab.core.kv_cache_manager import KVCacheManager, find_longest_cache_hit
 from kvlab.core.request import Request
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.sim.prefix_sim import admit
 from kvlab.units import format_bytes
 
@@ -159,17 +159,17 @@ def _chain_question() -> dict[str, Any]:
             "blocks": len(original.block_hashes)}
 
 
-register_question(Question(
-    id="04.q1",
-    text="Why is the prefix cache keyed by a chained hash rather than by a hash of the block's own 16 tokens?",
-    answer=lambda: (lambda v: (
+ask(
+    "04.q1",
+    "Why is the prefix cache keyed by a chained hash rather than by a hash of the block's own 16 tokens?",
+    _chain_question,
+    lambda v: (
         "A token's K and V depend on every token before it, so the same 16 tokens after a different prefix are a "
         f"different block. The chain hash(parent hash, tokens, extra keys) folds the whole prefix in: the same block "
         f"at another position gets another hash (equal? {v['same_tokens_same_hash']}), and changing the first token "
         f"changes all {v['hashes_changed_by_first_token']} of {v['blocks']} hashes. Extra keys add what the tokens "
-        "do not say: LoRA adapter, images, cache salt."))(_chain_question()),
-    values=_chain_question,
-))
+        "do not say: LoRA adapter, images, cache salt."),
+)
 
 
 def _system_prompt_question() -> dict[str, Any]:
@@ -186,18 +186,18 @@ def _system_prompt_question() -> dict[str, Any]:
             "shared_bytes": kv_bytes(get_model("llama-3-70b"), out[2000]["hit_blocks"] * 16)}
 
 
-register_question(Question(
-    id="04.q2",
-    text=("Block size 16: a 2,000-token system prompt plus a 50-token question. How many blocks does a second "
-          "request with the same system prompt hit, how many tokens does it prefill, and what changes at 2,005?"),
-    answer=lambda: (lambda v: (
+ask(
+    "04.q2",
+    "Block size 16: a 2,000-token system prompt plus a 50-token question. How many blocks does a second "
+          "request with the same system prompt hit, how many tokens does it prefill, and what changes at 2,005?",
+    _system_prompt_question,
+    lambda v: (
         f"2,000 / 16 = {v['hit_blocks']} full blocks hit, so only the {v['prefill_tokens']} question tokens are "
         f"prefilled; for Llama-3-70B those blocks are {format_bytes(v['shared_bytes'])} of KV held once. With 2,005 "
         f"tokens the last 5 share the 126th block with the first question's tokens: still "
         f"{v['hit_blocks_2005']} blocks hit and {v['prefill_tokens_2005']} tokens are prefilled. Reuse comes in "
-        "whole blocks."))(_system_prompt_question()),
-    values=_system_prompt_question,
-))
+        "whole blocks."),
+)
 
 
 def _freed_question() -> dict[str, Any]:
@@ -220,17 +220,17 @@ def _freed_question() -> dict[str, Any]:
     return out
 
 
-register_question(Question(
-    id="04.q3",
-    text="Two requests share a cached block. When is that block really freed, and when does its content go?",
-    answer=lambda: (lambda v: (
+ask(
+    "04.q3",
+    "Two requests share a cached block. When is that block really freed, and when does its content go?",
+    _freed_question,
+    lambda v: (
         f"Its ref_cnt is {v['ref_cnt_both']} while both run, {v['ref_cnt_after_one']} after one finishes (it stays "
         f"out of the free queue), {v['ref_cnt_after_both']} after both. Only then does it enter the free queue, at "
         f"the tail and still cached (cached: {v['still_cached']}), where a later request can hit it again. Its "
         "content goes only when allocation reaches it at the head and evicts its hash (still cached after another "
-        f"request filled the pool: {v['cached_after_pool_filled']})."))(_freed_question()),
-    values=_freed_question,
-))
+        f"request filled the pool: {v['cached_after_pool_filled']})."),
+)
 
 
 def _timestamp_question() -> dict[str, Any]:
@@ -248,13 +248,13 @@ def _timestamp_question() -> dict[str, Any]:
             "instruction_tokens": len(rules)}
 
 
-register_question(Question(
-    id="04.q4",
-    text=("A system prompt starts with the current time, then 480 tokens of fixed rules. How much does the next "
-          "second's request hit, and what would you change?"),
-    answer=lambda: (lambda v: (
+ask(
+    "04.q4",
+    "A system prompt starts with the current time, then 480 tokens of fixed rules. How much does the next "
+          "second's request hit, and what would you change?",
+    _timestamp_question,
+    lambda v: (
         f"{v['hit_tokens_timestamp_first']} tokens: the first block differs, and the chain carries that into every "
         f"later hash. Move the time after the rules and all {v['hit_tokens_timestamp_after']} rule tokens hit. Put "
-        "what is fixed first and what varies last."))(_timestamp_question()),
-    values=_timestamp_question,
-))
+        "what is fixed first and what varies last."),
+)

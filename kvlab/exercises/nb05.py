@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvlab.errors import BackendUnavailableError
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import cdiv, format_bytes
 
 #: ``triton.language``, bound by ``_kernels()`` on first use so the reference below can run as a kernel.
@@ -247,21 +247,21 @@ def _grid_question() -> dict[str, Any]:
             "kv_bytes_per_seq": kv_bytes, "unpacked_kv_bytes_per_seq": kv_bytes * batch.num_queries_per_kv}
 
 
-register_question(Question(
-    id="05.q1",
-    text=("Llama-3-8B heads (32 query, 8 KV, head 128, bf16), a decode batch of 64 sequences of 8K tokens on an "
+ask(
+    "05.q1",
+    "Llama-3-8B heads (32 query, 8 KV, head 128, bf16), a decode batch of 64 sequences of 8K tokens on an "
           "H200 (132 SMs): what grid does paged_attention launch, how many programs do work, and how much KV "
-          "does one sequence make the GPU read, with GQA packing and without it?"),
-    answer=lambda: (lambda v: (
+          "does one sequence make the GPU read, with GQA packing and without it?",
+    _grid_question,
+    lambda v: (
         f"Grid {v['grid']}: axis 0 is an upper bound on query blocks of {v['block_q']} tokens (num_tokens // "
         f"BLOCK_Q + num_seqs = {v['num_seqs']} // {v['block_q']} + {v['num_seqs']}), so only "
         f"{v['working_programs']} programs work, one per sequence and KV head; the rest find no query block and "
         f"exit at once. No split: {v['working_programs']} programs already fill {v['waves']} waves of "
         f"{v['num_sms']} SMs. Each program serves the {v['heads_per_program']} query heads of its KV head, so a "
         f"sequence's KV is read once, {format_bytes(v['kv_bytes_per_seq'])}; one program per query head would read "
-        f"{format_bytes(v['unpacked_kv_bytes_per_seq'])}."))(_grid_question()),
-    values=_grid_question,
-))
+        f"{format_bytes(v['unpacked_kv_bytes_per_seq'])}."),
+)
 
 
 def _layout_question() -> dict[str, Any]:
@@ -273,17 +273,17 @@ def _layout_question() -> dict[str, Any]:
             "x_fp8": layouts.legacy_x(torch.float8_e4m3fn)}
 
 
-register_question(Question(
-    id="05.q2",
-    text=("One layer of a bf16 cache with 1,000 blocks of 16 tokens, 8 KV heads, head size 128: what shapes do "
-          "K and V take in vLLM's older CUDA layout, and why is only K cut into pieces of x?"),
-    answer=lambda: (lambda v: (
+ask(
+    "05.q2",
+    "One layer of a bf16 cache with 1,000 blocks of 16 tokens, 8 KV heads, head size 128: what shapes do "
+          "K and V take in vLLM's older CUDA layout, and why is only K cut into pieces of x?",
+    _layout_question,
+    lambda v: (
         f"x = 16 bytes / 2 = {v['x']} (FP8: {v['x_fp8']}). K is {list(v['k_shape'])}, V is {list(v['v_shape'])}. "
         "q . k sums over the head dimension, so a thread loads x consecutive dimensions of one key in a single "
         "16-byte load, and the threads working on neighbouring keys find their vectors side by side. p . v sums "
-        "over tokens, so V keeps a block's tokens innermost. The layout follows the reduction."))(_layout_question()),
-    values=_layout_question,
-))
+        "over tokens, so V keeps a block's tokens innermost. The layout follows the reduction."),
+)
 
 
 def _fp8_question() -> dict[str, Any]:
@@ -295,15 +295,15 @@ def _fp8_question() -> dict[str, Any]:
             "max": fp8.E4M3_MAX}
 
 
-register_question(Question(
-    id="05.q3",
-    text=("An FP8 (e4m3) cache with vLLM's default scale 1.0 receives a value of 0.001 and one of 1000. What does "
-          "it store, and what does a calibrated scale (amax / 200) change?"),
-    answer=lambda: (lambda v: (
+ask(
+    "05.q3",
+    "An FP8 (e4m3) cache with vLLM's default scale 1.0 receives a value of 0.001 and one of 1000. What does "
+          "it store, and what does a calibrated scale (amax / 200) change?",
+    _fp8_question,
+    lambda v: (
         f"0.001 lies below e4m3's smallest normal (2^-6), where steps are 2^-9 apart: it is stored as "
         f"{v['small_stored']:.6g}, almost twice too large. 1000 is past the largest e4m3 value and saturates to "
         f"{v['large_stored']:g}. A scale of amax / 200 maps the tensor's largest value to 200, so 0.001 in a "
         f"tensor of amax 0.001 comes back as {v['small_calibrated']:.6g}: every value keeps its 3 mantissa "
-        "bits."))(_fp8_question()),
-    values=_fp8_question,
-))
+        "bits."),
+)

@@ -10,7 +10,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
 from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, run_until_done, step
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import cdiv
 
 # ----------------------------------------------------------------- 06.preemption_victim
@@ -178,34 +178,33 @@ def _fork_question() -> dict[str, Any]:
             "copied_block_position": tables[0].index(copies[0][0]), "samples": len(tables)}
 
 
-register_question(Question(
-    id="06.q1",
-    text=("Parallel sampling, n = 4, from a 40-token prompt with block size 16: how many KV blocks hold the prompt "
-          "right after the fork, and how many block copies are made when each sample writes its first token?"),
-    answer=lambda: (lambda v: (
+ask(
+    "06.q1",
+    "Parallel sampling, n = 4, from a 40-token prompt with block size 16: how many KV blocks hold the prompt "
+          "right after the fork, and how many block copies are made when each sample writes its first token?",
+    _fork_question,
+    lambda v: (
         f"{v['shared_blocks']} blocks, shared by all {v['samples']} samples (instead of {v['unshared_blocks']} "
         f"for four private copies). The first two are full and stay shared to the end; the third holds 8 of 16 "
         f"slots, so the first write into it copies it: {v['copies']} copies, because the last sample to write "
-        "finds the block no longer shared and writes in place."))(_fork_question()),
-    values=_fork_question,
-))
+        "finds the block no longer shared and writes in place."),
+)
 
 
 def _recompute_question() -> dict[str, Any]:
     return {"with_caching": recompute_tokens(2050, 16, True), "without": recompute_tokens(2050, 16, False)}
 
 
-register_question(Question(
-    id="06.q2",
-    text=("A request with a 2,000-token prompt has generated 50 tokens when it is preempted (block size 16). "
-          "How many tokens does it recompute when it returns, with and without prefix caching?"),
-    answer=lambda: (lambda v: (
+ask(
+    "06.q2",
+    "A request with a 2,000-token prompt has generated 50 tokens when it is preempted (block size 16). "
+          "How many tokens does it recompute when it returns, with and without prefix caching?",
+    _recompute_question,
+    lambda v: (
         f"With prefix caching {v['with_caching']} (its 128 full blocks kept their hashes and hit, only the 2 "
         f"tokens of its partial block are recomputed); without it {v['without']:,}. That is why vLLM V1 preempts "
-        "by recompute rather than swapping KV out: with the prefix cache, recompute is usually cheap."))(
-        _recompute_question()),
-    values=_recompute_question,
-))
+        "by recompute rather than swapping KV out: with the prefix cache, recompute is usually cheap."),
+)
 
 
 def _hit_rate_question() -> dict[str, Any]:
@@ -219,13 +218,13 @@ def _hit_rate_question() -> dict[str, Any]:
             "reading": interpret_hit_rate(stats.hit_rate, workload_shares_prefixes=True)}
 
 
-register_question(Question(
-    id="06.q3",
-    text=("Ten requests, one after another, each a 64-token system prompt plus an 8-token question (block size 16). "
-          "What do vllm:prefix_cache_queries and vllm:prefix_cache_hits count, and what hit rate do they give?"),
-    answer=lambda: (lambda v: (
+ask(
+    "06.q3",
+    "Ten requests, one after another, each a 64-token system prompt plus an 8-token question (block size 16). "
+          "What do vllm:prefix_cache_queries and vllm:prefix_cache_hits count, and what hit rate do they give?",
+    _hit_rate_question,
+    lambda v: (
         f"Both count tokens: {v['queries']} queried (72 per request), {v['hits']} hit (64 for each request after "
         f"the first), a hit rate of {v['hit_rate']:.0%}: {v['reading']}. A dashboard computes it as "
-        "rate(vllm:prefix_cache_hits_total[5m]) / rate(vllm:prefix_cache_queries_total[5m])."))(_hit_rate_question()),
-    values=_hit_rate_question,
-))
+        "rate(vllm:prefix_cache_hits_total[5m]) / rate(vllm:prefix_cache_queries_total[5m])."),
+)

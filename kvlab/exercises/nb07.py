@@ -12,8 +12,7 @@ from kvlab.capacity.playbook import Deployment, Workload, rank_levers
 from kvlab.capacity.source_deployments import reproduce
 from kvlab.core.kv_cache_metrics import nearest_rank
 from kvlab.core.kv_cache_metrics import pool_too_small as _pool_too_small
-from kvlab.exercises.core import Case, Exercise, register
-from kvlab.exercises.nb02 import _ask  # notebook 02's helper: a question answered from the numbers it computes
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.sim.serving_sim import ChatWorkload, simulate_chat
 from kvlab.units import GiB
 
@@ -170,7 +169,7 @@ def _deployment_c() -> dict[str, Any]:
             "per_token": plan.kv_bytes_per_token * r["source"].deployment.tp, "log": r["exact"].startup_log}
 
 
-_ask(
+ask(
     "07.q1",
     "Deployment (c), a 32B model on 2 x A100 80GB at 131,072 tokens: the source's arithmetic gives 3.8x. What does "
     "vLLM really log for Qwen2.5-32B-Instruct, and where does the difference come from?",
@@ -192,7 +191,7 @@ def _lower_max_model_len() -> dict[str, Any]:
             "new_len": lever.deployment.max_model_len}
 
 
-_ask(
+ask(
     "07.q2",
     "Deployment (a), chat on one L40S: halve max_model_len. The logged concurrency doubles. How many more chat "
     "requests run at once?",
@@ -213,7 +212,7 @@ def _crossover() -> dict[str, Any]:
             "prefill_us": fast.prefill_seconds(8000) / 8000 * 1e6, "copy_us": fast.copy_seconds(8000) / 8000 * 1e6}
 
 
-_ask(
+ask(
     "07.q3",
     "Llama-3-8B on an H100, a preempted request with 8,000 computed tokens. From what prefix-hit rate on resume is "
     "recompute (modelled) no slower than swap over PCIe 5? And over PCIe 4?",
@@ -241,7 +240,7 @@ def _l4_levers() -> dict[str, Any]:
                                           "too_small": run.diagnose().too_small} for name, run in runs.items()}}
 
 
-_ask(
+ask(
     "07.q4",
     "Llama-3-8B on an L4 serves the chat of section 7 from 76 blocks, and the lifetime diagnostic says the pool is "
     "too small. Which of FP8 KV cache and gpu_memory_utilization 0.95 clears it, and what happens to the hit rate?",
