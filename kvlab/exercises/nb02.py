@@ -138,8 +138,9 @@ def _startup_values() -> dict[str, Any]:
 
 ask(
     "02.q1",
-    "Preset A: Llama-3-70B in bf16 on a 160 GiB GPU at gpu_memory_utilization 0.92, 130 GiB of weights, block 64, "
-    "max_model_len 8192. What two lines does vLLM print at start-up, and how many token slots can requests really use?",
+    ("Preset A: Llama-3-70B in bf16 on a 160 GiB GPU at gpu_memory_utilization 0.92, 130 GiB of weights, block "
+     "64, max_model_len 8192. What two lines does vLLM print at start-up, and how many token slots can requests "
+     "really use?"),
     _startup_values,
     lambda v: (
         f"{v['log'][0]} and {v['log'][1]}. The pool has {v['num_blocks']} blocks of {format_bytes(v['block_bytes'])}, "
@@ -162,8 +163,8 @@ def _pooled_values() -> dict[str, Any]:
 
 ask(
     "02.q2",
-    "Pooling 8 x 141 GiB and 625 GiB of DeepSeek-V3 weights gives room for 192 requests of 32K tokens. How many does "
-    "an 8-GPU TP=8 deployment actually hold, and why?",
+    ("Pooling 8 x 141 GiB and 625 GiB of DeepSeek-V3 weights gives room for 192 requests of 32K tokens. How many does "
+     "an 8-GPU TP=8 deployment actually hold, and why?"),
     _pooled_values,
     lambda v: (
         f"{v['per_gpu']}. MLA's latent cannot be split across tensor-parallel ranks: each GPU stores the whole "
@@ -202,8 +203,8 @@ def _fragmentation_values() -> dict[str, Any]:
 
 ask(
     "02.q4",
-    "2,000 ShareGPT-like requests share preset A's usable KV slots, max_model_len 2048. Reserving max_model_len "
-    "contiguous slots per request, what share of the pool holds tokens? And with 16-token blocks?",
+    ("2,000 ShareGPT-like requests share preset A's usable KV slots, max_model_len 2048. Reserving max_model_len "
+     "contiguous slots per request, what share of the pool holds tokens? And with 16-token blocks?"),
     _fragmentation_values,
     lambda v: (
         f"About {100 * v['max']:.0f}% against {100 * v['paged']:.1f}%. A reservation of 2,048 slots is mostly "

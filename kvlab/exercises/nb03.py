@@ -199,9 +199,9 @@ def _sampling_question() -> dict[str, Any]:
 
 ask(
     "03.q1",
-    "Four samples fork from a 40-token prompt (block size 16), then each writes one token. How many "
-          "physical blocks are in use right after the fork, and after every sample has written its token? "
-          "How many copies did copy-on-write make?",
+    ("Four samples fork from a 40-token prompt (block size 16), then each writes one token. How many "
+     "physical blocks are in use right after the fork, and after every sample has written its token? "
+     "How many copies did copy-on-write make?"),
     _sampling_question,
     lambda v: (
         f"{v['blocks_after_fork']} blocks after the fork (not {v['blocks_without_sharing']}): all four tables point "
@@ -222,8 +222,8 @@ def _slot_question() -> dict[str, Any]:
 
 ask(
     "03.q2",
-    "A request holds 45 tokens in blocks [7, 3, 12] of 16 slots. At which slot of the KV cache does its "
-          "newest token (position 44) live, and where does position 16 live?",
+    ("A request holds 45 tokens in blocks [7, 3, 12] of 16 slots. At which slot of the KV cache does its "
+     "newest token (position 44) live, and where does position 16 live?"),
     _slot_question,
     lambda v: (
         f"Position 44 is in logical block 44 // 16 = {v['logical']}, physical block {v['physical']}, at offset "
@@ -241,8 +241,8 @@ def _queue_question() -> dict[str, Any]:
 
 ask(
     "03.q3",
-    "Walk 2: request A held blocks [0, 1, 2] (0 and 1 full and cached) and finishes; then C needs 5 blocks "
-          "from a 6-block pool. What is the free queue after A, which blocks does C get, and what is lost?",
+    ("Walk 2: request A held blocks [0, 1, 2] (0 and 1 full and cached) and finishes; then C needs 5 blocks "
+     "from a 6-block pool. What is the free queue after A, which blocks does C get, and what is lost?"),
     _queue_question,
     lambda v: (
         f"Queue after A, head to tail: {', '.join(v['queue'])} (* = still cached). The partial block goes to the "

@@ -188,8 +188,8 @@ def _system_prompt_question() -> dict[str, Any]:
 
 ask(
     "04.q2",
-    "Block size 16: a 2,000-token system prompt plus a 50-token question. How many blocks does a second "
-          "request with the same system prompt hit, how many tokens does it prefill, and what changes at 2,005?",
+    ("Block size 16: a 2,000-token system prompt plus a 50-token question. How many blocks does a second "
+     "request with the same system prompt hit, how many tokens does it prefill, and what changes at 2,005?"),
     _system_prompt_question,
     lambda v: (
         f"2,000 / 16 = {v['hit_blocks']} full blocks hit, so only the {v['prefill_tokens']} question tokens are "
@@ -250,8 +250,8 @@ def _timestamp_question() -> dict[str, Any]:
 
 ask(
     "04.q4",
-    "A system prompt starts with the current time, then 480 tokens of fixed rules. How much does the next "
-          "second's request hit, and what would you change?",
+    ("A system prompt starts with the current time, then 480 tokens of fixed rules. How much does the next "
+     "second's request hit, and what would you change?"),
     _timestamp_question,
     lambda v: (
         f"{v['hit_tokens_timestamp_first']} tokens: the first block differs, and the chain carries that into every "

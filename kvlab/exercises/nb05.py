@@ -249,9 +249,9 @@ def _grid_question() -> dict[str, Any]:
 
 ask(
     "05.q1",
-    "Llama-3-8B heads (32 query, 8 KV, head 128, bf16), a decode batch of 64 sequences of 8K tokens on an "
-          "H200 (132 SMs): what grid does paged_attention launch, how many programs do work, and how much KV "
-          "does one sequence make the GPU read, with GQA packing and without it?",
+    ("Llama-3-8B heads (32 query, 8 KV, head 128, bf16), a decode batch of 64 sequences of 8K tokens on an "
+     "H200 (132 SMs): what grid does paged_attention launch, how many programs do work, and how much KV "
+     "does one sequence make the GPU read, with GQA packing and without it?"),
     _grid_question,
     lambda v: (
         f"Grid {v['grid']}: axis 0 is an upper bound on query blocks of {v['block_q']} tokens (num_tokens // "
@@ -275,8 +275,8 @@ def _layout_question() -> dict[str, Any]:
 
 ask(
     "05.q2",
-    "One layer of a bf16 cache with 1,000 blocks of 16 tokens, 8 KV heads, head size 128: what shapes do "
-          "K and V take in vLLM's older CUDA layout, and why is only K cut into pieces of x?",
+    ("One layer of a bf16 cache with 1,000 blocks of 16 tokens, 8 KV heads, head size 128: what shapes do "
+     "K and V take in vLLM's older CUDA layout, and why is only K cut into pieces of x?"),
     _layout_question,
     lambda v: (
         f"x = 16 bytes / 2 = {v['x']} (FP8: {v['x_fp8']}). K is {list(v['k_shape'])}, V is {list(v['v_shape'])}. "
@@ -297,8 +297,8 @@ def _fp8_question() -> dict[str, Any]:
 
 ask(
     "05.q3",
-    "An FP8 (e4m3) cache with vLLM's default scale 1.0 receives a value of 0.001 and one of 1000. What does "
-          "it store, and what does a calibrated scale (amax / 200) change?",
+    ("An FP8 (e4m3) cache with vLLM's default scale 1.0 receives a value of 0.001 and one of 1000. What does "
+     "it store, and what does a calibrated scale (amax / 200) change?"),
     _fp8_question,
     lambda v: (
         f"0.001 lies below e4m3's smallest normal (2^-6), where steps are 2^-9 apart: it is stored as "

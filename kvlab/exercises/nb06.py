@@ -180,8 +180,8 @@ def _fork_question() -> dict[str, Any]:
 
 ask(
     "06.q1",
-    "Parallel sampling, n = 4, from a 40-token prompt with block size 16: how many KV blocks hold the prompt "
-          "right after the fork, and how many block copies are made when each sample writes its first token?",
+    ("Parallel sampling, n = 4, from a 40-token prompt with block size 16: how many KV blocks hold the prompt "
+     "right after the fork, and how many block copies are made when each sample writes its first token?"),
     _fork_question,
     lambda v: (
         f"{v['shared_blocks']} blocks, shared by all {v['samples']} samples (instead of {v['unshared_blocks']} "
@@ -197,8 +197,8 @@ def _recompute_question() -> dict[str, Any]:
 
 ask(
     "06.q2",
-    "A request with a 2,000-token prompt has generated 50 tokens when it is preempted (block size 16). "
-          "How many tokens does it recompute when it returns, with and without prefix caching?",
+    ("A request with a 2,000-token prompt has generated 50 tokens when it is preempted (block size 16). "
+     "How many tokens does it recompute when it returns, with and without prefix caching?"),
     _recompute_question,
     lambda v: (
         f"With prefix caching {v['with_caching']} (its 128 full blocks kept their hashes and hit, only the 2 "
@@ -220,8 +220,8 @@ def _hit_rate_question() -> dict[str, Any]:
 
 ask(
     "06.q3",
-    "Ten requests, one after another, each a 64-token system prompt plus an 8-token question (block size 16). "
-          "What do vllm:prefix_cache_queries and vllm:prefix_cache_hits count, and what hit rate do they give?",
+    ("Ten requests, one after another, each a 64-token system prompt plus an 8-token question (block size 16). "
+     "What do vllm:prefix_cache_queries and vllm:prefix_cache_hits count, and what hit rate do they give?"),
     _hit_rate_question,
     lambda v: (
         f"Both count tokens: {v['queries']} queried (72 per request), {v['hits']} hit (64 for each request after "

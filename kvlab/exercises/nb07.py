@@ -171,8 +171,8 @@ def _deployment_c() -> dict[str, Any]:
 
 ask(
     "07.q1",
-    "Deployment (c), a 32B model on 2 x A100 80GB at 131,072 tokens: the source's arithmetic gives 3.8x. What does "
-    "vLLM really log for Qwen2.5-32B-Instruct, and where does the difference come from?",
+    ("Deployment (c), a 32B model on 2 x A100 80GB at 131,072 tokens: the source's arithmetic gives 3.8x. What does "
+     "vLLM really log for Qwen2.5-32B-Instruct, and where does the difference come from?"),
     _deployment_c,
     lambda v: (
         f"{v['log'][2]}, against the source's {v['source']:.2f}x. The source assumes 160 KB of KV per token; the real "
@@ -193,8 +193,8 @@ def _lower_max_model_len() -> dict[str, Any]:
 
 ask(
     "07.q2",
-    "Deployment (a), chat on one L40S: halve max_model_len. The logged concurrency doubles. How many more chat "
-    "requests run at once?",
+    ("Deployment (a), chat on one L40S: halve max_model_len. The logged concurrency doubles. How many more chat "
+     "requests run at once?"),
     _lower_max_model_len,
     lambda v: (
         f"None ({v['gain_typical']:+d}). The log goes from {v['before']:.2f}x to {v['after']:.2f}x because it divides "
@@ -214,8 +214,8 @@ def _crossover() -> dict[str, Any]:
 
 ask(
     "07.q3",
-    "Llama-3-8B on an H100, a preempted request with 8,000 computed tokens. From what prefix-hit rate on resume is "
-    "recompute (modelled) no slower than swap over PCIe 5? And over PCIe 4?",
+    ("Llama-3-8B on an H100, a preempted request with 8,000 computed tokens. From what prefix-hit rate on resume is "
+     "recompute (modelled) no slower than swap over PCIe 5? And over PCIe 4?"),
     _crossover,
     lambda v: (
         f"From {100 * v['fast']:.1f} % over PCIe 5 and {100 * v['slow']:.1f} % over PCIe 4 (modelled: "
@@ -242,8 +242,8 @@ def _l4_levers() -> dict[str, Any]:
 
 ask(
     "07.q4",
-    "Llama-3-8B on an L4 serves the chat of section 7 from 76 blocks, and the lifetime diagnostic says the pool is "
-    "too small. Which of FP8 KV cache and gpu_memory_utilization 0.95 clears it, and what happens to the hit rate?",
+    ("Llama-3-8B on an L4 serves the chat of section 7 from 76 blocks, and the lifetime diagnostic says the pool is "
+     "too small. Which of FP8 KV cache and gpu_memory_utilization 0.95 clears it, and what happens to the hit rate?"),
     _l4_levers,
     lambda v: (
         f"Only the higher utilization. FP8 doubles the pool to {v['FP8 KV cache']['blocks']} blocks and lifts the hit "
