@@ -184,6 +184,9 @@ def _random_slot_case(rng: random.Random) -> Case:
 def _explain_slots(case: Case, expected: list[int], actual: Any) -> str | None:
     tables, seq_lens, query_lens, block_size = case.args
     from_zero = slot_mapping(tables, query_lens, query_lens, block_size)
+    if type(actual) not in (list, tuple):
+        return "return the slots as a list of ints, one per query token, sequence after sequence"
+    actual = list(actual)
     if actual == from_zero:
         return ("the query tokens are the *last* query_len tokens of each sequence: positions run "
                 "from seq_len - query_len to seq_len - 1, after the cached context")
@@ -222,7 +225,89 @@ register(Exercise(
     hints=[
         "For each sequence, the positions of its query tokens are range(seq_len - query_len, seq_len).",
         "Position p lives in logical block p // block_size, at offset p % block_size.",
-        "The slot is block_tables[i][p // block_size] * block_size + p % block_size.",
+        "A slot counts token positions in the whole cache: every block before the physical one holds "
+        "block_size of them.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 05.legacy_offsets (transfer)
+
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def legacy_offsets(slot: int, kv_head: int, dim: int, num_kv_heads: int, head_size: int, block_size: int,
+                   dtype: str) -> tuple[int, int]:
+    """Reference: where one element of one token's K and V sits in vLLM's older CUDA layout (flat indices)."""
+    layouts = importlib.import_module("kvlab.kernels.layouts")
+    x = layouts.legacy_x(_TORCH_DTYPES[dtype])
+    block, offset = divmod(slot, block_size)
+    base = (block * num_kv_heads + kv_head) * head_size * block_size   # the (block, head) slice both share
+    key = int(layouts.legacy_key_offsets(block_size, head_size, x)[offset, dim])
+    value = int(layouts.legacy_value_offsets(block_size, head_size)[offset, dim])
+    return base + key, base + value
+
+
+def _key_with_x(case: Case, x: int) -> int:
+    slot, kv_head, dim, num_kv_heads, head_size, block_size, _ = case.args
+    block, t = divmod(slot, block_size)
+    return ((block * num_kv_heads + kv_head) * head_size // x + dim // x) * block_size * x + t * x + dim % x
+
+
+def _explain_legacy(case: Case, expected: Any, actual: Any) -> str | None:
+    slot, kv_head, dim, num_kv_heads, head_size, block_size, dtype = case.args
+    if not (type(actual) in (list, tuple) and len(actual) == 2 and all(type(i) is int for i in actual)):
+        return "return a pair of ints: (index into the 5-D K cache, index into the 4-D V cache)"
+    flash = (slot * num_kv_heads + kv_head) * head_size + dim
+    if actual[0] == flash != expected[0]:
+        return ("that is the flash layout's index, [num_blocks, block_size, num_kv_heads, head_size]; the older K is "
+                "[num_blocks, num_kv_heads, head_size // x, block_size, x]")
+    x = 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
+    if actual[0] != expected[0] and any(actual[0] == _key_with_x(case, other) for other in (4, 8, 16) if other != x):
+        return f"x is 16 bytes divided by the element size: {x} for {dtype}, not the same for every dtype"
+    if actual[1] == flash != expected[1]:
+        return ("V keeps a block's tokens innermost in the older layout: [num_blocks, num_kv_heads, head_size, "
+                "block_size], so neighbouring tokens of one dimension sit side by side")
+    return None
+
+
+def _random_legacy_case(rng: random.Random) -> Case:
+    num_kv_heads, head_size, block_size = rng.choice([1, 2, 8]), rng.choice([64, 128, 256]), rng.choice([8, 16, 32])
+    return Case((rng.randrange(40 * block_size), rng.randrange(num_kv_heads), rng.randrange(head_size), num_kv_heads,
+                 head_size, block_size, rng.choice(sorted(_TORCH_DTYPES))), probes="a random element and cache shape")
+
+
+register(Exercise(
+    id="05.legacy_offsets",
+    title="An element's address in vLLM's older CUDA layout",
+    task=(
+        "Section 7 showed the shapes of vLLM's older CUDA cache: K is [num_blocks, num_kv_heads, head_size // x, "
+        "block_size, x] with x = 16 bytes / element size, V is [num_blocks, num_kv_heads, head_size, block_size], "
+        "both contiguous. A token sits at `slot` (block_id * block_size + offset, as slot_mapping gives it). Return "
+        "the flat element indices `(k_index, v_index)` of dimension `dim` of KV head `kv_head` of that token, in a "
+        "cache of dtype `dtype` (one of fp32, fp16, bf16, fp8): where the kernel finds it in memory."
+    ),
+    signature=("def legacy_offsets(slot: int, kv_head: int, dim: int, num_kv_heads: int, head_size: int, "
+               "block_size: int, dtype: str) -> tuple[int, int]:"),
+    reference=legacy_offsets,
+    edge_cases=[
+        Case((204, 3, 77, 8, 128, 16, "bf16"), probes="section 4's slot 204 (block 12, offset 12) in bf16: x = 8"),
+        Case((204, 3, 77, 8, 128, 16, "fp8"), probes="the same element in an FP8 cache: x = 16, pieces twice as long"),
+        Case((204, 3, 77, 8, 128, 16, "fp32"), probes="fp32: x = 4"),
+        Case((0, 0, 0, 8, 128, 16, "bf16"), probes="the first element of the cache is at 0 in both layouts"),
+        Case((31, 1, 127, 2, 128, 16, "bf16"), probes="the last token and dimension of a block: the end of a slice"),
+        Case((9, 0, 33, 1, 64, 4, "fp16"), probes="one KV head (MQA), small blocks"),
+    ],
+    random_case=_random_legacy_case,
+    explain=_explain_legacy,
+    transfer=True,
+    hints=[
+        "Split the slot into its block and its offset in the block. Both layouts start with [block, head]: "
+        "everything of one block and one head is one contiguous slice of head_size * block_size elements.",
+        "Inside K's slice the order is [head_size // x, block_size, x]: the piece dim // x, then the token, then "
+        "dim % x. Inside V's slice it is [head_size, block_size]: the dimension, then the token.",
+        "A contiguous tensor's flat index is built from the outermost index inwards: index = index * size + i, "
+        "dimension by dimension.",
     ],
 ))
 
@@ -306,4 +391,35 @@ ask(
         f"{v['large_stored']:g}. A scale of amax / 200 maps the tensor's largest value to 200, so 0.001 in a "
         f"tensor of amax 0.001 comes back as {v['small_calibrated']:.6g}: every value keeps its 3 mantissa "
         "bits."),
+)
+
+
+def _split_question() -> dict[str, Any]:
+    grid = importlib.import_module("kvlab.kernels.grid")
+    checks = importlib.import_module("kvlab.kernels.checks")
+    num_seqs, context, num_sms = 4, 2048, 132
+    batch = checks.AttentionBatch(
+        num_tokens=num_seqs, num_q_heads=32, num_kv_heads=8, head_size=128, num_blocks=num_seqs * context // 16,
+        block_size=16, query_start_loc=tuple(range(num_seqs + 1)), seq_lens=(context,) * num_seqs, fp8=False,
+        scale=128**-0.5, k_scale=1.0, v_scale=1.0, causal=True)
+    plan = grid.plan_launch(batch, num_sms=num_sms)
+    return {"grid": plan.grid, "splits": plan.num_kv_splits, "programs_unsplit": num_seqs * 8,
+            "target": grid.TARGET_WAVES * num_sms, "waves": grid.TARGET_WAVES, "num_sms": num_sms,
+            "min_tiles": grid.MIN_TILES_PER_SPLIT, "tiles": context // plan.config.tile_n,
+            "tiles_per_split": context // plan.config.tile_n // plan.num_kv_splits}
+
+
+ask(
+    "05.q4",
+    ("The same heads as question 1 (32 query, 8 KV, head 128) but a small decode batch: 4 sequences of 2,048 tokens "
+     "on the same H200. Does paged_attention split each sequence's keys, into how many parts, and why?"),
+    _split_question,
+    lambda v: (
+        f"Yes, into {v['splits']}: grid {v['grid']}. Unsplit, the batch makes only {v['programs_unsplit']} working "
+        f"programs (4 sequences x 8 KV heads) for {v['target']} program slots ({v['waves']} waves of {v['num_sms']} "
+        f"SMs), so most SMs would idle. Splitting cuts each sequence's {v['tiles']} key tiles into ranges of "
+        f"{v['tiles_per_split']} (no fewer than {v['min_tiles']} per split, a power of two), and a second kernel "
+        "merges the partial softmaxes. The 64-sequence batch of question 1 fills the GPU unsplit."
+    ),
+    transfer=True,
 )
