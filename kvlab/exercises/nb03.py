@@ -312,16 +312,17 @@ def _v1_sampling_question() -> dict[str, Any]:
 
 ask(
     "03.q2",
-    ("vLLM V1 has no copy-on-write: it runs n = 4 as four requests that share only full, hashed blocks through "
-     "the prefix cache. Same 40-token prompt, block size 16, one sampled token each: how many blocks are in use, "
-     "how many tokens are computed, and how does that compare with kvlab's fork and copy-on-write?"),
+    ("vLLM V1 does not fork: it runs n = 4 as four requests that share only full, hashed blocks through the prefix "
+     "cache. Same 40-token prompt, block size 16, one sampled token each: how many blocks are in use, how many "
+     "tokens are computed, and how does that compare with kvlab's fork and copy-on-write?"),
     _v1_sampling_question,
     lambda v: (
         f"{v['blocks_v1']} blocks, the same as the fork ({v['blocks_cow']}): the two full prompt blocks are shared "
         f"either way (the later requests hit {v['hits_v1'][1]} tokens each), and each sample ends with a third block "
         f"of its own. The price differs: V1 computes {v['computed_v1']} tokens, because each later request "
         f"recomputes the 8 prompt tokens of the partly filled block, while the fork computes {v['computed_cow']} "
-        f"and makes {v['copies_cow']} block copies instead. A partial block is never shared in V1: it has no hash."
+        f"and makes {v['copies_cow']} block copies instead. With vLLM's default prefix_match_unit (the block size), "
+        "a partly filled block has no hash, so V1 never shares it."
     ),
     transfer=True,
 )
