@@ -31,7 +31,8 @@ from kvlab.exercises.grading import CheckResult, copies, failure_lines, judge, s
 from kvlab.exercises.limits import call_with_time_limit
 from kvlab.exercises.state import STATE
 
-DEFAULT_TIME_LIMIT_S = 10.0  # per call of the learner's function; generous for a laptop under Triton's interpreter
+DEFAULT_TIME_LIMIT_S = 10.0  # per call of the learner's function; generous for a laptop
+PREPARED_TIME_LIMIT_S = 60.0  # where `prepare` runs the learner's code in a kernel: its first call compiles it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,8 @@ class Exercise:
     mistake. ``prepare(fn)``, if set, turns the learner's function and the reference into what
     the cases call (notebook 05: a Triton kernel launch that calls the learner's
     ``@triton.jit`` helper). A ``transfer`` exercise asks for the idea on a case the notebook
-    did not work through (another model, layout or failure).
+    did not work through (another model, layout or failure). ``time_limit_s`` bounds each call
+    of the learner's function.
     """
 
     id: str
@@ -69,7 +71,7 @@ class Exercise:
     explain: Callable[[Case, Any, Any], str | None] | None = None
     prepare: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
     transfer: bool = False
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    time_limit_s: float | None = None  # None: DEFAULT_TIME_LIMIT_S, or PREPARED_TIME_LIMIT_S with `prepare`
 
     @property
     def function_name(self) -> str:
@@ -149,7 +151,10 @@ def check(exercise_id: str, learner_fn: Callable[..., Any], *, seed: int | None 
     exercise = get_exercise(exercise_id)
     if not callable(learner_fn):
         raise KvlabValueError(f"learner_fn must be a function, got {type_name(learner_fn)}")
-    limit = exercise.time_limit_s if time_limit is None else positive_number("time_limit", time_limit)
+    if time_limit is not None:
+        limit = positive_number("time_limit", time_limit)
+    else:
+        limit = exercise.time_limit_s or (PREPARED_TIME_LIMIT_S if exercise.prepare else DEFAULT_TIME_LIMIT_S)
     seed = random.randrange(2**31) if seed is None else seed
     rng = random.Random(seed)
     cases = list(exercise.edge_cases) + [exercise.random_case(rng) for _ in range(exercise.num_random)
