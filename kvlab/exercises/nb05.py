@@ -248,12 +248,6 @@ def legacy_offsets(slot: int, kv_head: int, dim: int, num_kv_heads: int, head_si
     return base + key, base + value
 
 
-def _key_with_x(case: Case, x: int) -> int:
-    slot, kv_head, dim, num_kv_heads, head_size, block_size, _ = case.args
-    block, t = divmod(slot, block_size)
-    return ((block * num_kv_heads + kv_head) * head_size // x + dim // x) * block_size * x + t * x + dim % x
-
-
 def _explain_legacy(case: Case, expected: Any, actual: Any) -> str | None:
     slot, kv_head, dim, num_kv_heads, head_size, block_size, dtype = case.args
     if not (type(actual) in (list, tuple) and len(actual) == 2 and all(type(i) is int for i in actual)):
@@ -262,9 +256,12 @@ def _explain_legacy(case: Case, expected: Any, actual: Any) -> str | None:
     if actual[0] == flash != expected[0]:
         return ("that is the flash layout's index, [num_blocks, block_size, num_kv_heads, head_size]; the older K is "
                 "[num_blocks, num_kv_heads, head_size // x, block_size, x]")
-    x = 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
-    if actual[0] != expected[0] and any(actual[0] == _key_with_x(case, other) for other in (4, 8, 16) if other != x):
-        return f"x is 16 bytes divided by the element size: {x} for {dtype}, not the same for every dtype"
+    block, t = divmod(slot, block_size)
+    with_x = {x: ((block * num_kv_heads + kv_head) * head_size // x + dim // x) * block_size * x + t * x + dim % x
+              for x in (4, 8, 16)}
+    if actual[0] != expected[0] and actual[0] in with_x.values():
+        return (f"x is 16 bytes divided by the element size: {16 // _TORCH_DTYPES[dtype].itemsize} for "
+                f"{dtype}, not the same for every dtype")
     if actual[1] == flash != expected[1]:
         return ("V keeps a block's tokens innermost in the older layout: [num_blocks, num_kv_heads, head_size, "
                 "block_size], so neighbouring tokens of one dimension sit side by side")
@@ -315,16 +312,20 @@ register(Exercise(
 # ----------------------------------------------------------------- self-test
 
 
-def _grid_question() -> dict[str, Any]:
-    grid = importlib.import_module("kvlab.kernels.grid")
+def _decode_plan(num_seqs: int, context: int, num_sms: int = 132) -> tuple[Any, Any]:
+    """The batch and launch plan of a decode batch with Llama-3-8B's heads (32 query, 8 KV, head 128, bf16)."""
     checks = importlib.import_module("kvlab.kernels.checks")
-    num_seqs, context = 64, 8192
     batch = checks.AttentionBatch(
         num_tokens=num_seqs, num_q_heads=32, num_kv_heads=8, head_size=128, num_blocks=num_seqs * context // 16,
         block_size=16, query_start_loc=tuple(range(num_seqs + 1)), seq_lens=(context,) * num_seqs, fp8=False,
         scale=128**-0.5, k_scale=1.0, v_scale=1.0, causal=True)
-    num_sms = 132
-    plan = grid.plan_launch(batch, num_sms=num_sms)
+    return batch, importlib.import_module("kvlab.kernels.grid").plan_launch(batch, num_sms=num_sms)
+
+
+def _grid_question() -> dict[str, Any]:
+    grid = importlib.import_module("kvlab.kernels.grid")
+    num_seqs, context, num_sms = 64, 8192, 132
+    batch, plan = _decode_plan(num_seqs, context, num_sms)
     kv_bytes = 2 * context * 8 * 128 * 2                           # K and V of one sequence, all KV heads, bf16
     return {"grid": plan.grid, "num_seqs": num_seqs, "num_sms": num_sms, "waves": grid.TARGET_WAVES,
             "working_programs": num_seqs * 8 * plan.num_kv_splits,
@@ -396,17 +397,12 @@ ask(
 
 def _split_question() -> dict[str, Any]:
     grid = importlib.import_module("kvlab.kernels.grid")
-    checks = importlib.import_module("kvlab.kernels.checks")
     num_seqs, context, num_sms = 4, 2048, 132
-    batch = checks.AttentionBatch(
-        num_tokens=num_seqs, num_q_heads=32, num_kv_heads=8, head_size=128, num_blocks=num_seqs * context // 16,
-        block_size=16, query_start_loc=tuple(range(num_seqs + 1)), seq_lens=(context,) * num_seqs, fp8=False,
-        scale=128**-0.5, k_scale=1.0, v_scale=1.0, causal=True)
-    plan = grid.plan_launch(batch, num_sms=num_sms)
+    _, plan = _decode_plan(num_seqs, context, num_sms)
+    tiles = context // plan.config.tile_n
     return {"grid": plan.grid, "splits": plan.num_kv_splits, "programs_unsplit": num_seqs * 8,
             "target": grid.TARGET_WAVES * num_sms, "waves": grid.TARGET_WAVES, "num_sms": num_sms,
-            "min_tiles": grid.MIN_TILES_PER_SPLIT, "tiles": context // plan.config.tile_n,
-            "tiles_per_split": context // plan.config.tile_n // plan.num_kv_splits}
+            "min_tiles": grid.MIN_TILES_PER_SPLIT, "tiles": tiles, "tiles_per_split": tiles // plan.num_kv_splits}
 
 
 ask(
