@@ -71,7 +71,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                     scale: float | None = None, causal: bool = True, k_scale: float = 1.0, v_scale: float = 1.0,
                     num_kv_splits: int | None = None, out: torch.Tensor | None = None,
-                    config: KernelConfig | None = None) -> torch.Tensor:
+                    config: KernelConfig | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Varlen paged attention for a batch mixing prefill chunks and decode steps.
 
     ``query`` is ``[num_tokens, num_q_heads, head_size]``; sequence ``i``'s query tokens are
@@ -79,13 +79,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     is ``seq_lens[i] - query_len``. ``block_table[i]`` lists its physical blocks. ``scale`` defaults
     to ``1/sqrt(head_size)``; FP8 caches are dequantized with ``k_scale``/``v_scale``;
     ``num_kv_splits`` (default: chosen) splits each sequence's keys across programs. ``out``, if
-    given, is written in place; ``config`` overrides the tile sizes. Returns ``[num_tokens, Hq, D]``.
+    given, is written in place; ``config`` overrides the tile sizes. ``sliding_window`` W (causal
+    only; vLLM 0.33.0's and transformers' convention) lets the query at position ``q`` see keys
+    ``q - W + 1 .. q`` only, W keys itself included; tiles wholly outside are not read.
+    Returns ``[num_tokens, Hq, D]``.
     """
-    kwargs = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out)
+    kwargs = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
+                  config=config, sliding_window=sliding_window)
     if backend() == TORCH_REFERENCE:
         return paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
-    return paged_attention_triton(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                                  config=config, **kwargs)
+    return paged_attention_triton(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
 
 
 def function_sources(module: str) -> dict[str, str]:

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 import torch
-from kernel_batches import make_batch
 from kvlab.kernels import KernelConfig, check_attention, choose_config, choose_num_kv_splits, plan_launch
 from kvlab.kernels.attention import kernel_constants, trace_reads
+from kvlab.kernels.batches import make_batch
 from kvlab.kernels.grid import MAX_KV_SPLITS, find_seq_idx, program_reads, trace_from_reads
 
 from kvlab.errors import KernelInputError
