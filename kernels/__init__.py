@@ -6,6 +6,9 @@
   attends every query token to its sequence's keys, read through the block table
   (``attention.py``; its grid and index arithmetic: ``grid.py``).
 * ``paged_attention_ref`` / ``reshape_and_cache_ref``: the torch specification (``reference.py``).
+* ``check_kernel(fn)``: a learner's attention function against the reference on packaged batches,
+  with the worst (sequence, query token, head) per batch (``verify.py``; the batches: ``batches.py``);
+  ``kvlab.kernels.mutants`` holds broken copies of the kernels to try it on.
 * ``backend()``: ``"triton-cuda"``, ``"triton-interpreter"`` or ``"torch-reference"``; choose one with
   ``KVLAB_KERNEL_BACKEND=cuda|interpreter|torch`` before importing this package. ``default_device()``
   is where that backend wants its tensors: ``"cuda"`` for native Triton, ``"cpu"`` otherwise.
@@ -46,6 +49,7 @@ from kvlab.kernels.reference import (
     paged_attention_ref,
     reshape_and_cache_ref,
 )
+from kvlab.kernels.verify import PACKAGED_BATCHES, BatchSpec, KernelReport, check_kernel
 
 from kvlab.errors import UnknownNameError
 
@@ -119,16 +123,20 @@ __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "E4M3_MAX",
+    "PACKAGED_BATCHES",
     "TORCH_REFERENCE",
     "TRITON_CUDA",
     "TRITON_INTERPRETER",
     "AttentionBatch",
+    "BatchSpec",
     "KernelConfig",
+    "KernelReport",
     "LaunchPlan",
     "backend",
     "calibrated_scale",
     "check_attention",
     "check_cache_write",
+    "check_kernel",
     "check_kernel_device",
     "choose_config",
     "choose_num_kv_splits",
