@@ -30,6 +30,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks_per_seq]: physical block ids, in logical order
     seq_lens: torch.Tensor  # [num_seqs]: tokens each request attends to, this step's included
     query_start_loc: torch.Tensor  # [num_seqs + 1]: prefix sums of the per-request query lengths
+    # How the kernel runs (kvlab's knobs, not vLLM's metadata): tile sizes, and a forced split count.
+    kernel_config: kernels.KernelConfig | None = None  # None: the kernel chooses (kernels.choose_config)
+    num_kv_splits: int | None = None  # None: the kernel chooses (always 1 on a CPU)
 
     @property
     def num_seqs(self) -> int:
@@ -77,4 +80,6 @@ class Attention(torch.nn.Module):
             causal=True,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            num_kv_splits=attn_metadata.num_kv_splits,
+            config=attn_metadata.kernel_config,
         )
