@@ -24,6 +24,7 @@ no module) and ``cache_write.py``; ``kvlab.kernels.attention.paged_attention_ker
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ from kvlab.kernels.reference import (
 )
 from kvlab.kernels.verify import PACKAGED_BATCHES, BatchSpec, KernelReport, check_kernel
 
-from kvlab.errors import UnknownNameError
+from kvlab.errors import KernelInputError, UnknownNameError
 
 if backend() != TORCH_REFERENCE:
     # Imported once here, where the backend is known: importing them decorates the kernels.
@@ -95,13 +96,17 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return paged_attention_triton(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
 
 
-def function_sources(module: str) -> dict[str, str]:
-    """Every top-level function of ``kernels/<module>.py`` by name, decorators included, read from the file.
+def function_sources(module: str | os.PathLike) -> dict[str, str]:
+    """Every top-level function of ``kernels/<module>.py`` (or of a file path) by name, decorators included.
 
     Reading instead of importing works where Triton is missing (the notebook shows the kernels
     anyway) and where it interprets (``compile_check`` recompiles them from their source).
     """
-    text = Path(__file__).with_name(f"{module}.py").read_text()
+    path = Path(module) if isinstance(module, os.PathLike) or str(module).endswith(".py") else \
+        Path(__file__).with_name(f"{module}.py")
+    if not path.is_file():
+        raise KernelInputError(f"module must name a kernel module or a .py file, got {str(module)!r} (no such file)")
+    text = path.read_text()
     lines = text.splitlines()
     sources = {}
     for node in ast.parse(text).body:
