@@ -18,7 +18,7 @@ from kvlab import kernels
 from kvlab._validate import positive_int
 from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvlab.core.sequence import BlockCopy, compute_slot_mapping
-from kvlab.engine.attention import AttentionMetadata
+from kvlab.engine.attention import Attention, AttentionMetadata
 from kvlab.engine.model import KVCache, LlamaForCausalLM
 from kvlab.engine.sampler import Sampler
 from kvlab.errors import KvlabValueError
@@ -80,7 +80,8 @@ class ModelRunner:
     that a tiny model still exercises its hard paths: ``kernel_config`` fixes the tile sizes of
     every step (smaller tiles: short contexts span several), and ``decode_kv_splits`` forces the
     split count of decode-only steps (split-KV, which the automatic choice never uses on a CPU).
-    Both may be set on a running engine (``engine.model_runner.kernel_config = ...``).
+    Both may be set on a running engine (``engine.model_runner.kernel_config = ...``); they are
+    handed to every ``Attention`` layer of the model.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
@@ -106,6 +107,8 @@ class ModelRunner:
         if config is not None and not isinstance(config, kernels.KernelConfig):
             raise KvlabValueError(f"kernel_config must be a kvlab.kernels.KernelConfig or None, got {config!r}")
         self._kernel_config = config
+        for layer in self._attention_layers():
+            layer.kernel_config = config
 
     @property
     def decode_kv_splits(self) -> int | None:
@@ -115,6 +118,12 @@ class ModelRunner:
     @decode_kv_splits.setter
     def decode_kv_splits(self, splits: int | None) -> None:
         self._decode_kv_splits = None if splits is None else positive_int("decode_kv_splits", splits)
+        for layer in self._attention_layers():
+            layer.decode_kv_splits = self._decode_kv_splits
+
+    def _attention_layers(self) -> list[Attention]:
+        """Every paged attention layer of the model (the knobs above are handed to each)."""
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -124,9 +133,6 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return ModelRunnerOutput({})
         input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size, self.device)
-        metadata.kernel_config = self.kernel_config
-        if all(s.num_tokens == 1 for s in scheduler_output.scheduled):  # decode-only: vLLM's split-KV case
-            metadata.num_kv_splits = self.decode_kv_splits
         hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden_states[metadata.logits_indices])  # [num_seqs, vocab]
         sampled: dict[str, int] = {}
