@@ -130,7 +130,8 @@ def figure_gpu_bench(results: dict[str, Any], title: str) -> go.Figure:
     fig = go.Figure()
     for block_size, color in ((16, "#1f77b4"), (64, "#ff7f0e")):
         mine = [r for r in rows if r["block_size"] == block_size]
-        fig.add_bar(x=[f"b{r['batch']} × {r['context'] // 1024}K" for r in mine],
+        fig.add_bar(x=[f"b{r['batch']} × {r['context'] // 1024}K"
+                       + (f", window {r['sliding_window'] // 1024}K" if r.get("sliding_window") else "") for r in mine],
                     y=[r["copy_fraction"] for r in mine], name=f"block size {block_size}", marker_color=color,
                     customdata=[[r.get("speedup_vs_sdpa", float("nan")), r["kernel_us"]] for r in mine],
                     hovertemplate="%{x}: %{y:.0%} of copy bandwidth, %{customdata[1]:.1f} µs, "
@@ -138,6 +139,21 @@ def figure_gpu_bench(results: dict[str, Any], title: str) -> go.Figure:
     fig.add_hline(y=GOAL_COPY_FRACTION, line_dash="dash", annotation_text=f"goal {GOAL_COPY_FRACTION:.0%} (b64 × 8K)")
     fig.update_layout(title=title, barmode="group", height=420, yaxis=dict(title="share of copy bandwidth",
                       tickformat=".0%"), xaxis=dict(title="decode: batch × context"))
+    return fig
+
+
+def figure_window_reads(rows: Sequence[dict[str, Any]]) -> go.Figure:
+    """Keys one decode program reads against the context length, with and without a sliding window."""
+    fig = go.Figure()
+    windows = list(dict.fromkeys(r["window"] for r in rows))            # in the rows' order
+    for window in windows:
+        mine = [r for r in rows if r["window"] == window]
+        fig.add_bar(x=[str(r["context"]) for r in mine], y=[r["keys read"] for r in mine],
+                    name="full attention" if window == "none" else f"sliding window {window}",
+                    marker_color="#9ca3af" if window == "none" else "#2563eb", text=[r["keys read"] for r in mine],
+                    textposition="outside")
+    fig.update_layout(title="Keys a decode reads: the context, or only the window", barmode="group", height=380,
+                      xaxis=dict(title="context length (tokens)"), yaxis=dict(title="keys read (kernel trace)"))
     return fig
 
 
