@@ -168,6 +168,11 @@ class ProgramReads:
         """How many key positions this program loads (the trace's entries that are not -1)."""
         return sum(block >= 0 for tile in self.tiles for block in tile)
 
+    def key_reads(self) -> list[tuple[int, int]]:
+        """The ``(physical block, offset)`` of every key this program loads, in the order it loads them."""
+        return [(block, offset) for blocks, offsets in zip(self.tiles, self.offsets, strict=True)
+                for block, offset in zip(blocks, offsets, strict=True) if block >= 0]
+
     def blocks_in_order(self) -> list[int]:
         """The distinct physical blocks this program reads, in the order it first touches them."""
         seen: list[int] = []
