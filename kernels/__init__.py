@@ -12,6 +12,9 @@
   attends absorbed queries over it, output in latent space (``mla_decode.py``); their torch
   specification is ``concat_and_cache_mla_ref`` / ``mla_decode_ref`` (``mla_reference.py``), and
   ``kvlab.kernels.mla_absorb`` holds the naive and absorbed attention they are checked against.
+* ``check_kernel(fn)``: a learner's attention function against the reference on packaged batches,
+  with the worst (sequence, query token, head) per batch (``verify.py``; the batches: ``batches.py``);
+  ``kvlab.kernels.mutants`` holds broken copies of the kernels to try it on.
 * ``backend()``: ``"triton-cuda"``, ``"triton-interpreter"`` or ``"torch-reference"``; choose one with
   ``KVLAB_KERNEL_BACKEND=cuda|interpreter|torch`` before importing this package. ``default_device()``
   is where that backend wants its tensors: ``"cuda"`` for native Triton, ``"cpu"`` otherwise.
@@ -27,6 +30,7 @@ no module) and ``cache_write.py``; ``kvlab.kernels.attention.paged_attention_ker
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import torch
@@ -54,8 +58,9 @@ from kvlab.kernels.reference import (
     paged_attention_ref,
     reshape_and_cache_ref,
 )
+from kvlab.kernels.verify import PACKAGED_BATCHES, BatchSpec, KernelReport, check_kernel
 
-from kvlab.errors import UnknownNameError
+from kvlab.errors import KernelInputError, UnknownNameError
 
 if backend() != TORCH_REFERENCE:
     # Imported once here, where the backend is known: importing them decorates the kernels.
@@ -81,7 +86,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                     scale: float | None = None, causal: bool = True, k_scale: float = 1.0, v_scale: float = 1.0,
                     num_kv_splits: int | None = None, out: torch.Tensor | None = None,
-                    config: KernelConfig | None = None) -> torch.Tensor:
+                    config: KernelConfig | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Varlen paged attention for a batch mixing prefill chunks and decode steps.
 
     ``query`` is ``[num_tokens, num_q_heads, head_size]``; sequence ``i``'s query tokens are
@@ -89,13 +94,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     is ``seq_lens[i] - query_len``. ``block_table[i]`` lists its physical blocks. ``scale`` defaults
     to ``1/sqrt(head_size)``; FP8 caches are dequantized with ``k_scale``/``v_scale``;
     ``num_kv_splits`` (default: chosen) splits each sequence's keys across programs. ``out``, if
-    given, is written in place; ``config`` overrides the tile sizes. Returns ``[num_tokens, Hq, D]``.
+    given, is written in place; ``config`` overrides the tile sizes. ``sliding_window`` W (causal
+    only; vLLM 0.33.0's and transformers' convention) lets the query at position ``q`` see keys
+    ``q - W + 1 .. q`` only, W keys itself included; tiles wholly outside are not read.
+    Returns ``[num_tokens, Hq, D]``.
     """
-    kwargs = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out)
+    kwargs = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
+                  config=config, sliding_window=sliding_window)
     if backend() == TORCH_REFERENCE:
         return paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
-    return paged_attention_triton(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                                  config=config, **kwargs)
+    return paged_attention_triton(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -127,13 +135,17 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     return mla_decode_triton(q_latent, q_pe, kv_cache, block_table, seq_lens, config=config, **kwargs)
 
 
-def function_sources(module: str) -> dict[str, str]:
-    """Every top-level function of ``kernels/<module>.py`` by name, decorators included, read from the file.
+def function_sources(module: str | os.PathLike) -> dict[str, str]:
+    """Every top-level function of ``kernels/<module>.py`` (or of a file path) by name, decorators included.
 
     Reading instead of importing works where Triton is missing (the notebook shows the kernels
     anyway) and where it interprets (``compile_check`` recompiles them from their source).
     """
-    text = Path(__file__).with_name(f"{module}.py").read_text()
+    path = Path(module) if isinstance(module, os.PathLike) or str(module).endswith(".py") else \
+        Path(__file__).with_name(f"{module}.py")
+    if not path.is_file():
+        raise KernelInputError(f"module must name a kernel module or a .py file, got {str(module)!r} (no such file)")
+    text = path.read_text()
     lines = text.splitlines()
     sources = {}
     for node in ast.parse(text).body:
@@ -155,11 +167,14 @@ __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "E4M3_MAX",
+    "PACKAGED_BATCHES",
     "TORCH_REFERENCE",
     "TRITON_CUDA",
     "TRITON_INTERPRETER",
     "AttentionBatch",
+    "BatchSpec",
     "KernelConfig",
+    "KernelReport",
     "LaunchPlan",
     "MLADecodeBatch",
     "backend",
@@ -167,6 +182,7 @@ __all__ = [
     "check_attention",
     "check_cache_write",
     "check_concat_and_cache_mla",
+    "check_kernel",
     "check_kernel_device",
     "check_mla_decode",
     "choose_config",

@@ -38,7 +38,9 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 04  sim.prefix_sim, sim.hash_cost,      hit rates against pool size, hashing cost, collisions on purpose
     sim.collisions
 05  kernels (attention, cache_write)    ``triton_unified_attention.py``, ``reshape_and_cache_flash``
-                                        (``vllm/v1/attention/ops/``)
+                                        (``vllm/v1/attention/ops/``); the sliding window as ``triton_attn.py`` passes it
+05  kernels.verify, batches, mutants    kvlab's own: ``check_kernel``, a bench for a learner's kernel, and broken copies
+06  engine.hard_paths                   kvlab's own: the comparison with transformers where kernel bugs live
 06  core.sched.output                   ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``), ``SamplingParams``
 06  core.sched.scheduler                ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``)
 06  engine                              ``LLMEngine``, ``GPUModelRunner``, the sampler (``vllm/v1/engine/``,

@@ -1,6 +1,6 @@
 """mla_decode (the Triton kernel) agrees with mla_decode_ref on every kind of decode batch over a latent cache.
 
-The batches come from ``kernel_batches.make_batch`` with one "KV head" of ``kv_lora_rank +
+The batches come from ``kvlab.kernels.batches.make_batch`` with one "KV head" of ``kv_lora_rank +
 rope_dim`` values: its key cache is the latent cache, whose spare blocks and the slots past each
 sequence hold NaN, so reading anything the block table does not name fails. The query is cut into
 its latent and rope parts (strided views, as the engine passes them). Each test poisons the output
@@ -10,8 +10,8 @@ through Triton's interpreter, one after another.
 
 import pytest
 import torch
-from kernel_batches import FP8_BOUND, TOLERANCE, make_batch, relative_error
 from kvlab.kernels import KernelConfig, mla_decode, mla_decode_ref, quantize_fp8
+from kvlab.kernels.batches import FP8_BOUND, TOLERANCE, make_batch, relative_error
 
 RANK, ROPE = 32, 8
 SCALE = 0.25

@@ -8,8 +8,8 @@ followed by ``absorb_output``, gives the naive answer.
 
 import pytest
 import torch
-from kernel_batches import DEVICE, fresh_seed, relative_error
-from kvlab.kernels import KernelConfig, compute_slot_mapping, concat_and_cache_mla, mla_decode
+from kvlab.kernels import KernelConfig, compute_slot_mapping, concat_and_cache_mla, default_device, mla_decode
+from kvlab.kernels.batches import fresh_seed, relative_error
 from kvlab.kernels.mla_absorb import (
     absorb_output,
     absorb_query,
@@ -19,6 +19,8 @@ from kvlab.kernels.mla_absorb import (
 )
 
 from kvlab.errors import KernelInputError
+
+DEVICE = default_device()
 
 HEADS, RANK, ROPE, NOPE, V = 4, 32, 8, 16, 16
 SCALE = (NOPE + ROPE) ** -0.5

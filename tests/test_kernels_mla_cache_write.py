@@ -2,13 +2,16 @@
 
 import pytest
 import torch
-from kernel_batches import DEVICE, fresh_seed
 from kvlab.kernels import (
     compute_slot_mapping,
     concat_and_cache_mla,
     concat_and_cache_mla_ref,
+    default_device,
     quantize_fp8,
 )
+from kvlab.kernels.batches import fresh_seed
+
+DEVICE = default_device()
 
 FP8 = torch.float8_e4m3fn
 RANK, ROPE = 32, 8

@@ -2,16 +2,18 @@
 
 import pytest
 import torch
-from kernel_batches import DEVICE
 from kvlab.kernels import (
     KernelConfig,
     concat_and_cache_mla,
     concat_and_cache_mla_ref,
+    default_device,
     mla_decode,
     mla_decode_ref,
 )
 
 from kvlab.errors import KernelInputError
+
+DEVICE = default_device()
 
 RANK, ROPE, HEADS = 32, 8, 4
 

@@ -7,6 +7,7 @@ first use, and ``tl`` below is bound then.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import random
@@ -53,17 +54,89 @@ def _is_stub(fn: Any) -> bool:
         return False
 
 
+@dataclasses.dataclass(frozen=True)
+class TileRun:
+    """One case of ``05.online_softmax``: the inputs of a one-program tile kernel that calls the learner's update.
+
+    Its repr is what a failure message shows: the shapes of what the update receives, not the
+    tensors (16 x 32 numbers say nothing to a reader).
+    """
+
+    q: torch.Tensor          # [M, D]
+    k: torch.Tensor          # [N, D]
+    v: torch.Tensor          # [N, D]
+    visible: torch.Tensor    # [M, N] bool
+    tile_n: int = 16
+
+    def __repr__(self) -> str:
+        (m, d), n = self.q.shape, self.k.shape[0]
+        hidden = (~self.visible[:, :self.tile_n]).all(dim=1).nonzero().flatten().tolist()
+        late = f"; rows {_ranges(hidden)} see no key in tile 0" if hidden else ""
+        return (f"{m} rows x {n} keys in {cdiv(n, self.tile_n)} tiles of {self.tile_n}, so your update gets "
+                f"m_i, l_i [{m}], acc [{m}, {d}], scores [{m}, {self.tile_n}], v [{self.tile_n}, {d}]{late}")
+
+
+def _ranges(rows: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out, start = [], None
+    for i, r in enumerate(rows):
+        if start is None:
+            start = r
+        if i + 1 == len(rows) or rows[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileOutput:
+    """The tile kernel's ``[M, D]`` output, shown as a summary (and, for the learner's, how far each row is off)."""
+
+    out: torch.Tensor
+    expected: torch.Tensor | None = None      # the one-go attention, to say which rows differ
+
+    def __repr__(self) -> str:
+        rows, dims = self.out.shape
+        if self.expected is None:
+            norms = self.out.norm(dim=1)
+            return f"[{rows}, {dims}] output rows, |row| {float(norms.min()):.3g} .. {float(norms.max()):.3g}"
+        return f"[{rows}, {dims}] output: {row_differences(self.out, self.expected)}"
+
+
+def row_differences(actual: torch.Tensor, expected: torch.Tensor, tolerance: float = 5e-3) -> str:
+    """Which rows of ``actual`` differ from ``expected``, and how far: 'rows 0-7 off (worst: row 3 by 0.82)'."""
+    actual, expected = actual.float().cpu(), expected.float().cpu()
+    nan_rows = (~torch.isfinite(actual)).any(dim=1)
+    error = ((actual - expected).norm(dim=1) / expected.norm(dim=1).clamp(min=1e-12))
+    error = torch.where(nan_rows, torch.full_like(error, float("inf")), error)           # [M] relative error per row
+    bad = (error > tolerance).nonzero().flatten().tolist()
+    if not bad:
+        return "every row matches"
+    parts = []
+    if bool(nan_rows.any()):
+        parts.append(f"rows {_ranges(nan_rows.nonzero().flatten().tolist())} hold nan or inf")
+    finite_bad = [r for r in bad if not nan_rows[r]]
+    if finite_bad:
+        worst = max(finite_bad, key=lambda r: float(error[r]))
+        parts.append(f"rows {_ranges(finite_bad)} are off (worst: row {worst}, "
+                     f"relative error {float(error[worst]):.2g})")
+    good = len(error) - len(bad)
+    return "; ".join(parts) + (f"; the other {good} rows match" if good else "; no row matches")
+
+
 def in_tile_kernel(update: Any):
-    """Run ``update`` as the online-softmax step of ``attention_by_tiles``: ``(q, k, v, visible, tile_n) -> out``."""
+    """Run ``update`` as the online-softmax step of ``attention_by_tiles``: ``(run: TileRun) -> TileOutput``."""
     compiled: list = []
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, tile_n: int) -> torch.Tensor:
+    def run(run: TileRun) -> TileOutput:
         if _is_stub(update):
             raise NotImplementedError("still the stub")
         kernels = _kernels()
+        expected = None if update is online_softmax_update else kernels.masked_attention(
+            run.q, run.k, run.v, run.visible)
         if kernels.backend() == kernels.TORCH_REFERENCE:
             if update is online_softmax_update:            # the expected answer needs no kernel
-                return kernels.masked_attention(q, k, v, visible)
+                return TileOutput(kernels.masked_attention(run.q, run.k, run.v, run.visible))
             raise BackendUnavailableError("this exercise runs your function in a Triton kernel, and Triton is not "
                                           "installed here (Linux only); the rest of the notebook still runs")
         tiles = importlib.import_module("kvlab.kernels.online_softmax")
@@ -72,8 +145,9 @@ def in_tile_kernel(update: Any):
         device = kernels.default_device()
         with warnings.catch_warnings():        # a wrong update's nan/inf is reported by the checker, not numpy
             warnings.simplefilter("ignore", RuntimeWarning)
-            return tiles.attention_by_tiles(q.to(device), k.to(device), v.to(device), visible.to(device), tile_n,
-                                            update=compiled[0]).cpu()
+            out = tiles.attention_by_tiles(run.q.to(device), run.k.to(device), run.v.to(device),
+                                           run.visible.to(device), run.tile_n, update=compiled[0]).cpu()
+        return TileOutput(out, expected)
 
     return run
 
@@ -89,24 +163,27 @@ def _tile_case(rng: random.Random, num_keys: int, *, loud: float = 1.0, late_max
     visible = torch.ones(16, num_keys, dtype=torch.bool)
     visible[:8, :min(hidden_start, num_keys - 1)] = False  # half the rows see nothing in the first tiles,
                                                            # but every row sees its last key at least
-    return Case((q, k, v, visible, 16), probes=probes)
+    return Case(kwargs={"run": TileRun(q, k, v, visible, 16)}, probes=probes)
 
 
-def _close(expected: torch.Tensor, actual: Any) -> bool:
-    if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or not torch.isfinite(actual).all():
+def _close(expected: TileOutput, actual: Any) -> bool:
+    if not isinstance(actual, TileOutput):
         return False
-    return float((actual - expected).norm() / expected.norm()) < 5e-3
+    out, want = actual.out, expected.out
+    if out.shape != want.shape or not torch.isfinite(out).all():
+        return False
+    return float((out - want).norm() / want.norm()) < 5e-3
 
 
-def _explain_softmax(case: Case, expected: torch.Tensor, actual: Any) -> str | None:
-    if not isinstance(actual, torch.Tensor):
+def _explain_softmax(case: Case, expected: TileOutput, actual: Any) -> str | None:
+    if not isinstance(actual, TileOutput):
         return "return the three updated values (m_new, l_new, acc_new) as a tuple"
-    visible = case.args[3]
+    visible = case.kwargs["run"].visible
     first_tile_hidden = bool((~visible[:, :16]).all(dim=1).any())
-    if torch.isnan(actual).any() and first_tile_hidden:
+    if torch.isnan(actual.out).any() and first_tile_hidden:
         return ("a row that has seen no key yet has m = -inf, and -inf - (-inf) is nan: subtract "
                 "tl.where(m_new == float('-inf'), 0.0, m_new) instead of m_new")
-    if not torch.isfinite(actual).all():
+    if not torch.isfinite(actual.out).all():
         return "exp(score) overflows float32 for scores of a few hundred: subtract the running maximum first"
     return ("when a tile raises a row's maximum, rescale what was summed before (l_i and acc) by "
             "alpha = exp(m_old - m_new)")
