@@ -104,7 +104,7 @@ def _manager_with_tier(num_gpu_blocks=4, num_cpu_blocks=8):
 
 
 def _admit(manager, request):
-    hits, num_hits = manager.get_computed_blocks(request)
+    hits, num_hits, _ = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits) is not None
     request.num_computed_tokens = request.num_tokens
     return num_hits
@@ -137,7 +137,7 @@ def _first_two_blocks_on_the_cpu_only():
 def test_a_cpu_hit_starts_after_the_gpus_and_never_covers_the_last_token():
     manager, connector = _first_two_blocks_on_the_cpu_only()
     again = Request("again", list(range(8)) + [60, 61])
-    hits, num_hits = manager.get_computed_blocks(again)
+    hits, num_hits, _ = manager.get_computed_blocks(again)
     assert num_hits == 0 and connector.get_num_new_matched_tokens(again, 0) == 8
     exact = Request("exact", list(range(8)))                  # 8 tokens: the last must be computed
     manager.get_computed_blocks(exact)
