@@ -73,9 +73,9 @@ $(VLLM_STAMP): $(STAMP)
 		echo "WARNING: could not download vllm==$(VLLM_VERSION); make test-vllm SKIPS the comparison."; \
 		echo "WARNING: ****************************************************************************"; \
 		rm -rf $(VLLM_VENV); exit 0; fi
-	$(BIN)/python -m pip --python $(VLLM_VENV)/bin/python install --quiet --no-deps $(VLLM_VENV)/wheels/vllm-*.whl \
+	$(BIN)/python -m pip --python $(VLLM_VENV)/bin/python install --quiet --no-warn-conflicts --no-deps $(VLLM_VENV)/wheels/vllm-*.whl \
 		$(VLLM_NO_DEPS) $(QUIET_PIP)
-	$(BIN)/python -m pip --python $(VLLM_VENV)/bin/python install --quiet $(VLLM_LIGHT) $(QUIET_PIP)
+	$(BIN)/python -m pip --python $(VLLM_VENV)/bin/python install --quiet --no-warn-conflicts $(VLLM_LIGHT) $(QUIET_PIP)
 	@$(VLLM_VENV)/bin/python -c "import torch, kvlab, vllm.v1.core.kv_cache_manager as m; \
 		assert torch.__version__ == '$(TORCH)+cpu' or '$(TORCH)' == '', torch.__version__" \
 		|| { echo "the vLLM environment does not import (or pulled another torch)"; exit 1; }
