@@ -40,7 +40,7 @@ from typing import Any
 
 from kvlab._validate import non_negative_int, positive_int
 from kvlab.core.block_pool import BlockPool, BlockPoolObserver
-from kvlab.core.cache_stats import CachingMetrics, PrefixCacheStats
+from kvlab.core.cache_stats import CachingMetrics, EvictionCounter, PrefixCacheStats
 from kvlab.core.hashing import (
     BlockHash,
     HashFn,
@@ -52,6 +52,7 @@ from kvlab.core.hashing import (
 )
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from kvlab.core.manager_checks import AllocationChecks
+from kvlab.core.manager_fork import ForkMixin
 from kvlab.core.request import Request, RequestStatus
 from kvlab.errors import KvlabValueError, RequestStateError
 from kvlab.units import cdiv
@@ -80,33 +81,7 @@ def find_longest_cache_hit(
     return hits
 
 
-class _EvictionCounter:
-    """The manager's own observer of its pool: counts cached blocks whose contents allocation evicts."""
-
-    def __init__(self, manager: KVCacheManager) -> None:
-        self.manager = manager
-
-    def on_block_evicted(self, block: KVCacheBlock) -> None:
-        block_hash = block.block_hash
-        if block_hash is None:
-            return
-        manager = self.manager
-        manager.num_evicted_blocks += 1
-        # A hash still held by another block (the same content computed twice) is not lost.
-        if manager.block_pool.cached_block_hash_to_block.block_ids(block_hash) == [block.block_id]:
-            manager._evicted_hashes.add(block_hash)
-
-    def on_block_allocated(self, block: KVCacheBlock) -> None:
-        pass
-
-    def on_block_accessed(self, block: KVCacheBlock) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-
-class KVCacheManager(AllocationChecks):
+class KVCacheManager(ForkMixin, AllocationChecks):
     """Allocates a pool's blocks to requests and finds their cached prefixes, as vLLM V1's manager does.
 
     ``hash_fn`` is a name (``"sha256"``, ``"sha256_cbor"``, ``"xxhash"``, ``"xxhash_cbor"``) or
@@ -143,7 +118,7 @@ class KVCacheManager(AllocationChecks):
         self.watermark_blocks = self._check_watermark(watermark, num_blocks)
         self.caching_metrics = CachingMetrics(hit_rate_window)
         self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block, metrics_collector=metrics_collector)
-        self.block_pool.add_observer(_EvictionCounter(self))
+        self._eviction_counter = EvictionCounter(self.block_pool)
         self.enable_caching = bool(enable_caching)
         self.verify_hits = bool(verify_hits)
         seed = hash_seed if hash_seed is not None else os.getenv("PYTHONHASHSEED")
@@ -161,9 +136,6 @@ class KVCacheManager(AllocationChecks):
 
         self.prefix_cache_stats = PrefixCacheStats()  # since start (or the last reset)
         self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
-        self.num_evicted_blocks = 0  # cached blocks whose hash was dropped to reuse the block
-        self.num_blocks_evicted_before_reuse = 0  # evicted blocks a later request asked for again
-        self._evicted_hashes: set[BlockHash] = set()
         self.num_rejected_hits = 0  # hash hits whose tokens differed (verify_hits only)
         self._block_content: dict[int, tuple[tuple[int, ...], Any]] = {}  # verify_hits: what each block holds
 
@@ -178,6 +150,16 @@ class KVCacheManager(AllocationChecks):
     def hit_rate(self) -> float:
         """Hit tokens / queried tokens over the last ``hit_rate_window`` admitted requests."""
         return self.caching_metrics.hit_rate
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Cached blocks whose hash was dropped to reuse the block (kvlab's counter)."""
+        return self._eviction_counter.num_evicted_blocks
+
+    @property
+    def num_blocks_evicted_before_reuse(self) -> int:
+        """Evicted blocks a later request asked for again, and recomputed (kvlab's counter)."""
+        return self._eviction_counter.num_blocks_evicted_before_reuse
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The stats gathered since the previous call (then reset), as vLLM's scheduler takes them each step."""
@@ -313,7 +295,8 @@ class KVCacheManager(AllocationChecks):
             num_external_blocks = max(0, cdiv(num_local_computed_tokens + num_external_computed_tokens,
                                               self.block_size) - num_table)
         num_fresh = max(cdiv(num_tokens_need_slot, self.block_size) - num_table - num_external_blocks, 0)
-        taken = self.block_pool.touch_and_get_new_blocks(computed, num_external_blocks + partial + num_fresh)
+        with self._eviction_counter.counting():
+            taken = self.block_pool.touch_and_get_new_blocks(computed, num_external_blocks + partial + num_fresh)
         if admitted:
             held = self.req_to_blocks[request_id] = list(computed)
             self._requests[request_id] = request
@@ -375,7 +358,7 @@ class KVCacheManager(AllocationChecks):
             hashes = self.full_block_hashes(request)
             self.block_pool.cache_full_blocks(blocks, hashes, num_cached_blocks, num_full_blocks, self.block_size)
             for i in range(num_cached_blocks, num_full_blocks):
-                self._evicted_hashes.discard(hashes[i])
+                self._eviction_counter.evicted_hashes.discard(hashes[i])
                 if self.verify_hits:
                     self._block_content[blocks[i].block_id] = self._content(request, i)
             self.num_cached_block[request_id] = num_full_blocks
@@ -400,10 +383,7 @@ class KVCacheManager(AllocationChecks):
         self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted)
         self._interval_stats.record(request.num_tokens, num_hits, preempted)
         self.caching_metrics.observe(stats)
-        if self._evicted_hashes:
-            lost = {h for h in self.full_block_hashes(request)[num_hit_blocks:] if h in self._evicted_hashes}
-            self.num_blocks_evicted_before_reuse += len(lost)
-            self._evicted_hashes -= lost  # each eviction is counted once, by the first request that misses it
+        self._eviction_counter.missed(self.full_block_hashes(request)[num_hit_blocks:])
 
     # ----------------------------------------------------------------- freeing
 
@@ -423,49 +403,12 @@ class KVCacheManager(AllocationChecks):
         self.num_cached_block.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
 
-    # ----------------------------------------------------------------- kvlab's additions: fork and copy-on-write
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Give ``child`` the parent's block table, sharing every block (each ``ref_cnt`` + 1).
-
-        For parallel sampling (``n > 1``), as the PagedAttention paper (and vLLM's V0 block
-        manager) did it. V1 has no fork: it runs ``n`` requests that share the prompt's full
-        blocks through the prefix cache. Nothing is copied now: only a write into a shared,
-        partly filled block copies it (``copy_on_write``). The child must be new to this
-        manager and start with the tokens the parent has computed.
-        """
-        self._check_fork(parent, child)
-        blocks = self.req_to_blocks[parent.request_id]
-        self.block_pool.touch(blocks)
-        self.req_to_blocks[child.request_id] = list(blocks)
-        self.num_cached_block[child.request_id] = self.num_cached_block[parent.request_id]
-        self._requests[child.request_id] = child
-        if self.enable_caching:
-            self._ensure_block_hashes(child)
-
-    def copy_on_write(self, request: Request) -> list[KVCacheBlockCopy] | None:
-        """Before ``request`` writes its next token, give it a private copy of that token's block if it is shared.
-
-        Returns the copies ``(src_block_id, dst_block_id)`` the engine must make on the KV tensors
-        (empty when the block is private, full or not yet allocated), or None, changing nothing,
-        when no block is free for the copy. Full blocks are never copied: nobody writes into them
-        again. The copy itself is ``BlockPool.copy_on_write``, shared with ``kvlab.core.sequence``.
-        """
-        self._check_request(request)
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        index, offset = divmod(request.num_computed_tokens, self.block_size)
-        if offset == 0 or index >= len(blocks) or blocks[index].ref_cnt == 1 or self._is_retained(blocks[index]):
-            return []
-        if self.block_pool.get_num_free_blocks() < 1:
-            return None
-        return [self.block_pool.copy_on_write(blocks, index)]
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update, say); refused (False) while any block is in use."""
         if not self.block_pool.reset_prefix_cache():
             return False
         self._block_content.clear()
-        self._evicted_hashes.clear()
+        self._eviction_counter.evicted_hashes.clear()
         self.caching_metrics.reset()
         self.prefix_cache_stats.reset = self._interval_stats.reset = True
         return True
