@@ -146,6 +146,17 @@ def test_caching_off_places_every_freed_block_at_the_head_and_reports_no_evictio
     assert not any(call[0] == "evicted" for call in t.v_rec.calls)
 
 
+def test_vllm_033_tags_its_extra_keys_as_the_ported_tests_expect():
+    """tests/test_vllm_ported.py expects tagged keys where the stored vLLM test revisions still had bare ones."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    t = Twin(8, 4)
+    t.add("r", list(range(20)), salt="salt", lora="test_lora_adapter", lora_path="/path/to/lora",
+          mm=(("hash1", 0, 5),))
+    keys, _ = generate_block_hash_extra_keys(t.pairs["r"].v, 0, 5, 0)
+    assert keys == (("lora", "test_lora_adapter", "/path/to/lora"), ("mm", "hash1", 0), ("cache_salt", "salt"))
+
+
 # ----------------------------------------------------------------- seeded random traces
 
 CONFIGS = [
