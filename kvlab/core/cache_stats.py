@@ -128,6 +128,8 @@ class EvictionCounter:
         pass
 
     def commit(self) -> None:
+        if not self.staged:
+            return
         self.num_evicted_blocks += len(self.staged)
         # A hash still held by another block (the same content computed twice) is not lost.
         self.evicted_hashes.update(h for h, lost in self.staged if lost)

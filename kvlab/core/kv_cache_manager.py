@@ -295,8 +295,12 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             num_external_blocks = max(0, cdiv(num_local_computed_tokens + num_external_computed_tokens,
                                               self.block_size) - num_table)
         num_fresh = max(cdiv(num_tokens_need_slot, self.block_size) - num_table - num_external_blocks, 0)
-        with self._eviction_counter.counting():
-            taken = self.block_pool.touch_and_get_new_blocks(computed, num_external_blocks + partial + num_fresh)
+        num_taken = num_external_blocks + partial + num_fresh
+        if num_taken or computed:  # (a decode step inside its last block takes nothing: no pool call, as in vLLM)
+            with self._eviction_counter.counting():
+                taken = self.block_pool.touch_and_get_new_blocks(computed, num_taken)
+        else:
+            taken = []
         if admitted:
             held = self.req_to_blocks[request_id] = list(computed)
             self._requests[request_id] = request

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvlab._validate import non_negative_int, positive_int
 from kvlab.core.kv_cache_utils import KVCacheBlock
-from kvlab.core.request import Request
+from kvlab.core.request import FINISHED, Request
 from kvlab.errors import KvlabValueError, RequestStateError
 from kvlab.units import cdiv
 
@@ -49,9 +49,9 @@ class AllocationChecks:
         return int(watermark * positive_int("num_blocks", num_blocks))
 
     def _check_request(self, request: Request) -> None:
-        if not isinstance(request, Request):
+        if type(request) is not Request and not isinstance(request, Request):
             raise KvlabValueError(f"request must be a kvlab Request, got {type(request).__name__}")
-        if request.is_finished():
+        if request.status in FINISHED:
             raise RequestStateError(
                 f"request {request.request_id!r} is {request.status.value}; a finished request gets no blocks"
             )
@@ -102,14 +102,14 @@ class AllocationChecks:
         copy), else 0.
         """
         self._check_request(request)
-        num_new_tokens = non_negative_int("num_new_tokens", num_new_tokens)
-        num_new_computed_tokens = non_negative_int("num_new_computed_tokens", num_new_computed_tokens)
-        non_negative_int("num_lookahead_tokens", num_lookahead_tokens)
-        num_external = non_negative_int("num_external_computed_tokens", num_external_computed_tokens)
-        non_negative_int("reserved_blocks", reserved_blocks)
-        if non_negative_int("num_encoder_tokens", num_encoder_tokens):
+        num_new_tokens = _count("num_new_tokens", num_new_tokens)
+        num_new_computed_tokens = _count("num_new_computed_tokens", num_new_computed_tokens)
+        _count("num_lookahead_tokens", num_lookahead_tokens)
+        num_external = _count("num_external_computed_tokens", num_external_computed_tokens)
+        _count("reserved_blocks", reserved_blocks)
+        if _count("num_encoder_tokens", num_encoder_tokens):
             raise KvlabValueError("num_encoder_tokens must be 0: kvlab models no cross-attention (decoder-only)")
-        if tuple(skip_zeroing_group_ids):
+        if skip_zeroing_group_ids != () and tuple(skip_zeroing_group_ids):
             raise KvlabValueError("skip_zeroing_group_ids must be empty: kvlab's worker zeroes no blocks")
         if num_new_tokens == 0 and num_external == 0 and num_new_computed_tokens == 0:
             raise KvlabValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
@@ -120,7 +120,7 @@ class AllocationChecks:
                 f"{request.num_computed_tokens}: it was freed. A preempted request restarts from "
                 "num_computed_tokens = 0"
             )
-        computed = list(new_computed_blocks or [])
+        computed = list(new_computed_blocks) if new_computed_blocks else []
         if held is not None and (computed or num_new_computed_tokens or num_external):
             raise RequestStateError(
                 f"request {request.request_id!r} already holds blocks; prefix hits and external tokens are taken "
@@ -175,3 +175,10 @@ class AllocationChecks:
                 f"request {request.request_id!r} would write into block {held[index].block_id}, which "
                 f"{held[index].ref_cnt} holders share; call copy_on_write(request) first"
             )
+
+
+def _count(name: str, value: object) -> int:
+    """``non_negative_int`` with a fast path for the plain ints a scheduler passes (checked once per call)."""
+    if type(value) is int and value >= 0:
+        return value
+    return non_negative_int(name, value)

@@ -154,7 +154,7 @@ class Request:
 
     def is_finished(self) -> bool:
         """True once the request stopped, hit its length cap or was aborted."""
-        return RequestStatus.is_finished(self.status)
+        return self.status in FINISHED
 
     def __repr__(self) -> str:
         return (
@@ -164,7 +164,14 @@ class Request:
         )
 
 
+#: The three finished states, for a quick membership test.
+FINISHED = frozenset(s for s in RequestStatus if RequestStatus.is_finished(s))
+
+
 def _check_token_ids(name: str, tokens: Sequence[object]) -> None:
+    """Every token id a non-negative int (bools refused); checked once per call, before anything changes."""
     for t in tokens:
+        if type(t) is int and t >= 0:
+            continue
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise KvlabValueError(f"{name} must hold non-negative integer token ids, got {t!r}")
