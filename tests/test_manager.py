@@ -142,6 +142,15 @@ def test_same_tokens_with_another_salt_or_adapter_do_not_hit(kwargs):
     assert admit(manager, Request("same", prompt, **kwargs)) == 192  # same salt / adapter: hits again
 
 
+def test_a_lora_and_a_salt_of_one_value_do_not_share_block_0_nor_two_adapters_of_one_name():
+    manager = KVCacheManager(num_blocks=100, block_size=16)
+    prompt = tokens(0, 40)
+    admit(manager, Request("salted", prompt, cache_salt="x"))
+    assert admit(manager, Request("adapter", prompt, lora_name="x")) == 0  # tagged: ("lora", ..) != ("cache_salt", ..)
+    assert admit(manager, Request("adapter moved", prompt, lora_name="x", lora_path="/other/x")) == 0
+    assert admit(manager, Request("adapter again", prompt, lora_name="x")) == 32
+
+
 def test_images_behind_identical_placeholders_do_not_share_blocks():
     manager = KVCacheManager(num_blocks=100, block_size=16)
     prompt = tokens(0, 20) + [7] * 40 + tokens(100, 20)  # 40 placeholder tokens from position 20
