@@ -55,14 +55,10 @@ def workload(seed: int = 0) -> list[tuple[list[int], int]]:
     return out
 
 
-class KvlabSide:
-    name = "kvlab"
+class _Side:
+    """The three manager calls the loop makes; both managers spell them the same way."""
 
-    def __init__(self) -> None:
-        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, hash_seed="bench")
-
-    def request(self, rid: str, prompt: list[int]) -> Request:
-        return Request(rid, prompt)
+    m: object
 
     def lookup(self, r):
         hits, n, _ = self.m.get_computed_blocks(r)
@@ -75,7 +71,17 @@ class KvlabSide:
         self.m.free(r)
 
 
-class VllmSide:
+class KvlabSide(_Side):
+    name = "kvlab"
+
+    def __init__(self) -> None:
+        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, hash_seed="bench")
+
+    def request(self, rid: str, prompt: list[int]) -> Request:
+        return Request(rid, prompt)
+
+
+class VllmSide(_Side):
     name = "vLLM 0.33.0"
 
     def __init__(self) -> None:
@@ -100,16 +106,6 @@ class VllmSide:
 
     def request(self, rid, prompt):
         return self.VRequest(rid, prompt, self.params, None, block_hasher=self.hasher)
-
-    def lookup(self, r):
-        hits, n, _ = self.m.get_computed_blocks(r)
-        return hits, n
-
-    def allocate(self, r, n, hit=0, hits=None):
-        return self.m.allocate_slots(r, n, hit, hits)
-
-    def free(self, r):
-        self.m.free(r)
 
 
 def run(side, work) -> tuple[int, float, list]:
