@@ -1,35 +1,25 @@
 """The KV cache manager: prefix-cache lookup, slot allocation and freeing for each request.
 
 Mirrors ``vllm/v1/core/kv_cache_manager.py`` (vLLM 0.33.0) with one full-attention KV cache
-group, so the work of ``kv_cache_coordinator.UnitaryKVCacheCoordinator`` and
-``single_type_kv_cache_manager.FullAttentionManager`` is folded in and vLLM's
-``KVCacheBlocks`` (a tuple over groups) is a plain list. The scheduler's calls are vLLM's:
+group: the work of ``UnitaryKVCacheCoordinator`` and ``FullAttentionManager`` is folded in, and
+vLLM's ``KVCacheBlocks`` (a tuple over groups) is a plain list. The scheduler's calls are vLLM's:
+``get_computed_blocks(request, max_cache_hit_length=None)`` (the longest cached prefix, its
+tokens, and the shared-prefix boundary, always 0 with one group; never the last token, which
+the model must compute for the next token's logits), ``allocate_slots(...)`` (the new blocks,
+or None with nothing changed), ``take_kv_cache_block_copies()`` and ``free(request)`` (tail first).
 
-* ``get_computed_blocks(request, max_cache_hit_length=None)``: the blocks of the longest cached
-  prefix, its length in tokens, and the shared-prefix boundary (always 0 with one group). The
-  hit stops at the first miss and never covers the last token (the model must compute it to
-  produce the next token's logits);
-* ``allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-  num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks, ...)``: the new
-  blocks, or ``None`` with nothing changed;
-* ``take_kv_cache_block_copies()``: the copies a partial prefix hit needs (below);
-* ``free(request)``: the request's blocks back to the pool, tail first.
-
-**Partial hits.** With hashes finer than blocks (``hash_block_size`` < ``block_size``), a hit
-may end inside a block. The request cannot write its own tokens into that shared block, so
-0.33.0 copies it: ``allocate_slots`` takes one more block, points the request's table at it
-and queues ``KVCacheBlockCopy(src, dst)`` for the worker; both blocks keep an extra reference
-until the scheduler has taken the copies. vLLM 0.33.0 turns this on only for hybrid models
-whose Mamba layers cache in "align" mode (one full-attention group always hashes per block);
-kvlab lets one group use it so that the mechanism can be watched on its own.
+**Partial hits.** With hashes finer than blocks (``hash_block_size`` < ``block_size``) a hit may
+end inside a block. The request cannot write into that shared block, so ``allocate_slots`` takes
+one more block, points the table at it and queues ``KVCacheBlockCopy(src, dst)`` for the worker;
+both keep an extra reference until the scheduler takes the copies. vLLM 0.33.0 turns this on only
+for hybrid models whose Mamba layers cache in "align" mode; kvlab lets one group use it.
 
 kvlab adds checks vLLM leaves to its scheduler (bad calls raise ``RequestStateError`` or
-``KvlabValueError`` and change nothing), eviction counters, one ``NONE_HASH`` per manager
-(vLLM's is process state), ``fork`` and ``copy_on_write`` for parallel sampling (the
-PagedAttention paper's mechanism, which V1 serves through the prefix cache instead), and
-``verify_hits``: a per-hit comparison of each block's tokens and extra keys, the cheap guard
-nano-vllm uses. vLLM's KV events, encoder (cross-attention) blocks and sliding windows are not
-modelled.
+``KvlabValueError`` and change nothing; ``kvlab.core.manager_checks``), eviction counters, one
+``NONE_HASH`` per manager (vLLM's is process state), ``fork`` and ``copy_on_write`` for parallel
+sampling (``kvlab.core.manager_fork``: the PagedAttention paper's mechanism, which V1 serves
+through the prefix cache instead) and ``verify_hits``, nano-vllm's per-hit comparison of tokens.
+vLLM's KV events, encoder blocks and sliding windows are not modelled.
 """
 
 from __future__ import annotations
@@ -44,7 +34,6 @@ from kvlab.core.cache_stats import CachingMetrics, EvictionCounter, PrefixCacheS
 from kvlab.core.hashing import (
     BlockHash,
     HashFn,
-    generate_block_hash_extra_keys,
     get_hash_fn_by_name,
     get_request_block_hasher,
     hash_fn_name,
@@ -220,18 +209,6 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             hit_length = len(hits) * self.block_size
         return hits, hit_length, 0
 
-    def _verified(self, request: Request, hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """Cut ``hits`` at the first block whose recorded tokens or extra keys differ from the request's."""
-        for i, block in enumerate(hits):
-            if self._block_content.get(block.block_id) != self._content(request, i):
-                self.num_rejected_hits += 1
-                return hits[:i]
-        return hits
-
-    def _content(self, request: Request, block_index: int) -> tuple[tuple[int, ...], Any]:
-        start, end = block_index * self.block_size, (block_index + 1) * self.block_size
-        return request.token_ids(start, end), generate_block_hash_extra_keys(request, start, end)[0]
-
     # ----------------------------------------------------------------- allocation
 
     def allocate_slots(
@@ -269,10 +246,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         computed, partial = self._check_allocation(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, num_encoder_tokens, reserved_blocks, skip_zeroing_group_ids)
-        request_id = request.request_id
-        held = self.req_to_blocks.get(request_id)
-        admitted = held is None
-        num_held = 0 if held is None else len(held)
+        held = self.req_to_blocks.get(request.request_id)
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = self._cap(num_local_computed_tokens + num_external_computed_tokens)
         watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in
@@ -287,13 +261,25 @@ class KVCacheManager(ForkMixin, AllocationChecks):
                 free - reserved_blocks:
             return None
 
-        # Every check passed: from here on the call succeeds. The pool takes the hits and every new block
-        # in one step (external-token blocks, the partial hit's copy, the fresh blocks, in vLLM's order).
-        num_table = num_held + len(computed)
+        return self._commit_allocation(request, held, computed, partial, num_tokens_need_slot,
+                                       num_new_computed_tokens, num_external_computed_tokens,
+                                       None if delay_cache_blocks else min(total_computed_tokens + num_new_tokens,
+                                                                           request.num_tokens))
+
+    def _commit_allocation(self, request: Request, held: list[KVCacheBlock] | None, computed: list[KVCacheBlock],
+                           partial: int, num_tokens_need_slot: int, num_new_computed_tokens: int,
+                           num_external_computed_tokens: int, num_tokens_to_cache: int | None) -> list[KVCacheBlock]:
+        """``allocate_slots`` once every check passed: from here on the call succeeds.
+
+        The pool takes the hits and every new block in one step (external-token blocks, the partial
+        hit's copy, the fresh blocks, in vLLM's order); then the table, the copy, the stats, the cache.
+        """
+        request_id, admitted = request.request_id, held is None
+        num_table = (0 if held is None else len(held)) + len(computed)
         num_external_blocks = 0
         if admitted and num_external_computed_tokens:
-            num_external_blocks = max(0, cdiv(num_local_computed_tokens + num_external_computed_tokens,
-                                              self.block_size) - num_table)
+            num_external_blocks = max(0, cdiv(request.num_computed_tokens + num_new_computed_tokens +
+                                              num_external_computed_tokens, self.block_size) - num_table)
         num_fresh = max(cdiv(num_tokens_need_slot, self.block_size) - num_table - num_external_blocks, 0)
         num_taken = num_external_blocks + partial + num_fresh
         if num_taken or computed:  # (a decode step inside its last block takes nothing: no pool call, as in vLLM)
@@ -301,13 +287,12 @@ class KVCacheManager(ForkMixin, AllocationChecks):
                 taken = self.block_pool.touch_and_get_new_blocks(computed, num_taken)
         else:
             taken = []
-        if admitted:
+        if held is None:
             held = self.req_to_blocks[request_id] = list(computed)
             self._requests[request_id] = request
             self.num_cached_block[request_id] = len(computed) - partial
             if self.enable_caching:
                 self._ensure_block_hashes(request)
-        assert held is not None
         held.extend(taken[:num_external_blocks])
         new_blocks = taken[num_external_blocks:]
         if partial:
@@ -315,8 +300,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         held.extend(new_blocks[partial:])
         if admitted and self.enable_caching:
             self._record_admission(request, num_new_computed_tokens, len(computed))
-        if self.enable_caching and not delay_cache_blocks:
-            self.cache_blocks(request, min(total_computed_tokens + num_new_tokens, request.num_tokens))
+        if self.enable_caching and num_tokens_to_cache is not None:
+            self.cache_blocks(request, num_tokens_to_cache)
         return new_blocks
 
     def _cap(self, num_tokens: int) -> int:
@@ -416,17 +401,3 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self.caching_metrics.reset()
         self.prefix_cache_stats.reset = self._interval_stats.reset = True
         return True
-
-    # ----------------------------------------------------------------- binding a request to this manager
-
-    def _ensure_block_hashes(self, request: Request) -> None:
-        """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
-        if request._hasher_owner is None:
-            request._hasher_owner = self
-            request._block_hasher = self._request_block_hasher
-            request.block_hashes.extend(self._request_block_hasher(request))
-        elif request._hasher_owner is not self:
-            raise RequestStateError(
-                f"request {request.request_id!r} was hashed by another KVCacheManager (its own hash seed and "
-                "function); create a new Request for this manager"
-            )

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvlab._validate import non_negative_int, positive_int
+from kvlab.core.hashing import generate_block_hash_extra_keys
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.core.request import FINISHED, Request
 from kvlab.errors import KvlabValueError, RequestStateError
@@ -31,6 +32,9 @@ class AllocationChecks:
     req_to_blocks: dict[str, list[KVCacheBlock]]
     _requests: dict[str, Request]
     _pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]]
+    _block_content: dict[int, tuple[tuple[int, ...], Any]]
+    num_rejected_hits: int
+    _request_block_hasher: Any
 
     def _check_hash_block_size(self, hash_block_size: int | None, verify_hits: bool) -> int:
         if hash_block_size is None:
@@ -67,6 +71,30 @@ class AllocationChecks:
     def _is_retained(self, block: KVCacheBlock) -> bool:
         """True for a partial hit's copy still waiting for ``take_kv_cache_block_copies`` (its extra reference)."""
         return any(copy is block for _, copy in self._pending_cow_copies)
+
+    def _verified(self, request: Request, hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Cut ``hits`` at the first block whose recorded tokens or extra keys differ from the request's."""
+        for i, block in enumerate(hits):
+            if self._block_content.get(block.block_id) != self._content(request, i):
+                self.num_rejected_hits += 1
+                return hits[:i]
+        return hits
+
+    def _content(self, request: Request, block_index: int) -> tuple[tuple[int, ...], Any]:
+        start, end = block_index * self.block_size, (block_index + 1) * self.block_size
+        return request.token_ids(start, end), generate_block_hash_extra_keys(request, start, end)[0]
+
+    def _ensure_block_hashes(self, request: Request) -> None:
+        """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
+        if request._hasher_owner is None:
+            request._hasher_owner = self
+            request._block_hasher = self._request_block_hasher
+            request.block_hashes.extend(self._request_block_hasher(request))
+        elif request._hasher_owner is not self:
+            raise RequestStateError(
+                f"request {request.request_id!r} was hashed by another KVCacheManager (its own hash seed and "
+                "function); create a new Request for this manager"
+            )
 
     def _check_fork(self, parent: Request, child: Request) -> None:
         self._check_request(parent)
