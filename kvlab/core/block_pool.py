@@ -234,18 +234,21 @@ class BlockPool:
         self.free_block_queue.prepend_n(first)
         self.free_block_queue.append_n(last)
 
-    def copy_on_write(self, blocks: list[KVCacheBlock], index: int) -> KVCacheBlockCopy:
+    def copy_on_write(self, blocks: list[KVCacheBlock], index: int,
+                      copy: KVCacheBlock | None = None) -> KVCacheBlockCopy:
         """Give a holder of the shared block ``blocks[index]`` a private copy: the one copy-on-write.
 
         Takes a new block, puts it at ``blocks[index]`` and drops the holder's reference to the
         shared one (whose other holders keep it). Returns the copy the worker must make on the
         KV tensors before anyone writes into the new block. The fork of ``kvlab.core.sequence``
         and of ``KVCacheManager`` both copy this way (the PagedAttention paper's mechanism).
+        ``copy`` is a block the caller already took for it (so that one pool call takes all it needs).
         """
         shared = blocks[index]
         if shared.ref_cnt < 2:
             raise BlockStateError(f"block {shared.block_id} is not shared (ref_cnt {shared.ref_cnt}): write in place")
-        (copy,) = self.get_new_blocks(1)
+        if copy is None:
+            (copy,) = self.get_new_blocks(1)
         blocks[index] = copy
         shared.ref_cnt -= 1  # >= 1 left: the other holders keep it, out of the free queue
         return KVCacheBlockCopy(shared.block_id, copy.block_id)

@@ -182,8 +182,9 @@ class Sequence:
                 f"cannot write {_count(len(tokens), 'token')}: {need} needed, but only {_count(free, 'block')} "
                 f"{'is' if free == 1 else 'are'} free; nothing was written (release a sequence to free blocks)"
             )
-        copies = [self._copy_last_block()] if copy_first else []
-        for block in self.pool.get_new_blocks(fresh):
+        taken = self.pool.get_new_blocks(copy_first + fresh)  # one pool call: it succeeds whole or changes nothing
+        copies = [self._copy_last_block(taken[0])] if copy_first else []
+        for block in taken[copy_first:]:
             self.contents.clear(block.block_id)
             self.blocks.append(block)
         for pos, token in enumerate(tokens, start=self.num_tokens):
@@ -194,9 +195,9 @@ class Sequence:
     def _last_block_shared_and_partial(self) -> bool:
         return self.num_tokens % self.block_size != 0 and self.blocks[-1].ref_cnt > 1
 
-    def _copy_last_block(self) -> BlockCopy:
-        """Copy-on-write: move this sequence's last block to a private copy (the pool drops the shared one)."""
-        copy = self.pool.copy_on_write(self.blocks, len(self.blocks) - 1)
+    def _copy_last_block(self, block: KVCacheBlock) -> BlockCopy:
+        """Copy-on-write into ``block``: the last block becomes a private copy (the pool drops the shared one)."""
+        copy = self.pool.copy_on_write(self.blocks, len(self.blocks) - 1, block)
         self.contents.copy(copy.src_block_id, copy.dst_block_id)
         return copy
 
