@@ -26,15 +26,16 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 02  sim.workloads, sim.fragmentation    contiguous reservation against paging (the PagedAttention paper)
 02  sim.sharing                         parallel sampling's shared prompt blocks, measured (the paper's Fig. 15)
 03  core.kv_cache_utils                 ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``)
-03  core.block_pool                     ``BlockPool`` (``vllm/v1/core/block_pool.py``)
+03  core.block_pool                     ``BlockPool``, ``BlockHashToBlockMap`` (``vllm/v1/core/block_pool.py``)
 03  core.sequence, sim.block_scenarios  block tables, slot mapping, fork and copy-on-write (the paper's, and
                                         ``vllm/v1/worker/block_table.py``)
 04  core.hashing                        ``hash_block_tokens``, ``NONE_HASH`` (``kv_cache_utils.py``,
                                         ``vllm/utils/hashing.py``)
 04  core.request                        ``Request`` (``vllm/v1/request.py``)
 04  core.kv_cache_manager               ``KVCacheManager`` (``vllm/v1/core/kv_cache_manager.py``,
-                                        ``single_type_kv_cache_manager.py``)
-04  core.cache_stats                    ``PrefixCacheStats``, ``CachingMetrics`` (``vllm/v1/metrics/stats.py``)
+    (+ manager_checks, manager_fork)    ``single_type_kv_cache_manager.py``), its input checks, kvlab's fork
+04  core.cache_stats                    ``PrefixCacheStats``, ``CachingMetrics`` (``vllm/v1/metrics/stats.py``),
+                                        kvlab's eviction counter
 04  sim.prefix_sim, sim.hash_cost,      hit rates against pool size, hashing cost, collisions on purpose
     sim.collisions
 05  kernels (attention, cache_write)    ``triton_unified_attention.py``, ``reshape_and_cache_flash``

@@ -105,7 +105,7 @@ def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bo
     if evict:  # another request takes the partial block and then `evict` cached blocks from the queue's head
         manager.allocate_slots(Request("other", [7] * ((num_partial + evict) * block_size)),
                                (num_partial + evict) * block_size)
-    _, num_hit_tokens = manager.get_computed_blocks(victim)
+    _, num_hit_tokens, _ = manager.get_computed_blocks(victim)
     return num_tokens - num_hit_tokens
 
 

@@ -110,6 +110,7 @@ class PoolSnapshot:
     token_ids: Mapping[str, tuple[int, ...]]
     cached_index: Mapping[Hashable, tuple[int, ...]]  # block hash -> ids of the blocks holding it
     usage: float
+    num_usable_blocks: int = 0  # the pool's blocks but the null block (BlockPool.num_usable_blocks)
 
     @property
     def ref_counts(self) -> dict[int, int]:
@@ -149,6 +150,7 @@ def snapshot(pool: BlockPool, sequences: Mapping[str, Sequence], block_size: int
         token_ids=MappingProxyType({n: tuple(s.token_ids()) for n, s in live.items()}),
         cached_index=MappingProxyType({h: tuple(sorted(d)) for h, d in pool.cached_block_hash_to_block.items()}),
         usage=pool.get_usage(),
+        num_usable_blocks=pool.num_usable_blocks,
     )
 
 

@@ -84,8 +84,7 @@ class Scheduler:
         self.block_size = kv_cache_manager.block_size
         self.max_num_running_reqs = positive_int("max_num_seqs", max_num_seqs)
         self.max_num_scheduled_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        pool = kv_cache_manager.block_pool
-        self.num_usable_blocks = pool.num_gpu_blocks - (1 if pool.null_block is not None else 0)
+        self.num_usable_blocks = kv_cache_manager.block_pool.num_usable_blocks
         self.max_model_len = (
             self.num_usable_blocks * self.block_size if max_model_len is None
             else positive_int("max_model_len", max_model_len)
@@ -167,13 +166,19 @@ class Scheduler:
             request = self.waiting[0]
             if self._num_seq_slots_used() + request.num_pending_forks + 1 > self.max_num_running_reqs:
                 break
-            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_external_tokens = (0 if self.connector is None
-                                   else self.connector.get_num_new_matched_tokens(request, num_hit_tokens))
+            hit_blocks, num_hit_tokens, _ = self.kv_cache_manager.get_computed_blocks(request)
+            num_external_tokens = 0
+            if self.connector is not None:  # as vLLM: the connector sees a block-aligned hit, and may supersede
+                partial_tail = num_hit_tokens % self.block_size  # a partial tail only by loading strictly more
+                num_external_tokens = self.connector.get_num_new_matched_tokens(request, num_hit_tokens - partial_tail)
+                if partial_tail and num_external_tokens > partial_tail:
+                    hit_blocks, num_hit_tokens = hit_blocks[:-1], num_hit_tokens - partial_tail
+                elif partial_tail:
+                    num_external_tokens = 0
             num_computed_tokens = num_hit_tokens + num_external_tokens
             num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens + num_external_tokens, num_hit_tokens, hit_blocks)
+                request, num_new_tokens, num_hit_tokens, hit_blocks, num_external_computed_tokens=num_external_tokens)
             if new_blocks is None:
                 break  # the pool is full: the queue waits, in order
             if self.connector is not None:
@@ -190,8 +195,12 @@ class Scheduler:
             token_budget -= num_new_tokens
 
         assert token_budget >= 0 and len(self.running) <= self.max_num_running_reqs
+        # Partial prefix hits' copies (vLLM 0.33.0's copy-on-write): the executor makes them before the forward,
+        # and nothing allocates before then, so their retained blocks can go back at once (vLLM's sync path).
+        hit_copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
+        self.kv_cache_manager.block_pool.free_blocks(retained)
         output = self._make_output(scheduled_running + admitted, num_new_tokens_of,
-                                   scheduled_new, scheduled_resumed, scheduled_running, preempted)
+                                   scheduled_new, scheduled_resumed, scheduled_running, preempted, hit_copies)
         self.num_steps += 1
         self.num_preemptions += len(preempted)
         self._last_step = output
@@ -233,6 +242,7 @@ class Scheduler:
         scheduled_resumed: list[GenerationRequest],
         scheduled_running: list[GenerationRequest],
         preempted: list[GenerationRequest],
+        hit_copies: list[BlockCopy],
     ) -> SchedulerOutput:
         """Advance ``num_computed_tokens`` (as vLLM does at schedule time), fork, and describe the step."""
         scheduled, copies = [], []
@@ -261,7 +271,7 @@ class Scheduler:
             scheduled_running_req_ids=[r.request_id for r in scheduled_running],
             preempted_req_ids=[r.request_id for r in preempted],
             finished_req_ids=finished,
-            blocks_to_copy=copies,
+            blocks_to_copy=copies + hit_copies,
             kv_connector_metadata=None if self.connector is None else self.connector.build_connector_meta(),
         )
 
@@ -276,6 +286,7 @@ class Scheduler:
                 eos_token_id=parent.eos_token_id, cache_salt=parent.cache_salt, lora_name=parent.lora_name,
             )
             child.parent_id = parent.request_id
+            child.lora_path = parent.lora_path  # the adapter's path enters the block hash, as its name does
             self.kv_cache_manager.fork(parent, child)
             child.status = RequestStatus.RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
