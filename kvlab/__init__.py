@@ -39,9 +39,12 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 05  kernels (attention, cache_write)    ``triton_unified_attention.py``, ``reshape_and_cache_flash``
                                         (``vllm/v1/attention/ops/``)
 06  core.sched.output                   ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``), ``SamplingParams``
+06  core.sched.config                   ``SchedulerConfig`` (``vllm/config/scheduler.py``)
 06  core.sched.scheduler                ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``)
-06  engine                              ``LLMEngine``, ``GPUModelRunner``, the sampler (``vllm/v1/engine/``,
-                                        ``vllm/v1/worker/``)
+06  core.sched.loop                     ``EngineCore.step`` (``vllm/v1/engine/core.py``), a no-compute executor
+06  engine.engine_config                ``EngineConfig`` (``VllmConfig`` and its parts, ``vllm/config/``)
+06  engine                              ``LLMEngine``, ``GPUModelRunner``, the sampler, the KV pool's start-up
+                                        (``vllm/v1/engine/``, ``vllm/v1/worker/``)
 07  capacity.hardware, cost_model,      GPUs and links as datasheets give them; a modelled cost of prefill and copies;
     playbook, source_deployments        the capacity-planning playbook and the source articles' deployments
 07  core.kv_cache_metrics               ``KVCacheMetricsCollector`` (``vllm/v1/core/kv_cache_metrics.py``)

@@ -175,10 +175,29 @@ class BlockPool:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Withdraw blocks from the prefix cache by id (vLLM's ``evict_blocks``): their hashes leave the index.
+
+        For blocks whose KV cannot be trusted (kvlab: those a failed step was to fill). A block
+        stays where it is, held or free; one without a hash is left alone. Unlike vLLM, the
+        observers are not told: the block is not given up for reuse, and kvlab's CPU tier, which
+        stores what the pool evicts, must not store KV that was perhaps never written.
+        """
+        ids = list(block_ids)
+        for block_id in ids:
+            if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 <= block_id < self.num_gpu_blocks:
+                raise BlockStateError(f"cannot evict block {block_id!r}: block ids are 0 .. {self.num_gpu_blocks - 1}")
+        for block_id in ids:
+            self._uncache(self.blocks[block_id])
+
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """If ``block`` is cached, drop it from the index and forget its hash (the eviction)."""
         if self.metrics_collector is not None:  # vLLM reports every block leaving the free queue, hashed or not
             self.metrics_collector.on_block_evicted(block)
+        return self._uncache(block)
+
+    def _uncache(self, block: KVCacheBlock) -> bool:
+        """Drop ``block`` from the hash index and forget its hash; False if it had none."""
         block_hash = block.block_hash
         if block_hash is None:
             return False
