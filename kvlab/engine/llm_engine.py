@@ -99,8 +99,8 @@ class LLMEngine:
         self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
         # 7. Offload wiring: an optional CPU tier of cpu_offload_blocks blocks (kvlab.core.kv_offload).
         self.cpu_offload_blocks = config.cpu_offload_blocks
-        self.cpu_kv_caches = allocate_cpu_kv_caches(self.kv_caches, config.cpu_offload_blocks) \
-            if config.cpu_offload_blocks else []
+        self.cpu_kv_caches = (allocate_cpu_kv_caches(self.kv_caches, config.cpu_offload_blocks)
+                              if config.cpu_offload_blocks else [])
         self.connector = (OffloadingConnector(self.kv_cache_manager, CPUOffloadingManager(config.cpu_offload_blocks))
                           if config.cpu_offload_blocks else None)
         # 8. Scheduler: the token budget, queues and preemption over the manager.

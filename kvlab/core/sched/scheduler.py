@@ -325,14 +325,12 @@ class Scheduler:
         return outputs
 
     def fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> ModelRunnerOutput:
-        """The executor raised: every request of the step (forked samples included) fails with ``error``.
+        """The executor raised: every request of the step, forked samples included, fails with ``error``.
 
-        Which request caused it is unknown, and a retry would most likely raise again, so none is
-        retried (vLLM goes further: an exception in ``execute_model`` kills the engine and every
-        request in it). The step may have stopped before its KV was written, so the full blocks it
-        was to fill leave the prefix cache first (``evict_blocks``): no later request may hit
-        them. Blocks computed in earlier steps stay cached. Returns the output that finishes the
-        requests, for ``update_from_output``.
+        The culprit is unknown and a retry would likely raise again, so none is retried (vLLM goes
+        further: the engine dies, with every request). The step may have stopped before writing
+        its KV, so the blocks it was to fill first leave the prefix cache (``evict_blocks``);
+        blocks of earlier steps stay cached. Returns the output ``update_from_output`` finishes them with.
         """
         untrusted: set[int] = set()
         failed: dict[str, BaseException] = {}
@@ -343,11 +341,10 @@ class Scheduler:
         return ModelRunnerOutput({}, failed)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[RequestOutput]:
-        """Finish requests from outside the step (vLLM's ``finish_requests``; an abort): free their blocks.
+        """Finish requests from outside a step (vLLM's ``finish_requests``: an abort), freeing their blocks.
 
-        Ids that are unknown or already finished are ignored, as vLLM ignores them. A parent whose
-        ``n - 1`` parallel samples are not forked yet takes them along. Returns one output per
-        request finished, where vLLM returns the requests themselves.
+        Unknown or finished ids are ignored, as in vLLM; a parent takes its samples not yet forked
+        along. Returns one output per request finished (vLLM returns the requests).
         """
         if not isinstance(finished_status, RequestStatus) or not RequestStatus.is_finished(finished_status):
             raise KvlabValueError(f"finished_status must be a finished RequestStatus, got {finished_status!r}")
