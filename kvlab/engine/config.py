@@ -92,7 +92,8 @@ class DecoderConfig:
         sizes = {key: need(key) for key in ("vocab_size", "hidden_size", "intermediate_size")}  # before the spec
         spec = ModelSpec.from_hf_config(cfg, name=name)
         max_len = cfg.get("max_position_embeddings")
-        tie = cfg.get("tie_word_embeddings", False)
+        eps, tie = (cfg.get(key) for key in ("rms_norm_eps", "tie_word_embeddings"))  # absent or null: the default
+        eps, tie = 1e-6 if eps is None else eps, False if tie is None else tie
         if not isinstance(tie, bool):
             raise KvlabValueError(f"tie_word_embeddings must be true or false, got {tie!r}")
         return cls(
@@ -102,7 +103,7 @@ class DecoderConfig:
             num_attention_heads=spec.num_attention_heads,
             num_key_value_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
-            rms_norm_eps=positive_number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=positive_number("rms_norm_eps", eps),
             rope=rope_config(cfg),
             tie_word_embeddings=tie,
             qk_norm=model_type == "qwen3",

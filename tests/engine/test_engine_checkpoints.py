@@ -165,3 +165,9 @@ def test_the_engine_refuses_a_broken_checkpoint_before_loading_anything(checkpoi
     edit_config(checkpoint, rope_parameters={"rope_type": "default", "rope_theta": -1.0})
     with pytest.raises(CheckpointError, match="rope_theta"):
         LLMEngine(checkpoint, num_gpu_blocks=8)
+
+
+def test_null_fields_take_their_defaults_as_transformers_reads_them(checkpoint):
+    edit_config(checkpoint, rms_norm_eps=None, max_position_embeddings=None)
+    config = load_model(checkpoint).config
+    assert (config.rms_norm_eps, config.max_position_embeddings, config.tie_word_embeddings) == (1e-6, None, True)
