@@ -58,6 +58,15 @@ def clean_outputs(prompts, **kwargs):
     return {r.request_id: r.output_token_ids for r in requests}
 
 
+def test_finished_ids_a_failed_step_never_delivered_are_sent_again():
+    s = make_scheduler()
+    s.add_request(req("done", 3, max_tokens=1))
+    s.add_request(req("next", 3, max_tokens=3))
+    step(s, NoComputeExecutor())                      # "done" finishes: the next step carries its id
+    out, _, _ = step(s, Broken(raise_at={1}))         # ... but that step fails before the executor reads it
+    assert "done" in out.finished_req_ids and "done" in s.schedule().finished_req_ids
+
+
 def test_a_negative_token_for_one_request_finishes_it_with_an_error_and_the_others_go_on():
     s = make_scheduler()
     requests = [req(f"r{i}", 6 + i, max_tokens=5) for i in range(3)]
@@ -108,6 +117,7 @@ def test_when_the_executor_raises_the_step_fails_and_the_waiting_requests_are_se
     assert [(o.request_id, o.finish_reason, o.error) for o in outputs] == [("r0", "error", error),
                                                                            ("r1", "error", error)]
     assert stats.num_running_reqs == 0 and [r.request_id for r in s.waiting] == ["r2"]
+    assert s.finished_req_ids == {"r0", "r1"}             # the next step tells the executor to drop them
     run_until_done(s)
     assert_pool_is_whole(s)
 

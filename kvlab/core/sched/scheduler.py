@@ -338,6 +338,7 @@ class Scheduler:
             untrusted.update(s.block_ids[s.num_computed_tokens // self.block_size:])
             failed.update(dict.fromkeys((s.request_id, *(child for child, _ in s.forked)), error))
         self.kv_cache_manager.block_pool.evict_blocks(untrusted)
+        self.finished_req_ids |= scheduler_output.finished_req_ids  # the executor may not have seen them
         return ModelRunnerOutput({}, failed)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[RequestOutput]:
