@@ -28,7 +28,7 @@ from kvlab.kernels.grid import next_power_of_2
 
 from kvlab.errors import BackendUnavailableError
 
-KERNEL_MODULES = ("attention", "cache_write", "online_softmax")
+KERNEL_MODULES = ("attention", "cache_write", "online_softmax", "mla_cache_write", "mla_decode")
 POINTER_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8": "*fp8e4nv"}
 
 
@@ -97,11 +97,42 @@ def variants(m: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dic
             "value_cache_ptr": POINTER_TYPES[kv], "slot_mapping_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32"}),
             const, {"num_warps": 4}))
 
+    out.extend(mla_variants(m))
+
     const = dict(HEAD=32, BLOCK_M=16, TILE_N=16, UPDATE=m.online_softmax_update)
     fn = m.attention_by_tiles_kernel
     out.append(("exercise tile kernel", fn, _signature(fn, const, {
         "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "visible_ptr": "*i8", "out_ptr": "*fp32",
         "states_ptr": "*fp32", "scale": "fp32"}), const, {"num_warps": 4}))
+    return out
+
+
+def mla_variants(m: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]]:
+    """MLA at DeepSeek-V3's shapes (latent 512 + rope 64, 16 heads per program, tiles of 32): decode and cache write."""
+    import triton.language as tl
+
+    out = []
+    for label, kv, splits in (("MLA decode bf16", "bf16", 1), ("MLA decode fp8 cache", "fp8", 1),
+                              ("MLA decode bf16, 4 splits", "bf16", 4)):
+        const = dict(NUM_HEADS=128, KV_LORA_RANK=512, ROPE_DIM=64, LATENT_PAD=512, ROPE_PAD=64, BLOCK_SIZE=64,
+                     BLOCK_H=16, TILE_N=32, NUM_SPLITS=splits, KV_FP8=kv == "fp8", COMPUTE_DTYPE=tl.bfloat16)
+        types = {"out_ptr": "*bf16", "split_acc_ptr": "*fp32", "split_max_ptr": "*fp32", "split_sum_ptr": "*fp32",
+                 "q_latent_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_cache_ptr": POINTER_TYPES[kv],
+                 "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32", "k_scale": "fp32"}
+        fn = m.mla_decode_kernel
+        out.append((label, fn, _signature(fn, const, types), const, {"num_warps": 4, "num_stages": 2}))
+    reduce_const = dict(NUM_Q_HEADS=128, HEAD_SIZE=512, HEAD_PAD=512, NUM_SPLITS=4, SPLITS_PAD=4)
+    fn = m.reduce_splits_kernel
+    out.append(("MLA merge of 4 splits (latent 512)", fn, _signature(fn, reduce_const, {
+        "out_ptr": "*bf16", "split_acc_ptr": "*fp32", "split_max_ptr": "*fp32", "split_sum_ptr": "*fp32"}),
+        reduce_const, {"num_warps": 4}))
+    for kv in ("bf16", "fp8"):
+        const = dict(KV_LORA_RANK=512, ROPE_DIM=64, LATENT_PAD=512, ROPE_PAD=64, BLOCK_SIZE=64, FP8=kv == "fp8",
+                     FP8_MAX=448.0)
+        fn = m.concat_and_cache_mla_kernel
+        out.append((f"MLA cache write, {kv} cache", fn, _signature(fn, const, {
+            "kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "kv_cache_ptr": POINTER_TYPES[kv], "slot_mapping_ptr": "*i64",
+            "k_scale": "fp32"}), const, {"num_warps": 4}))
     return out
 
 

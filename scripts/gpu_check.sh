@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On a CUDA machine, in one go (about 5 minutes, never more than 8): install kvlab without fetching
+# On a CUDA machine, in one go (about 6 minutes, never more than 9.5): install kvlab without fetching
 # anything, run the kernel tests natively, benchmark the kernels against SDPA (the goal shape first)
-# with a tile sweep, run the engine tests natively, and write logs and JSON (device and date inside)
-# to the folder given as $1, or $OUT, or data/measurements/.
+# with a tile sweep, benchmark MLA decode (the absorbed kernel against decompressing, with the bytes
+# each reads), run the engine tests natively, and write logs and JSON (device and date inside) to the
+# folder given as $1, or $OUT, or data/measurements/.
 #
 #   scripts/gpu_check.sh                # results into data/measurements/, ready to commit
 #   scripts/gpu_check.sh /tmp/results
@@ -55,6 +56,10 @@ step "benchmark against SDPA, then the tile sweep (limit 240 s)"
 timeout 240 "$PY" benchmarks/bench_kernels.py --out "$OUT_DIR" --sweep 2>&1 | tee "$OUT_DIR/paged_attention_gpu_bench.log"
 BENCH=${PIPESTATUS[0]}
 
+step "MLA decode: the absorbed Triton kernel against decompressing, bytes read counted (limit 90 s)"
+timeout 90 "$PY" benchmarks/bench_mla.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/mla_decode_gpu_bench.log"
+MLA_BENCH=${PIPESTATUS[0]}
+
 if "$PY" -c "import cbor2, transformers, safetensors" 2>/dev/null; then
     step "engine tests, natively: tokens against transformers (limit 90 s)"
     timeout 90 "${PYTEST[@]}" tests/engine 2>&1 | tee "$OUT_DIR/engine_gpu_tests.log" | tail -15
@@ -64,6 +69,6 @@ else
     ENGINE_TESTS=0
 fi
 
-step "done: kernel tests exit $KERNEL_TESTS, benchmark exit $BENCH, engine tests exit $ENGINE_TESTS; results in $OUT_DIR"
+step "done: kernel tests exit $KERNEL_TESTS, benchmark exit $BENCH, MLA benchmark exit $MLA_BENCH, engine tests exit $ENGINE_TESTS; results in $OUT_DIR"
 ls -l "$OUT_DIR"
-exit $(( KERNEL_TESTS != 0 || BENCH != 0 || ENGINE_TESTS != 0 ))
+exit $(( KERNEL_TESTS != 0 || BENCH != 0 || MLA_BENCH != 0 || ENGINE_TESTS != 0 ))

@@ -31,7 +31,7 @@ def reference(requests, pool_tokens, max_model_len, policy, block_size=16, seed=
     tokens_at_admission = {i: int(req[i, 0]) for i in range(len(req))}
     running = []  # dicts in admission order
     sums = dict.fromkeys(CATEGORIES, 0)
-    measured = max_running = preemptions = 0
+    measured = max_running = preemptions = recomputed = 0
     t = 0
 
     def alloc_of(r):
@@ -46,6 +46,7 @@ def reference(requests, pool_tokens, max_model_len, policy, block_size=16, seed=
                 while num_blocks - sum(x["blocks"] for x in running) == 0:
                     victim = running.pop()  # the newest, as vLLM's self.running.pop()
                     tokens_at_admission[victim["i"]] = victim["tokens"]
+                    recomputed += victim["tokens"]
                     waiting.appendleft(victim["i"])
                     preempted = True
                     preemptions += 1
@@ -94,15 +95,16 @@ def reference(requests, pool_tokens, max_model_len, policy, block_size=16, seed=
             sums["external" if head_fits_total else "free"] += free
         running = [r for r in running if r["tokens"] < r["final"]]  # 4. finish
         t += 1
-    return sums, measured, max_running, t, preemptions
+    return sums, measured, max_running, t, preemptions, recomputed
 
 
 def check_against_reference(requests, pool_tokens, max_model_len, policy, block_size, seed):
     result = simulate(requests, pool_tokens=pool_tokens, max_model_len=max_model_len, policy=policy,
                       block_size=block_size, seed=seed)
-    sums, measured, max_running, steps, preemptions = reference(requests, pool_tokens, max_model_len, policy,
-                                                                block_size, seed)
+    sums, measured, max_running, steps, preemptions, recomputed = reference(requests, pool_tokens, max_model_len,
+                                                                            policy, block_size, seed)
     assert (result.max_running, result.num_steps, result.num_preemptions) == (max_running, steps, preemptions)
+    assert result.recomputed_tokens == recomputed
     if measured:  # the reference only knows the measured-while-waiting case
         assert result.measured_steps == measured
         for k in CATEGORIES:
@@ -252,3 +254,10 @@ def test_bad_input_is_named():
         simulate([], **ok)
     with pytest.raises(KvlabValueError, match="seed"):
         simulate([(10, 10)], seed=-1, **ok)
+
+
+def test_preemption_counts_the_tokens_it_throws_away():
+    requests = sharegpt_like(1000, seed=4)
+    paged = simulate(requests, pool_tokens=16384, max_model_len=2048, policy="paged")
+    assert paged.num_preemptions > 0 and paged.recomputed_tokens > paged.num_preemptions   # whole requests, redone
+    assert simulate(requests, pool_tokens=16384, max_model_len=2048, policy="max").recomputed_tokens == 0

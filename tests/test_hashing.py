@@ -10,8 +10,6 @@ import cbor2
 import pytest
 import xxhash
 
-from kvlab.capacity.cost_model import H100_SXM_BF16_DENSE_FLOPS, prefill_flops, prefill_seconds
-from kvlab.capacity.models import get_model
 from kvlab.core import hashing
 from kvlab.core.hashing import (
     HASH_FUNCTIONS,
@@ -160,11 +158,3 @@ def test_hash_cost_rows_exist_for_every_function_and_block_size():
     names = {r["hash_fn"] for r in rows}
     assert set(HASH_FUNCTIONS) <= names and {r["block_size"] for r in rows} == {16, 64}
     assert all(r["seconds_per_block"] > 0 for r in rows)
-
-
-def test_prefill_estimate_is_two_flops_per_parameter_per_token():
-    model = get_model("llama-3-8b")
-    assert prefill_flops(model, 16) == 2 * model.num_params * 16
-    assert prefill_seconds(model, 16, mfu=1.0) == prefill_flops(model, 16) / H100_SXM_BF16_DENSE_FLOPS
-    with pytest.raises(KvlabValueError, match="mfu"):
-        prefill_seconds(model, 16, mfu=0)

@@ -60,7 +60,7 @@ def test_controls_drive_the_state():
     assert panel.weights_gib.value == pytest.approx(70_553_706_496 / GiB, abs=1e-3)
     panel.max_model_len.value = 131072
     assert panel.state["plan"] == plan_kv_cache("llama-3-70b", gpu_memory_gib=160, weights_gib=panel.weights_gib.value,
-                                                kv_dtype="fp8", max_model_len=131072)
+                                                kv_dtype="fp8", block_size=64, max_model_len=131072)
     panel.tp.value = 8
     assert panel.state["plan"].kv_bytes_per_token == plan_kv_cache(
         "llama-3-70b", gpu_memory_gib=160, tp=8, kv_dtype="fp8", max_model_len=1).kv_bytes_per_token

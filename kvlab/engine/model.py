@@ -15,6 +15,7 @@ belongs to. No layer ever sees a padded ``[batch, seq]`` tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -194,9 +195,12 @@ _SHAPE_FIELDS = (
 )
 
 
-def check_checkpoint_tensors(config: DecoderConfig, expected: Mapping[str, tuple[int, ...]],
+def check_checkpoint_tensors(config: Any, expected: Mapping[str, tuple[int, ...]],
                              tensors: Mapping[str, torch.Tensor], sources: Mapping[str, str], config_file: str) -> None:
-    """Refuse, naming file and field, a checkpoint whose tensors disagree with its config (a list of checks)."""
+    """Refuse, naming file and field, a checkpoint whose tensors disagree with its config (a list of checks).
+
+    ``config`` is a ``DecoderConfig`` or a ``DeepseekConfig``; ``expected`` the model's parameter shapes.
+    """
     def where(name: str) -> str:
         return sources.get(name, "the checkpoint")
 
@@ -224,6 +228,8 @@ def check_checkpoint_tensors(config: DecoderConfig, expected: Mapping[str, tuple
             raise CheckpointError(f"{where(name)}: {name} is {tensor.dtype}; weights must be floating point")
         if tuple(tensor.shape) != shape:
             fields = next((f for suffix, f in _SHAPE_FIELDS if name.endswith(suffix)), ())
+            if not isinstance(config, DecoderConfig):
+                fields = ()  # these are the Llama's fields; a DeepSeek config names its own
             raise CheckpointError(
                 f"{where(name)}: {name} has shape {tuple(tensor.shape)}, but {config_file} implies {shape}"
                 f"{f' ({_field_values(config, fields)})' if fields else ''}: one of them is wrong"

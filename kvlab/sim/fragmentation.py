@@ -85,6 +85,7 @@ class FragmentationResult:
     num_steps: int  # steps until the last request left: fewer means more throughput
     measured_steps: int
     num_preemptions: int
+    recomputed_tokens: int  # tokens prefilled again after a preemption (paged only): the work preemption throws away
 
 
 def reservation(final_len: np.ndarray | int, policy: str, max_model_len: int) -> np.ndarray:
@@ -259,7 +260,7 @@ def _simulate_contiguous(req: np.ndarray, order: np.ndarray, pool: int, reserve:
 
 
 def _simulate_paged(req: np.ndarray, order: np.ndarray, num_blocks: int, bs: int,
-                    trace: _Trace) -> tuple[int, int, int]:
+                    trace: _Trace) -> tuple[int, int, int, int]:
     """Event-driven paging with LIFO preemption, as vLLM V1 schedules.
 
     A running request admitted at step ``a`` with ``c`` tokens holds ``d + t`` tokens at
@@ -276,7 +277,7 @@ def _simulate_paged(req: np.ndarray, order: np.ndarray, num_blocks: int, bs: int
     finishes: list[tuple[int, int, int]] = []  # heap of (finish_step, residency, request); stale entries skipped
     stack: list[tuple[int, int]] = []  # (request, residency) in admission order, newest last; stale ones skipped
     waiting = deque(int(i) for i in order)
-    used_blocks, n_running, max_running, preemptions = 0, 0, 0, 0
+    used_blocks, n_running, max_running, preemptions, recomputed = 0, 0, 0, 0, 0
 
     def gain_phase(step: int) -> int:  # requests with d % bs == this phase need a block at ``step``
         return (1 - step) % bs
@@ -328,6 +329,7 @@ def _simulate_paged(req: np.ndarray, order: np.ndarray, num_blocks: int, bs: int
                     need -= 1
                 stop(victim, t - 1)
                 held_before[victim] = tokens
+                recomputed += tokens  # all of them are prefilled again when it is re-admitted
                 waiting.appendleft(victim)
                 free = num_blocks - used_blocks
                 preempted = True
@@ -372,7 +374,7 @@ def _simulate_paged(req: np.ndarray, order: np.ndarray, num_blocks: int, bs: int
                 trace.measure(t + 1, next_event - 1)
             used_blocks += gains(t + 1, next_event - 1)
         t = next_event
-    return max_running, t, preemptions
+    return max_running, t, preemptions, recomputed
 
 
 def simulate(
@@ -418,11 +420,11 @@ def simulate(
     trace = _Trace()
     if paged:
         num_blocks = pool_tokens // block_size
-        max_running, end_step, preemptions = _simulate_paged(req, order, num_blocks, block_size, trace)
+        max_running, end_step, preemptions, recomputed = _simulate_paged(req, order, num_blocks, block_size, trace)
     else:
         max_running, end_step = _simulate_contiguous(req, order, pool_tokens, reservation(final, policy, max_model_len),
                                                      trace)
-        preemptions = 0
+        preemptions = recomputed = 0
     if not trace.windows:  # the pool never turned a request away: measure the whole run
         trace.windows = [[0, end_step - 1]]
         trace.free_slots = trace.external_slots = 0
@@ -443,4 +445,5 @@ def simulate(
         block_size=block_size if paged else None, num_requests=len(req), utilization=breakdown["used"],
         breakdown=breakdown, max_running=max_running, mean_running=running_steps / measured,
         num_steps=end_step, measured_steps=measured, num_preemptions=preemptions,
+        recomputed_tokens=recomputed,
     )
