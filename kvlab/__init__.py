@@ -43,9 +43,12 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 05  kernels.verify, batches, mutants    kvlab's own: ``check_kernel``, a bench for a learner's kernel, and broken copies
 06  engine.hard_paths                   kvlab's own: the comparison with transformers where kernel bugs live
 06  core.sched.output                   ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``), ``SamplingParams``
+06  core.sched.config                   ``SchedulerConfig`` (``vllm/config/scheduler.py``)
 06  core.sched.scheduler                ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``)
-06  engine                              ``LLMEngine``, ``GPUModelRunner``, the sampler (``vllm/v1/engine/``,
-                                        ``vllm/v1/worker/``)
+06  core.sched.loop                     ``EngineCore.step`` (``vllm/v1/engine/core.py``), a no-compute executor
+06  engine.engine_config                ``EngineConfig`` (``VllmConfig`` and its parts, ``vllm/config/``)
+06  engine                              ``LLMEngine``, ``GPUModelRunner``, the sampler, the KV pool's start-up
+                                        (``vllm/v1/engine/``, ``vllm/v1/worker/``)
 07  capacity.hardware, cost_model,      GPUs, links and servers as datasheets give them; a modelled cost of prefill
     playbook, source_deployments,       (compute and the weights-read roofline) and copies; the capacity-planning
     startup_log, tiers                  playbook, the source articles' deployments, a start-up log read backwards,

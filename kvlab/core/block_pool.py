@@ -340,15 +340,20 @@ class BlockPool:
         block.reset_hash()
         return removed
 
-    def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop the listed blocks' hashes from the prefix cache (blocks in use stay in use), as vLLM does."""
+    def evict_blocks(self, block_ids: Iterable[int], *, notify: bool = True) -> None:
+        """Drop the listed blocks' hashes from the prefix cache (blocks in use stay in use), as vLLM does.
+
+        vLLM tells its metrics collector of each block; ``notify=False`` tells no observer, for blocks
+        whose KV cannot be trusted (kvlab: those a failed step was to fill), since kvlab's CPU tier
+        stores what the pool evicts and must not store KV that was perhaps never written.
+        """
         ids = [non_negative_int("block_ids", i) for i in block_ids]
         for block_id in ids:
             if block_id >= self.num_gpu_blocks:
                 raise KvlabValueError(f"block_ids must be below num_blocks={self.num_gpu_blocks}, got {block_id}")
         for block_id in ids:
             block = self.blocks[block_id]
-            for watcher in self._watchers():
+            for watcher in self._watchers() if notify else ():
                 watcher.on_block_evicted(block)
             self._remove_cached_block_hashes(block)
 

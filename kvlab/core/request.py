@@ -43,7 +43,13 @@ class MultiModalFeatureSpec:
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is in its life, as vLLM's ``RequestStatus`` names it (a subset)."""
+    """Where a request is in its life, as vLLM's ``RequestStatus`` names it (a subset).
+
+    ``FINISHED_ABORTED`` is a request its client gave up (``LLMEngine.abort_request``);
+    ``FINISHED_ERROR`` is vLLM's request-level internal error (finish reason ``"error"``): kvlab
+    gives it to a request whose step failed (the executor raised, or returned no usable token
+    for it), so the request ends, its blocks are freed, and the engine serves the others.
+    """
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -51,10 +57,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        """True for the three finished states."""
+        """True for the finished states."""
         return status.value.startswith("finished")
 
 

@@ -1,7 +1,7 @@
 """kvlab.engine: a real Llama-family model generating through kvlab's paged cache, scheduler and kernels.
 
-``LLMEngine`` is the serving loop; ``load_model`` builds the decoder from a checkpoint;
-``save_tiny_llama`` writes the small seeded checkpoint tests and notebooks use offline.
+``LLMEngine`` is the serving loop, built from an ``EngineConfig``; ``load_model`` builds the decoder
+from a checkpoint; ``save_tiny_llama`` writes the small seeded checkpoint tests and notebooks use offline.
 MLA: ``load_deepseek`` builds a DeepSeek-V3-style decoder over one latent cache per layer
 (``allocate_mla_kv_caches``); ``save_tiny_deepseek`` writes its small seeded checkpoint.
 """
@@ -10,6 +10,7 @@ from kvlab.engine.attention import AttentionMetadata
 from kvlab.engine.config import DecoderConfig
 from kvlab.engine.deepseek import DeepseekV2ForCausalLM, load_deepseek
 from kvlab.engine.deepseek_config import DeepseekConfig
+from kvlab.engine.engine_config import EngineConfig
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.loader import load_model
 from kvlab.engine.mla import MLAAttention, allocate_mla_kv_caches
@@ -23,6 +24,7 @@ __all__ = [
     "DecoderConfig",
     "DeepseekConfig",
     "DeepseekV2ForCausalLM",
+    "EngineConfig",
     "LLMEngine",
     "LlamaForCausalLM",
     "MLAAttention",

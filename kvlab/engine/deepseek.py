@@ -17,6 +17,7 @@ same numbers as transformers.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -185,7 +186,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     #: ``[n, hidden_size] -> [n, vocab_size]`` in float32, and the checkpoint copied into the parameters of
-    #: the same names (every one required, shapes checked): the same two steps as the Llama's.
+    #: the same names (every one required and every tensor used, shapes and dtypes checked): as the Llama's.
     compute_logits = LlamaForCausalLM.compute_logits
     load_weights = LlamaForCausalLM.load_weights
 
@@ -202,5 +203,7 @@ def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float
     for module in model.modules():
         if isinstance(module, DeepseekV2Gate):
             module.float()
-    model.load_weights(read_weights(model_dir))
+    weights, sources = read_weights(model_dir)
+    model.load_weights(weights, sources={name: str(path) for name, path in sources.items()},
+                       config_file=str(Path(model_dir) / "config.json"))
     return model.eval()

@@ -5,7 +5,8 @@ scheduler asked for (copy-on-write), flatten the step's requests into one batch
 (``prepare_inputs``), run the model, compute logits only at each request's last token,
 sample. vLLM keeps a persistent batch on the GPU and updates it incrementally; kvlab
 rebuilds the small tensors every step, which is simpler to read and costs nothing next to
-the model on a CPU.
+the model on a CPU. A request that cannot be sampled (``RequestFailedError``: non-finite
+logits) goes into the output's ``errors``, and the rest of the batch is sampled as usual.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvlab.core.sequence import BlockCopy, compute_slot_mapping
 from kvlab.engine.attention import Attention, AttentionMetadata
 from kvlab.engine.model import KVCache, LlamaForCausalLM
 from kvlab.engine.sampler import Sampler
-from kvlab.errors import KvlabValueError
+from kvlab.errors import KvlabValueError, RequestFailedError
 
 
 def prepare_inputs(
@@ -136,11 +137,15 @@ class ModelRunner:
         hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden_states[metadata.logits_indices])  # [num_seqs, vocab]
         sampled: dict[str, int] = {}
+        errors: dict[str, BaseException] = {}  # requests that cannot be sampled; the others go on
         for row, s in zip(logits, scheduler_output.scheduled, strict=True):
             if not s.sample:
                 continue  # a prefill chunk that does not reach the prompt's end
             for request_id, params in ((s.request_id, s.sampling_params), *s.forked):
-                sampled[request_id] = self.sampler.sample(row, request_id, params)
+                try:
+                    sampled[request_id] = self.sampler.sample(row, request_id, params)
+                except RequestFailedError as error:
+                    errors[request_id] = error
                 if self.keep_logits:
                     self.logits.setdefault(request_id, []).append(row.to("cpu", copy=True))
-        return ModelRunnerOutput(sampled)
+        return ModelRunnerOutput(sampled, errors)

@@ -8,8 +8,9 @@ from typing import Any
 from kvlab.core.cache_stats import interpret_hit_rate
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
+from kvlab.core.sched.loop import NoComputeExecutor, run_until_done, step
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
-from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, run_until_done, step
+from kvlab.core.sched.scheduler import Scheduler
 from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import cdiv
 

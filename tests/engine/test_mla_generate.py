@@ -66,7 +66,7 @@ def serve(model, prompts, max_tokens, admit, num_blocks=32):
             batch.append((request, [request.all_token_ids[-1]]))
         for name in admit.get(step, []):                                     # prefill what the cache lacks
             request = requests[name]
-            blocks, hits[name] = manager.get_computed_blocks(request)
+            blocks, hits[name], _ = manager.get_computed_blocks(request)
             assert manager.allocate_slots(request, request.num_tokens - hits[name], hits[name], blocks) is not None
             request.num_computed_tokens = hits[name]
             batch.append((request, list(request.all_token_ids[hits[name]:])))
