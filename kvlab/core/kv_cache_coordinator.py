@@ -183,6 +183,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self.attention_groups.append(SpecGroup(manager.kv_cache_spec, [i], type(manager)))
         # Full attention first: its left-to-right scan gives the tightest first bound.
         self.attention_groups.sort(key=lambda g: not isinstance(g.spec, FullAttentionSpec))
+        # kvlab's record of the last lookup, for pictures: (round, group ids, candidate tokens, tokens accepted)
+        self.last_rounds: list[tuple[int, tuple[int, ...], int, int]] = []
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[GroupBlocks, int, int]:
@@ -197,15 +199,21 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         blocks_by_group: list[list[KVCacheBlock] | None] = [None] * self.num_groups
         length_by_group = [0] * self.num_groups
         simple = len(self.attention_groups) == 2 and isinstance(self.attention_groups[0].spec, FullAttentionSpec)
+        self.last_rounds = []
+        round_no = 0
         while True:
+            round_no += 1
             curr = hit_length
             for spec, group_ids, manager_cls in self.attention_groups:
                 first = group_ids[0]
+                candidate = curr
                 if isinstance(spec, FullAttentionSpec) and blocks_by_group[first] is not None:
                     curr = min(curr, length_by_group[first])
+                    self.last_rounds.append((round_no, tuple(group_ids), candidate, curr))
                     continue
                 blocks, curr = manager_cls.find_longest_cache_hit(block_hashes, curr, group_ids, self.block_pool,
                                                                   spec, alignment_tokens=self.block_size)
+                self.last_rounds.append((round_no, tuple(group_ids), candidate, curr))
                 for group_id, group_blocks in zip(group_ids, blocks, strict=True):
                     blocks_by_group[group_id], length_by_group[group_id] = group_blocks, curr
                 longest = max(longest, curr)
