@@ -5,10 +5,9 @@ hashes; with several, each carries its group id (``make_block_hash_with_group_id
 ``KVCacheBlock`` and ``FreeKVCacheBlockQueue`` live in
 ``kvlab.core.kv_cache_utils``, as in vLLM.
 
-Every operation checks its whole input before it changes anything, so a call that raises
-leaves the pool exactly as it was. Observers (vLLM's ``metrics_collector``, and kvlab's CPU
-tier) are told what the pool is about to do *before* it does it: an observer that raises
-stops the operation with nothing changed.
+Every operation checks its whole input before it changes anything, so a call that raises leaves
+the pool as it was. Observers (vLLM's ``metrics_collector``, kvlab's CPU tier) hear what the pool
+is about to do *before* it does it: one that raises stops the operation with nothing changed.
 """
 
 from __future__ import annotations

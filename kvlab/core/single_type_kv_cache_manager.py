@@ -13,11 +13,10 @@ prefix, scanned from the left until the first miss; a sliding window needs only 
 ``cdiv(W - 1, block_size)`` blocks before the hit's end, scanned from the right, with null
 blocks standing in for the rest. ``kvlab.core.kv_cache_coordinator`` agrees on one length.
 
-kvlab's split, for a call that fails whole or not at all: a manager *plans* what a request's
-allocation takes (``plan_allocation``, no change), the coordinator takes every group's blocks
-from the pool in one call, and each manager *applies* its share (``apply_allocation``). vLLM
-does the same steps one pool call at a time (``add_local_computed_blocks``,
-``allocate_external_computed_blocks``, ``allocate_new_blocks``) in the same order.
+kvlab's split, so that a call fails whole or not at all: a manager *plans* what an allocation
+takes (``plan_allocation``), the coordinator takes every group's blocks in one pool call, and
+each manager *applies* its share (``apply_allocation``); vLLM makes the same pool calls one by
+one (``add_local_computed_blocks``, ``allocate_external_computed_blocks``, ``allocate_new_blocks``).
 """
 
 from __future__ import annotations
@@ -103,8 +102,6 @@ class SingleTypeKVCacheManager:
         # Partial hits' copies for the worker: (source, copy), both holding an extra reference until taken.
         self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
-    # ----------------------------------------------------------------- what a request needs
-
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the next token's attention window: none for full attention."""
         return 0
@@ -134,8 +131,6 @@ class SingleTypeKVCacheManager:
         num_evictable = sum(b.ref_cnt == 0 and not b.is_null for b in kept)
         partial = int(len(new_computed_blocks) > 0 and num_local_computed_tokens % self.block_size != 0)
         return num_new + partial + num_evictable
-
-    # ----------------------------------------------------------------- allocating: plan, then apply
 
     def plan_allocation(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
                         num_local_computed_tokens: int, num_external_computed_tokens: int,
@@ -186,8 +181,6 @@ class SingleTypeKVCacheManager:
         pending, self._pending_cow_copies = self._pending_cow_copies, []
         return pending
 
-    # ----------------------------------------------------------------- caching
-
     def cache_blocks(self, request: Request, num_tokens: int) -> range:
         """Hash and index the request's full blocks among its first ``num_tokens`` tokens; return the indices cached.
 
@@ -222,8 +215,6 @@ class SingleTypeKVCacheManager:
         hashes = request.block_hashes
         return hashes if scale == 1 else hashes[scale - 1::scale]
 
-    # ----------------------------------------------------------------- letting go
-
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Free the blocks wholly before the next token's window and put the null block in their place.
 
@@ -254,8 +245,6 @@ class SingleTypeKVCacheManager:
     def free(self, request_id: str) -> None:
         """Free the request's blocks, last block first, so its prompt's start is evicted last."""
         self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
-
-    # ----------------------------------------------------------------- prefix-cache lookup
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
