@@ -6,6 +6,8 @@
   attends every query token to its sequence's keys, read through the block table
   (``attention.py``; its grid and index arithmetic: ``grid.py``).
 * ``paged_attention_ref`` / ``reshape_and_cache_ref``: the torch specification (``reference.py``).
+* ``paged_attention_torch``: the same answer for CPUs, one batched gather plus torch's SDPA
+  (``torch_attention.py``), as fast as torch allows without Triton's interpreter.
 * ``backend()``: ``"triton-cuda"``, ``"triton-interpreter"`` or ``"torch-reference"``; choose one with
   ``KVLAB_KERNEL_BACKEND=cuda|interpreter|torch`` before importing this package. ``default_device()``
   is where that backend wants its tensors: ``"cuda"`` for native Triton, ``"cpu"`` otherwise.
@@ -46,6 +48,7 @@ from kvlab.kernels.reference import (
     paged_attention_ref,
     reshape_and_cache_ref,
 )
+from kvlab.kernels.torch_attention import paged_attention_torch
 
 from kvlab.errors import UnknownNameError
 
@@ -142,6 +145,7 @@ __all__ = [
     "masked_attention",
     "paged_attention",
     "paged_attention_ref",
+    "paged_attention_torch",
     "plan_launch",
     "quantize_fp8",
     "reshape_and_cache",
