@@ -1,10 +1,10 @@
 """Paged attention in plain torch for CPUs: one batched gather, then ``scaled_dot_product_attention``.
 
 ``paged_attention_torch`` has ``paged_attention``'s signature and answer. It reads the same paged
-cache through the same block table, but instead of walking blocks in tiles it copies each
-sequence's blocks into a padded ``[num_seqs, max_seq_len, num_kv_heads, head_size]`` tensor with
-one index operation and hands the whole batch to torch's fused SDPA with a boolean mask (causal
-with context, varlen keys). Query heads are packed per KV head, ``[num_seqs, num_kv_heads,
+cache through the same block table, but instead of walking blocks in tiles it copies every
+token's K and V from its slot into a padded ``[num_seqs, max_seq_len, num_kv_heads, head_size]``
+tensor with one index operation and hands the whole batch to torch's fused SDPA with a boolean
+mask (causal with context, varlen keys). Query heads are packed per KV head, ``[num_seqs, num_kv_heads,
 group * max_query_len, head_size]``, so GQA never repeats K or V. Decode steps (one query token)
 and longer queries (prefill chunks) run as two batches, so a long prompt does not pad every
 decode to its length. FP8 caches are dequantized after the gather; everything is computed in
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvlab.kernels.checks import AttentionBatch, cdiv, check_attention
+from kvlab.kernels.checks import AttentionBatch, check_attention
 from kvlab.kernels.fp8 import dequantize_fp8
 from kvlab.kernels.grid import KernelConfig
 
@@ -50,25 +50,31 @@ def visible_keys(seq_lens: torch.Tensor, query_lens: torch.Tensor, max_query_len
     return visible                                                            # [S, Lq, Lk]
 
 
-def gather_padded(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                  scale: float | None) -> torch.Tensor:
-    """Each sequence's K (or V) through its blocks, ``[num_seqs, max_seq_len, num_kv_heads, head_size]`` float32.
+def slot_positions(block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block ids, offsets)``, each ``[num_seqs, max_seq_len]``: where token ``j`` of sequence ``s`` lives.
 
-    Only the table entries a sequence needs are followed (the rest read block 0, then are zeroed
-    with every slot past ``seq_lens``): zero keeps a masked slot out of the sum even where the
-    cache holds NaN. ``scale`` is the FP8 dequantization scale, or None for a float cache.
+    Token ``j`` is at ``block_table[s, j // block_size]``, offset ``j % block_size``. Positions past
+    ``seq_lens[s]`` are padding; they read token 0's slot, which the checks saw and the mask hides,
+    so no table entry past a sequence is followed and no slot past it is read.
     """
-    block_size = cache.shape[1]
-    num_cols = cdiv(max_seq_len, block_size)
-    table = block_table[:, :num_cols].long()                                  # [S, num_cols]
-    needed = (seq_lens + block_size - 1) // block_size                        # [S]
-    cols = torch.arange(num_cols, device=table.device)
-    table = torch.where(cols[None, :] < needed[:, None], table, torch.zeros_like(table))
-    blocks = cache[table]                                                     # [S, num_cols, block_size, H, D]
-    kv = blocks.reshape(table.shape[0], num_cols * block_size, *cache.shape[2:])[:, :max_seq_len]
-    kv = dequantize_fp8(kv, scale) if scale is not None else kv.float()      # [S, Lk, H, D]
-    slots = torch.arange(max_seq_len, device=table.device)
-    return kv.masked_fill((slots[None, :] >= seq_lens[:, None])[:, :, None, None], 0.0)
+    positions = torch.arange(max_seq_len, device=block_table.device)[None, :]          # [1, Lk]
+    positions = torch.where(positions < seq_lens[:, None], positions, 0)                # [S, Lk]
+    return block_table.long().gather(1, positions // block_size), positions % block_size
+
+
+def gather_padded(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                  scale: float | None) -> torch.Tensor:
+    """K (or V) at those slots, ``[num_seqs, max_seq_len, num_kv_heads, head_size]`` float32, in one gather.
+
+    ``scale`` is the FP8 dequantization scale, or None for a float cache.
+    """
+    if cache.stride(0) == cache.shape[1] * cache.stride(1):   # slots flatten as a view: copy whole [H, D] rows
+        rows = cache.flatten(0, 1).index_select(0, (blocks * cache.shape[1] + offsets).flatten())
+        kv = rows.view(*blocks.shape, *cache.shape[2:])                                  # [S, Lk, H, D]
+    else:
+        kv = cache[blocks, offsets]                                                      # [S, Lk, H, D]
+    return dequantize_fp8(kv, scale) if scale is not None else kv.float()
 
 
 def attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
@@ -85,15 +91,23 @@ def attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     rows = torch.arange(max_q, device=device)
     real = rows[None, :] < query_lens[:, None]                                # [S, Lq]: not padding
     tokens = (torch.tensor(starts, device=device)[:, None] + rows[None, :])[real]   # [n]
-    q = query.new_zeros((num_seqs, max_q, batch.num_q_heads, head_size), dtype=torch.float32)
-    q[real] = query[tokens].float()                                           # [S, Lq, Hq, D]
+    picked = query[tokens].float()                                            # [n, Hq, D]
+    if len(picked) == num_seqs * max_q:                                       # equal lengths: nothing to pad
+        q = picked.view(num_seqs, max_q, batch.num_q_heads, head_size)
+    else:
+        q = picked.new_zeros((num_seqs, max_q, batch.num_q_heads, head_size))
+        q[real] = picked                                                      # [S, Lq, Hq, D]
     q = q.view(num_seqs, max_q, h_kv, group, head_size).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, h_kv, group * max_q, head_size)                  # [S, Hkv, G * Lq, D]
     table = block_table[torch.tensor(seqs, device=block_table.device)]
-    k = gather_padded(key_cache, table, seq_lens, max_k, batch.k_scale if batch.fp8 else None)
-    v = gather_padded(value_cache, table, seq_lens, max_k, batch.v_scale if batch.fp8 else None)
+    blocks, offsets = slot_positions(table, seq_lens, max_k, batch.block_size)
+    k = gather_padded(key_cache, blocks, offsets, batch.k_scale if batch.fp8 else None)
+    v = gather_padded(value_cache, blocks, offsets, batch.v_scale if batch.fp8 else None)
     mask = visible_keys(seq_lens, query_lens, max_q, max_k, batch.causal)    # [S, Lq, Lk]
-    mask = mask[:, None, None].expand(-1, 1, group, -1, -1).reshape(num_seqs, 1, group * max_q, max_k)
+    if max_q == 1:                                                            # decodes: one row for the group
+        mask = mask[:, None]                                                  # [S, 1, 1, Lk]
+    else:
+        mask = mask[:, None, None].expand(-1, 1, group, -1, -1).reshape(num_seqs, 1, group * max_q, max_k)
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                        scale=batch.scale)                     # [S, Hkv, G * Lq, D]
     o = o.view(num_seqs, h_kv, group, max_q, head_size).permute(0, 3, 1, 2, 4)
