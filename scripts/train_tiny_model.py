@@ -334,6 +334,18 @@ def greedy_samples(model, tokenizer, prompts: Sequence[str], max_new_tokens: int
     return samples
 
 
+def title_recall(model, tokenizer, topics: Sequence[tuple[str, str]]) -> list[str]:
+    """The pages whose title the model writes first when asked about them (``QUESTIONS[0]``, greedy)."""
+    recalled = []
+    for key, page in topics:
+        title = page.splitlines()[0].strip()
+        prompt = chat_text(QUESTIONS[0].format(title=topic_title(page)), "").removesuffix(EOS)
+        answer = greedy_samples(model, tokenizer, [prompt], len(tokenizer.encode(title).ids) + 1)[0]["completion"]
+        if answer.startswith(title):
+            recalled.append(key)
+    return recalled
+
+
 def sample_prompts(corpus: Corpus) -> list[str]:
     """A trained topic, a held-out one, a question about the workbook, and plain text to continue."""
     trained = dict(corpus.train_topics)
@@ -388,6 +400,9 @@ def run(recipe: Recipe, out: Path, command: str, sample_tokens: int = 60, eval_w
         "machine": describe_machine(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "tokenizers": tokenizers.__version__},
+        "title_recall": {"trained": title_recall(model, tokenizer, corpus.train_topics[:eval_windows]),
+                         "of_trained": len(corpus.train_topics[:eval_windows]),
+                         "held_out": title_recall(model, tokenizer, corpus.held_out[:eval_windows])},
         "sample_tokens": sample_tokens,
         "samples": greedy_samples(model, tokenizer, sample_prompts(corpus), sample_tokens),
     }
@@ -403,7 +418,7 @@ def readme_text(s: dict) -> str:
     """The checkpoint's README: how it was made, from ``recipe.json``'s own numbers."""
     r, c, loss, t, m = s["recipe"], s["corpus"], s["loss"], s["time"], s["machine"]
     best = min(loss["held_out_during_training"], key=lambda step_loss: step_loss[1])
-    loads = t["load_average_samples"]
+    loads, recall = t["load_average_samples"], s["title_recall"]
     sizes = ", ".join(f"`{name}` {size / 2**20:.2f} MiB" if size > 2**20 else f"`{name}` {size / 1024:.1f} KiB"
                       for name, size in s["files"].items())
     samples = "\n".join(f"* prompt `{x['prompt']!r}`\n\n  ```text\n  {x['completion']!r}\n  ```" for x in s["samples"])
@@ -448,11 +463,13 @@ compute in float32 on a CPU.
 Loss in nats per token: {loss['train_last_50_steps']} over the last 50 training steps; with the saved
 weights {loss['train_windows_saved_weights']} on training text and {loss['held_out_saved_weights']} on the held-out
 pages, which was lowest ({best[1]}) at step {best[0]} and rose as training went on. The model memorises rather than
-generalises: a few million parameters made {c['epochs_seen']} passes over a small corpus. Asked about a page it
-was trained on, after the system prompt, it usually begins with that page's title and underline and writes
-reference-manual prose and grammar rules that read like the page, soon mixing in sentences from neighbouring
-pages; asked about a held-out page or anything else, it answers with some other page. It does not reason, stay
-factual, or know anything outside its corpus: it is there so the workbook can show text, not to teach Python.
+generalises: a few million parameters made {c['epochs_seen']} passes over a small corpus. After the system prompt
+and a question it answers with a page title, its underline and reference-manual prose and grammar rules, but
+often not the page asked about: asked "{QUESTIONS[0].format(title='...')}" of every trained page, it began with
+that page's own title for {len(recall['trained'])} of {recall['of_trained']} ({", ".join(recall['trained'])}) and for
+{len(recall['held_out'])} of the {len(c['held_out_topics'])} held-out pages. Its sentences drift from page to page. It
+does not reason, stay factual, or know anything outside its corpus: it is there so the workbook can show text,
+not to teach Python.
 Prompts in the training format come from the chat template:
 `tokenizer.apply_chat_template([{{"role": "system", "content": ...}}, {{"role": "user", "content": ...}}],
 tokenize=False, add_generation_prompt=True)`. Greedy samples (transformers `generate`,
@@ -472,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--prose-rev", default=defaults.prose_revision,
                         help="git revision to read the workbook's prose at, or 'worktree'")
     parser.add_argument("--sample-tokens", type=int, default=60, help="greedy tokens per sample in the README")
-    parser.add_argument("--eval-windows", type=int, help="evaluate on this many windows only (quick runs)")
+    parser.add_argument("--eval-windows", type=int, help="evaluate on this many windows (and pages) only: quick runs")
     parser.add_argument("--readme-only", action="store_true", help="rewrite --out's README from its recipe.json")
     args = parser.parse_args(argv)
     if args.readme_only:

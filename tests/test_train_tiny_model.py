@@ -54,7 +54,9 @@ def test_three_steps_of_the_recipe_replay_the_committed_run_and_write_a_checkpoi
     from kvlab.engine import load_model
 
     need_prose_revision(script)
-    summary = script.main(["--steps", "3", "--out", str(tmp_path), "--sample-tokens", "2", "--eval-windows", "1"])
+    # One thread (the recorded run used two) is quicker on a shared machine; sums round differently, hence 1e-3.
+    summary = script.main(["--steps", "3", "--out", str(tmp_path), "--sample-tokens", "2", "--eval-windows", "1",
+                           "--threads", "1"])
     for name in CHECKPOINT_FILES:
         assert (tmp_path / name).is_file(), name
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
