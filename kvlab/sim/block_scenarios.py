@@ -87,6 +87,7 @@ class BlockView:
     is_null: bool
     num_tokens: int  # tokens its contents hold (0 unless some sequence wrote into it)
     holders: tuple[str, ...]  # live sequences whose table points here
+    token_ids: tuple[int, ...] = ()  # what its slots hold, in slot order (a freed block keeps its content)
 
     @property
     def state(self) -> str:
@@ -137,7 +138,7 @@ def snapshot(pool: BlockPool, sequences: Mapping[str, Sequence], block_size: int
             holders.setdefault(block_id, []).append(name)
     views = tuple(
         BlockView(b.block_id, b.ref_cnt, b.block_hash, b.is_null, len(contents.read(b.block_id)),
-                  tuple(holders.get(b.block_id, ())))
+                  tuple(holders.get(b.block_id, ())), contents.read(b.block_id))
         for b in pool.blocks
     )
     return PoolSnapshot(
