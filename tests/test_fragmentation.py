@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvlab.errors import KvlabValueError, UnknownNameError
 from kvlab.sim.fragmentation import CATEGORIES, FirstFit, reservation, simulate
-from kvlab.sim.workloads import fixed, sharegpt_like
+from kvlab.sim.workloads import alpaca_like, fixed, sharegpt_like
 from kvlab.units import cdiv
 
 
@@ -261,3 +261,11 @@ def test_preemption_counts_the_tokens_it_throws_away():
     paged = simulate(requests, pool_tokens=16384, max_model_len=2048, policy="paged")
     assert paged.num_preemptions > 0 and paged.recomputed_tokens > paged.num_preemptions   # whole requests, redone
     assert simulate(requests, pool_tokens=16384, max_model_len=2048, policy="max").recomputed_tokens == 0
+
+
+def test_short_requests_run_fewer_at_once_with_larger_blocks():
+    """Notebook 02's block-size figure: each request holds at least one block, however short it is."""
+    requests = alpaca_like(500, seed=0)
+    running = [simulate(requests, pool_tokens=16384, max_model_len=2048, policy="paged", block_size=b).mean_running
+               for b in (16, 64, 256)]
+    assert running == sorted(running, reverse=True) and running[0] > 3 * running[-1]
