@@ -203,7 +203,7 @@ def _heading(canvas: Canvas, title: str, caption: str) -> float:
     return y + 6
 
 
-def _legend(canvas: Canvas, y: float, slots: bool, colours: dict[str, str]) -> float:
+def _legend(canvas: Canvas, y: float, slots: bool, colours: dict[str, str], copies: bool = True) -> float:
     """The key, its entries wrapped into as many rows as the width needs; returns the y below it."""
     first = next(iter(colours.values()), SEQUENCE_COLOURS[0])
     entries = [
@@ -211,8 +211,9 @@ def _legend(canvas: Canvas, y: float, slots: bool, colours: dict[str, str]) -> f
         (STATE_COLOURS["cached"], "#D97706", "cached and free: #hash, * in the queue"),
         (STATE_COLOURS["shared"], INK, "shared: ref_cnt > 1"),
         (first, "#374151", "held by one sequence, in its colour"),
-        ("copy", COPY_COLOUR, "copy-on-write copy"),
     ]
+    if copies:
+        entries.append(("copy", COPY_COLOUR, "copy-on-write copy"))
     if not slots:
         entries.append((INK, INK, "▬ slots written"))
     x = PAD
@@ -315,16 +316,21 @@ def _draw_shelf(canvas: Canvas, snap: PoolSnapshot, shelf: list[_Group], pool: _
     return cells_bottom + LABEL_H + 4 if below else cells_bottom
 
 
-def _draw_queue(canvas: Canvas, snap: PoolSnapshot, top: float, colours: dict[str, str]) -> float:
-    """The free queue head to tail, cached blocks marked *; returns the y below it."""
-    count = len(snap.free_queue)
+def draw_free_queue(canvas: Canvas, blocks: Sequence[BlockView], free_queue: Sequence[int], block_size: int,
+                    top: float, colours: dict[str, str] | None = None) -> float:
+    """The free queue head to tail at ``top``, cached blocks marked *; returns the y below it.
+
+    Shared with notebook 04's ``figure_free_queue``, which draws a manager's real pool.
+    """
+    colours = colours or {}
+    count = len(free_queue)
     cols = int((AVAILABLE + 4) // TABLE_PITCH)
     rows = max(1, math.ceil(count / cols))
     _side_label(canvas, top + (rows * (TABLE_H + LABEL_H)) / 2 - 4, ("free", "queue"), f"{count} free")
     if not count:
         canvas.text(X0, top + TABLE_H / 2, "empty: the next allocation is refused", 13, MUTED, anchor="left")
-    for pos, block_id in enumerate(snap.free_queue):
-        view = snap.blocks[block_id]
+    for pos, block_id in enumerate(free_queue):
+        view = blocks[block_id]
         x = X0 + (pos % cols) * TABLE_PITCH
         y = top + (pos // cols) * (TABLE_H + LABEL_H)
         fill, line, ink, _ = _cell_style(view, colours)
@@ -332,7 +338,7 @@ def _draw_queue(canvas: Canvas, snap: PoolSnapshot, top: float, colours: dict[st
         mark = "*" if view.block_hash is not None else ""
         canvas.text(x + TABLE_W / 2, y + TABLE_H / 2, f"{block_id}{mark}", 14, ink, bold=True)
         canvas.point("queue", x + TABLE_W / 2, y + TABLE_H / 2,
-                     f"queue position {pos}: " + _hover(view, snap.block_size, "ids"))
+                     f"queue position {pos}: " + _hover(view, block_size, "ids"))
         if pos == 0 or pos == count - 1:
             word = "head = tail" if count == 1 else ("head" if pos == 0 else "tail")
             canvas.text(x, y + TABLE_H + 3, word, 11, "#374151", anchor="left", valign="top")
@@ -342,12 +348,14 @@ def _draw_queue(canvas: Canvas, snap: PoolSnapshot, top: float, colours: dict[st
 def figure_pool(
     snap: PoolSnapshot, title: str = "", caption: str = "", shelves: int | None = None,
     colours: dict[str, str] | None = None, copies: Sequence[tuple[int, int]] = (), tokens: str = "words",
+    copy_key: bool = True,
 ) -> go.Figure:
     """The pool, the block tables and the free queue of one snapshot, sized to read when projected.
 
     ``shelves`` reserves room for that many shelves of tables (so a step-through keeps one
     height); ``colours`` fixes each sequence's colour (default: in the order they appear);
-    ``copies`` are the step's copy-on-write copies, drawn as arcs; ``tokens`` is "words" or "ids".
+    ``copies`` are the step's copy-on-write copies, drawn as arcs; ``tokens`` is "words" or "ids";
+    ``copy_key=False`` leaves the arc out of the key (for a story without copy-on-write).
     """
     if tokens not in TOKEN_MODES:
         token_label(0, tokens)  # raises the named error
@@ -356,7 +364,7 @@ def figure_pool(
     canvas = Canvas(WIDTH)
     y = _heading(canvas, title, caption)
     pool_probe = _pool_geometry(snap, 0)
-    y = _legend(canvas, y, pool_probe.slots, colours)
+    y = _legend(canvas, y, pool_probe.slots, colours, copy_key)
     packed = _shelves(_groups(snap))
     upper = packed[1] if len(packed) > 1 else []
     upper_room = (LABEL_H + TABLE_H) + ARROW_GAP
@@ -373,7 +381,7 @@ def figure_pool(
     else:
         canvas.text(X0, y + TABLE_H / 2, "no live sequence", 13, MUTED, anchor="left")
         y += TABLE_H + LABEL_H + 4
-    y = _draw_queue(canvas, snap, y + 12, colours)
+    y = draw_free_queue(canvas, snap.blocks, snap.free_queue, snap.block_size, y + 12, colours)
     if (shelves or 1) > 1 and not upper:
         y += upper_room  # a stepper keeps one height: the unused room goes below the drawing
     return canvas.figure(y + PAD, parts=("pool", "tables", "queue"))
@@ -385,7 +393,7 @@ def figure_step(scenario: Scenario, step: Step, caption: bool = True, tokens: st
     shelves = max(shelves_needed(s.snapshot) for s in steps)
     return figure_pool(step.snapshot, f"{scenario.name} · step {step.index} of {step.total}",
                        step.text if caption else "", shelves=shelves, colours=assign_colours(steps),
-                       copies=step.copies, tokens=tokens)
+                       copies=step.copies, tokens=tokens, copy_key=any(s.copies for s in steps))
 
 
 def panel_state(scenario: str, seed: int, index: int, tokens: str = "words") -> dict[str, Any]:
