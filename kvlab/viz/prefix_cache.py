@@ -21,7 +21,7 @@ from kvlab.sim.block_scenarios import BlockView
 from kvlab.sim.prefix_sim import WORKLOADS, SimResult, min_num_blocks, simulate, sweep_pool_sizes
 from kvlab.units import cdiv
 from kvlab.viz.block_pool import draw_free_queue
-from kvlab.viz.canvas import INK, MUTED, Canvas
+from kvlab.viz.canvas import INK, MUTED, Canvas, log_axis
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 from kvlab.viz.words import token_label
 
@@ -131,7 +131,7 @@ def figure_hash_cost(rows: Sequence[dict[str, Any]], prefill_per_block: dict[str
     values = [r["seconds_per_block"] * 1e6 for r in rows] + [s * 1e6 for s in (prefill_per_block or {}).values()]
     top, bottom = math.log10(max(values)) + 0.8, math.log10(min(values)) - 0.3
     fig.update_layout(title="Hashing one block vs prefilling it", barmode="group", height=460,
-                      yaxis=dict(title="µs per block (log scale)", type="log", range=[bottom, top]),
+                      yaxis=log_axis(values, "µs per block (log scale)", range=[bottom, top]),
                       margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.15))
     return fig
 
@@ -182,7 +182,8 @@ def figure_pool_sweep(workload: str, result: SimResult, sizes: Sequence[int], sw
     fig.update_layout(barmode="stack", height=620, margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.12))
     fig.update_yaxes(title_text="hit rate", range=[0, 1], row=1, col=1, secondary_y=False)
     fig.update_yaxes(title_text="evicted before reuse", rangemode="tozero", row=1, col=1, secondary_y=True)
-    fig.update_xaxes(title_text="pool size (blocks)", row=1, col=1)
+    # stops short of the next round tick, which would meet the right axis' "0"
+    fig.update_xaxes(title_text="pool size (blocks)", range=[sizes[0] - 6, sizes[-1] + 6], row=1, col=1)
     fig.update_xaxes(title_text="request, in admission order", row=2, col=1)
     fig.update_yaxes(title_text="prompt tokens", row=2, col=1)
     return fig
