@@ -3,9 +3,11 @@
 import pytest
 
 import kvlab.viz.block_pool as viz
+import kvlab.viz.step_panels as panels
 from kvlab.errors import UnknownNameError
 from kvlab.sim.block_scenarios import SCENARIOS, get_scenario, record, step_at, walk_fork, walk_free_queue
-from kvlab.viz.block_pool import BlockPoolPanel, assign_colours, figure_pool, figure_step
+from kvlab.viz.block_pool import assign_colours, figure_pool, figure_step
+from kvlab.viz.step_panels import BlockPoolPanel
 
 
 def hover(fig, part):
@@ -141,6 +143,6 @@ def test_a_failing_redraw_shows_in_the_panel_and_keeps_the_last_state(monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("drawing failed")
 
-    monkeypatch.setattr(viz, "panel_state", broken)
+    monkeypatch.setattr(panels, "panel_state", broken)
     panel.next_button.click()
     assert panel.state is before and "drawing failed" in str(panel.errors.outputs)

@@ -12,7 +12,8 @@ import plotly.graph_objects as go
 
 from kvlab.sim.block_scenarios import Step
 from kvlab.sim.lifecycle import EVENTS, lifecycle_step_at, lifecycle_steps
-from kvlab.viz.block_pool import StepPanel, assign_colours, figure_pool, shelves_needed
+from kvlab.viz.block_pool import assign_colours, figure_pool, shelves_needed
+from kvlab.viz.step_panels import StepPanel
 
 TITLE = "A request's life in the block pool"
 
