@@ -155,7 +155,14 @@ def simulate(
     hash_fn: str = "sha256",
     enable_caching: bool = True,
 ) -> SimResult:
-    """Run ``requests`` first come, first served through a ``KVCacheManager`` of ``num_blocks`` blocks."""
+    """Run ``requests`` first come, first served through a ``KVCacheManager`` of ``num_blocks`` blocks.
+
+    Why a loop beside ``kvlab.core.sched.scheduler.Scheduler``: notebook 04 teaches the prefix
+    cache before the scheduler (notebook 06), so its hit rates come from the manager alone,
+    with whole-prompt admission and reserved outputs, so that no preemption or token budget
+    moves a hit rate and every number is the manager's. Notebook 07 runs chat on the real
+    scheduler (``kvlab.sim.serving_sim``).
+    """
     num_blocks, block_size = positive_int("num_blocks", num_blocks), positive_int("block_size", block_size)
     max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
     _check_workload(requests)
