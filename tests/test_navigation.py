@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _links import broken_links, local_links, markdown_cells, resolve
+from _links import broken_links, headings, local_links, markdown_cells, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -96,3 +96,28 @@ def test_the_last_cell_says_what_to_read_next(notebook):
         assert after and after[0][0] == following, f"{notebook.name}: the closing Next links {following.name} first"
     else:
         assert "(../README.md)" in closing, f"{notebook.name}: the last notebook's closing Next leads to the README"
+
+
+# Asides a class may skip (issue 19): each is marked **Optional** in its heading's cell, or in a
+# note just before it, and that note links to a later section of the same notebook.
+OPTIONAL = {
+    "02_budget_simulator.ipynb": ["4.-The-source-table,-row-by-row"],
+    "03_block_table.ipynb": ["9.-Performance-aside:-O(1)-per-block"],
+    "04_prefix_cache.ipynb": ["5.-The-seed-of-every-chain:-NONE_HASH", "6.-What-hashing-costs,-and-what-a-hit-saves",
+                              "7.-When-two-blocks-share-a-hash"],
+}
+
+
+@pytest.mark.parametrize("name, heading", [(n, h) for n, hs in OPTIONAL.items() for h in hs])
+def test_the_asides_a_class_may_skip_say_so_and_where_to_go_on(name, heading):
+    notebook = ROOT / "notebooks" / name
+    cells = markdown_cells(notebook)
+    index = next(k for k, source in enumerate(cells) if any(
+        line.startswith("## ") and line.replace("`", "").replace(" ", "-")[3:] == heading
+        for line in source.splitlines()))
+    note = next((c for c in (cells[index], cells[index - 1]) if "**Optional" in c), None)
+    assert note is not None, f"{name}: mark {heading!r} as **Optional**"
+    later = [target for target, _ in local_links(note) if target.startswith("#")]
+    assert later, f"{name}: the note on {heading!r} says where to read on"
+    order = list(headings(notebook))
+    assert all(order.index(target[1:]) > order.index(heading) for target in later), later   # onwards, not back
