@@ -10,6 +10,7 @@ links are checked in ``tests/test_glossary.py``.)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -121,3 +122,25 @@ def test_the_asides_a_class_may_skip_say_so_and_where_to_go_on(name, heading):
     assert later, f"{name}: the note on {heading!r} says where to read on"
     order = list(headings(notebook))
     assert all(order.index(target[1:]) > order.index(heading) for target in later), later   # onwards, not back
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_opening_says_what_to_read_first_when_arriving_from_the_vllm_docs(notebook):
+    rows = dict(ROW.findall(markdown_cells(notebook)[0]))
+    assert "From the vLLM docs?" in rows, f"{notebook.name}: the opening table needs a **From the vLLM docs?** row"
+    earlier = [p for p, _ in _notebook_links(rows["From the vLLM docs?"], notebook) if p != notebook]
+    assert earlier or notebook == NOTEBOOKS[0], f"{notebook.name}: name what to read first"
+    assert all(p.name < notebook.name for p in earlier), f"{notebook.name}: read first means an earlier notebook"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_opening_states_how_long_run_all_takes_as_measured(notebook):
+    """The **Time** row is the one ``scripts/time_notebooks.py`` writes from data/measurements/notebook_times.json."""
+    spec = importlib.util.spec_from_file_location("time_notebooks", ROOT / "scripts" / "time_notebooks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    measured = json.loads((ROOT / "data" / "measurements" / "notebook_times.json").read_text())
+    assert notebook.name in measured["results"], f"run scripts/time_notebooks.py {notebook.relative_to(ROOT)}"
+    expected = script.time_row(measured["results"][notebook.name], measured["machine"])
+    assert expected in markdown_cells(notebook)[0].splitlines(), (
+        f"{notebook.name}: its **Time** row is not the measurement; run scripts/time_notebooks.py --openings-only")
