@@ -78,6 +78,14 @@ def test_an_unhashed_block_reused_ends_a_life_too_as_in_vllm():
     assert _values(c, "lifetime") == [1] and _values(c, "idle_before_evict") == [1] and _values(c, "reuse_gap") == []
 
 
+def test_with_caching_off_no_block_is_ever_evicted_so_no_life_ends_as_in_vllm_0_33():
+    collector = KVCacheMetricsCollector()
+    pool = BlockPool(4, enable_caching=False, metrics_collector=collector)
+    for _ in range(3):
+        pool.free_blocks(reversed(pool.get_new_blocks(3)))
+    assert collector.histogram("lifetime").count == 0 and len(collector.block_metrics) == 3
+
+
 def test_only_the_last_four_hits_give_reuse_gaps():
     pool, c, _ = _pool()
     (block,) = pool.get_new_blocks(1)

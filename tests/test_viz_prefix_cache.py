@@ -39,7 +39,7 @@ def test_controls_drive_the_state_and_errors_show_in_the_panel(monkeypatch):
 def test_block_statuses_and_hit_map():
     manager = KVCacheManager(20, 4)
     first = Request("a", list(range(10)))
-    hits, n = manager.get_computed_blocks(first)
+    hits, n, _ = manager.get_computed_blocks(first)
     manager.allocate_slots(first, 10)
     second = Request("b", list(range(8)) + [99] * 7)
     assert viz.block_statuses(manager, second) == ["hit", "hit", "computed", "partial"]

@@ -112,6 +112,7 @@ class PoolSnapshot:
     token_ids: Mapping[str, tuple[int, ...]]
     cached_index: Mapping[Hashable, tuple[int, ...]]  # block hash -> ids of the blocks holding it
     usage: float
+    num_usable_blocks: int = 0  # the pool's blocks but the null block (BlockPool.num_usable_blocks)
 
     @property
     def ref_counts(self) -> dict[int, int]:
@@ -163,6 +164,7 @@ def pool_snapshot(pool: BlockPool, tables: Mapping[str, TypingSequence[int]],
         token_ids=MappingProxyType({n: tuple(t) for n, t in token_ids.items()}),
         cached_index=MappingProxyType({h: tuple(sorted(d)) for h, d in pool.cached_block_hash_to_block.items()}),
         usage=pool.get_usage(),
+        num_usable_blocks=pool.num_usable_blocks,
     )
 
 

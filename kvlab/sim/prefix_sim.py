@@ -110,7 +110,7 @@ def admit(manager: KVCacheManager, request: Request, num_lookahead_tokens: int =
     ``num_lookahead_tokens`` reserved), and marks every token computed and the request
     running. Returns None, with nothing changed, when the pool cannot take it.
     """
-    hits, num_hits = manager.get_computed_blocks(request)
+    hits, num_hits, _ = manager.get_computed_blocks(request)
     new = manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits, num_lookahead_tokens)
     if new is None:
         return None

@@ -23,8 +23,9 @@ from kvlab._validate import non_negative_int, positive_int
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector, PoolDiagnosis
 from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector, OffloadStats
+from kvlab.core.sched.loop import NoComputeExecutor, step
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
-from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, step
+from kvlab.core.sched.scheduler import Scheduler
 from kvlab.errors import KvlabValueError
 
 VOCAB_SIZE = 32_000

@@ -16,8 +16,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.loop import NoComputeExecutor, run_until_done
 from kvlab.core.sched.output import GenerationRequest, SamplingParams, SchedulerStats
-from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, run_until_done
+from kvlab.core.sched.scheduler import Scheduler
 from kvlab.sim.prefix_sim import shared_prompt_workload
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 

@@ -27,7 +27,7 @@ def reads_table(reads: Sequence[ProgramReads], seq_names: Sequence[str] | None =
         "program (b, h, s)": r.program, "sequence": seq_names[r.seq] if seq_names else r.seq, "query block": r.q_block,
         "query tokens": f"{r.query_tokens[0]}..{r.query_tokens[-1]}",
         "tiles": f"{r.tile_range[0]}..{r.tile_range[1] - 1}" if r.tiles else "none",
-        "blocks in order": r.blocks_in_order(),
+        "keys read": r.keys_read(), "blocks in order": r.blocks_in_order(),
     } for r in reads]
 
 
@@ -130,7 +130,8 @@ def figure_gpu_bench(results: dict[str, Any], title: str) -> go.Figure:
     fig = go.Figure()
     for block_size, color in ((16, "#1f77b4"), (64, "#ff7f0e")):
         mine = [r for r in rows if r["block_size"] == block_size]
-        fig.add_bar(x=[f"b{r['batch']} × {r['context'] // 1024}K" for r in mine],
+        fig.add_bar(x=[f"b{r['batch']} × {r['context'] // 1024}K"
+                       + (f", window {r['sliding_window'] // 1024}K" if r.get("sliding_window") else "") for r in mine],
                     y=[r["copy_fraction"] for r in mine], name=f"block size {block_size}", marker_color=color,
                     customdata=[[r.get("speedup_vs_sdpa", float("nan")), r["kernel_us"]] for r in mine],
                     hovertemplate="%{x}: %{y:.0%} of copy bandwidth, %{customdata[1]:.1f} µs, "
@@ -138,6 +139,53 @@ def figure_gpu_bench(results: dict[str, Any], title: str) -> go.Figure:
     fig.add_hline(y=GOAL_COPY_FRACTION, line_dash="dash", annotation_text=f"goal {GOAL_COPY_FRACTION:.0%} (b64 × 8K)")
     fig.update_layout(title=title, barmode="group", height=420, yaxis=dict(title="share of copy bandwidth",
                       tickformat=".0%"), xaxis=dict(title="decode: batch × context"))
+    return fig
+
+
+def figure_window_reads(rows: Sequence[dict[str, Any]]) -> go.Figure:
+    """Keys one decode program reads against the context length, with and without a sliding window."""
+    fig = go.Figure()
+    windows = list(dict.fromkeys(r["window"] for r in rows))            # in the rows' order
+    for window in windows:
+        mine = [r for r in rows if r["window"] == window]
+        fig.add_bar(x=[str(r["context"]) for r in mine], y=[r["keys read"] for r in mine],
+                    name="full attention" if window == "none" else f"sliding window {window}",
+                    marker_color="#9ca3af" if window == "none" else "#2563eb", text=[r["keys read"] for r in mine],
+                    textposition="outside")
+    fig.update_layout(title="Keys a decode reads: the context, or only the window", barmode="group", height=380,
+                      xaxis=dict(title="context length (tokens)"), yaxis=dict(title="keys read (kernel trace)"))
+    return fig
+
+
+def figure_kernel_errors(report: Any, batch: str | None = None, cap: float = 1e3) -> go.Figure:
+    """``check_kernel``'s error map for one batch: largest |out − ref| per query token (rows) and head (columns).
+
+    ``batch`` names the batch (default: the first that failed, else the first). Colour is log10 of
+    the error; NaN or infinite outputs are drawn at ``cap`` and say so on hover. Lines separate sequences.
+    """
+    result = next((r for r in report.results if r.name == batch), None) if batch else \
+        next((r for r in report.results if not r.passed), report.results[0])
+    if result is None:
+        raise KeyError(f"no batch named {batch!r} in the report; batches: {[r.name for r in report.results]}")
+    fig = go.Figure()
+    if result.errors is None:
+        fig.add_annotation(text=f"{result.name}: the function raised<br>{result.exception}", showarrow=False,
+                           x=0.5, y=0.5, xref="paper", yref="paper")
+        return fig.update_layout(height=240, title=f"check_kernel: {result.name}")
+    errors = result.errors.clamp(max=cap)                                   # [num_tokens, num_q_heads]
+    z = torch.log10(errors.clamp(min=1e-12)).tolist()
+    labels = [f"seq {s} · q {t}" for s, t in zip(result.token_seq, result.token_pos, strict=True)]
+    text = [["NaN or inf" if e >= cap else f"{e:.2e}" for e in row] for row in result.errors.tolist()]
+    fig.add_heatmap(z=z, x=[f"head {h}" for h in range(errors.shape[1])], y=labels, text=text, zmin=-8, zmax=3,
+                    colorscale="Inferno", colorbar=dict(title="log10 |error|"),
+                    hovertemplate="%{y}, %{x}: |error| %{text}<extra></extra>")
+    for i in range(1, len(labels)):
+        if result.token_seq[i] != result.token_seq[i - 1]:
+            fig.add_hline(y=i - 0.5, line_color="white", line_width=2)
+    verdict = "passes" if result.passed else f"fails: relative error {result.relative_error:.3g}"
+    fig.update_layout(title=f"check_kernel · {report.function} · {result.name} {verdict}",
+                      yaxis=dict(autorange="reversed", title="query token"), xaxis=dict(title="query head"),
+                      height=min(640, 180 + 14 * len(labels)), margin=dict(l=120))
     return fig
 
 

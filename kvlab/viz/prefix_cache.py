@@ -31,7 +31,7 @@ MAX_POOL_SIZE = 240
 
 def block_statuses(manager: KVCacheManager, request: Request) -> list[str]:
     """Per logical block of ``request``: 'hit' (cached prefix), 'computed' (full, to prefill) or 'partial'."""
-    _, num_hits = manager.get_computed_blocks(request)
+    _, num_hits, _ = manager.get_computed_blocks(request)
     hit_blocks = num_hits // manager.block_size
     full_blocks = request.num_tokens // manager.block_size
     total = cdiv(request.num_tokens, manager.block_size)
