@@ -502,8 +502,10 @@ def open_in_lab(page: Any, server: Server, path: str, timeout_s: float = 120) ->
         for session in server.get_json("api/sessions"):
             kernel = session.get("kernel") or {}
             if session["path"] == path and kernel.get("execution_state") == "idle" and kernel.get("connections"):
-                page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                                       timeout=timeout_s * 1000)
+                # The open notebook's own indicator: JupyterLab may restore other notebooks' tabs
+                # (hidden, each with an indicator of its own) from the workspace.
+                page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
+                                       ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_s * 1000)
                 return kernel["id"]
         time.sleep(0.5)
     raise TimeoutError(f"the kernel of {path} did not start within {timeout_s:.0f} s")
