@@ -1,7 +1,7 @@
 """Contiguous reservation against paging: worked examples, invariants, and the two engines agreeing.
 
 ``simulate`` skips the steps in which nothing but growth happens (``kvlab.sim.fragmentation_fast``);
-``simulate_step_by_step`` walks every step the way the module docstring states the rules (and
+``simulate(..., step_by_step=True)`` walks every step the way the module docstring states the rules (and
 the way vLLM's scheduler loop reads: oldest first, ``running.pop()`` when a block is missing),
 so the two must agree slot for slot.
 """
@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.sim.fragmentation import CATEGORIES, reservation, simulate, simulate_step_by_step
+from kvlab.sim.fragmentation import CATEGORIES, reservation, simulate
 from kvlab.sim.fragmentation_fast import FirstFit
 from kvlab.sim.workloads import alpaca_like, fixed, sharegpt_like
 from kvlab.units import cdiv
@@ -23,7 +23,7 @@ from kvlab.units import cdiv
 def check_against_reference(requests, pool_tokens, max_model_len, policy, block_size, seed):
     """The event-driven result is the step-by-step one: every counter, every share of the pool."""
     kw = dict(pool_tokens=pool_tokens, max_model_len=max_model_len, policy=policy, block_size=block_size, seed=seed)
-    fast, reference = simulate(requests, **kw), simulate_step_by_step(requests, **kw)
+    fast, reference = simulate(requests, **kw), simulate(requests, step_by_step=True, **kw)
     assert dataclasses.replace(fast, breakdown={}, mean_running=0) == dataclasses.replace(
         reference, breakdown={}, mean_running=0)
     assert fast.mean_running == pytest.approx(reference.mean_running)

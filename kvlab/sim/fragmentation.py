@@ -39,8 +39,8 @@ the real ``KVCacheManager`` and only knows paging; notebook 02 needs the contigu
 the paper measured against, reservations placed first-fit in one address space, and 10,000
 requests in well under a second. So this is a small model of the same loop (vLLM's
 admission order and ``running.pop()`` preemption), not a second scheduler.
-``simulate_step_by_step`` below walks every step exactly as the rules above read, and is the
-reference; ``simulate`` gets the same numbers event by event (``kvlab.sim.fragmentation_fast``),
+``simulate(..., step_by_step=True)`` walks every step exactly as the rules above read, and is
+the reference; by default it gets the same numbers event by event (``kvlab.sim.fragmentation_fast``),
 and ``tests/test_fragmentation.py`` holds the two together.
 """
 
@@ -271,6 +271,7 @@ def simulate(
     policy: str,
     block_size: int = 16,
     seed: int | None = 0,
+    step_by_step: bool = False,
 ) -> FragmentationResult:
     """Serve ``requests`` (``(prompt_len, output_len)`` pairs) from a pool of ``pool_tokens`` slots.
 
@@ -278,27 +279,11 @@ def simulate(
     rules). Requests queue in the order ``seed`` shuffles them to (``seed=None`` keeps the
     given order). Raises ``KvlabValueError`` for a request longer than ``max_model_len`` or a
     pool too small to serve a request of ``max_model_len`` tokens on its own. Runs event by
-    event (``kvlab.sim.fragmentation_fast``): the numbers of ``simulate_step_by_step``, fast.
+    event (``kvlab.sim.fragmentation_fast``); ``step_by_step=True`` walks every step and every
+    request as the rules read instead: the reference, slow (steps times running requests), for
+    small workloads and for reading, with the same result.
     """
     req, order, reserve = _prepared(requests, pool_tokens, max_model_len, policy, block_size, seed)
-    return _result(policy, pool_tokens, max_model_len, block_size, len(req),
-                   run_fast(req, order, pool_tokens, reserve, block_size))
-
-
-def simulate_step_by_step(
-    requests: Sequence[Sequence[int]] | np.ndarray,
-    *,
-    pool_tokens: int,
-    max_model_len: int,
-    policy: str,
-    block_size: int = 16,
-    seed: int | None = 0,
-) -> FragmentationResult:
-    """``simulate``, walking every step and every request as the module's rules read: the reference.
-
-    Its cost grows with steps times running requests, so keep it to small workloads (tests,
-    or to read how a step goes); ``simulate`` gives the same result.
-    """
-    req, order, reserve = _prepared(requests, pool_tokens, max_model_len, policy, block_size, seed)
-    return _result(policy, pool_tokens, max_model_len, block_size, len(req),
-                   _StepByStep(req, order, pool_tokens, reserve, block_size).run())
+    engine = _StepByStep(req, order, pool_tokens, reserve, block_size).run if step_by_step else \
+        lambda: run_fast(req, order, pool_tokens, reserve, block_size)
+    return _result(policy, pool_tokens, max_model_len, block_size, len(req), engine())

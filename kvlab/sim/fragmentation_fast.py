@@ -1,6 +1,6 @@
 """The fragmentation simulation's fast engine: the rules of ``kvlab.sim.fragmentation``, skipping quiet steps.
 
-``kvlab.sim.fragmentation.simulate_step_by_step`` walks every step as the rules read; here
+``kvlab.sim.fragmentation.simulate(..., step_by_step=True)`` walks every step as the rules read; here
 the same rules run event by event. Between two events (an admission, a finish, a
 preemption) every running request only grows by one token per step, so those steps are
 accounted in closed form: a residency's tokens grow linearly, and a paged request needs a

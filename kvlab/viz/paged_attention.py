@@ -185,9 +185,9 @@ def figure_kernel_errors(report: Any, batch: str | None = None, cap: float = 1e3
         if result.token_seq[i] != result.token_seq[i - 1]:
             fig.add_hline(y=i - 0.5, line_color="white", line_width=2)
     verdict = "passes" if result.passed else f"fails: relative error {result.relative_error:.3g}"
-    fig.update_layout(title=f"check_kernel · {report.function} · {result.name} {verdict}",
+    fig.update_layout(title=f"check_kernel · {report.function}<br>{result.name} {verdict}",  # two lines: it fits
                       yaxis=dict(autorange="reversed", title="query token"), xaxis=dict(title="query head"),
-                      height=min(640, 180 + 14 * len(labels)), margin=dict(l=120))
+                      height=min(660, 200 + 14 * len(labels)), margin=dict(l=120, t=90))
     return fig
 
 
