@@ -5,6 +5,7 @@
 #   make present NB=02          one notebook in Voila for a projector (widgets and text, code hidden)
 #   make html                   execute every notebook into a static copy in build/html/ (NB=01 for one)
 #   make gpu-wheels             wheels for a GPU machine without PyPI, for scripts/gpu_check.sh (CONTRIBUTING.md)
+#   make test-vllm              kvlab's allocator side by side with the real vLLM 0.33.0 (tests/vllm/, a second venv)
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= 2.13.0
@@ -17,6 +18,15 @@ CHROMIUM ?= $(or $(KVLAB_CHROMIUM),/usr/bin/chromium)
 # The GPU machine's Python (this workplace's H200 image has 3.12) and what it lacks for the engine tests.
 GPU_PYTHON_VERSION ?= 3.12
 GPU_WHEELS ?= cbor2
+# make test-vllm: a second environment that sees .venv's packages (torch CPU, the editable kvlab) through a .pth
+# file, plus vLLM with --no-deps and only the light pure-Python packages its allocator path imports. Each was
+# checked with `pip install --dry-run`: none pulls torch or a CUDA package. VLLM_ARGS go to pytest.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.33.0
+VLLM_LIGHT ?= msgspec aiohttp oss-harmony openai pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo \
+	"fastapi<0.137" partial-json-parser "llguidance<1.8"
+VLLM_NO_DEPS ?= xgrammar==0.2.8 apache-tvm-ffi
+VLLM_ARGS ?=
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -28,7 +38,7 @@ QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 # The stamp is keyed on pyproject.toml and the torch choice: a second run installs nothing.
 STAMP := $(VENV)/.kvlab-$(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)-torch$(TORCH)
 
-.PHONY: venv lab test test-solutions test-long bench lint strip clean-venv present html gpu-wheels
+.PHONY: venv lab test test-solutions test-long test-vllm bench lint strip clean-venv present html gpu-wheels
 
 venv: $(STAMP)
 
@@ -48,6 +58,35 @@ test: $(STAMP)
 	@test -x "$(CHROMIUM)" || echo "NOTE: no Chromium at $(CHROMIUM): the browser tests (marker ui) will be skipped; apt-get install chromium to run them."
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The vLLM environment is stamped like .venv. A failed download says so loudly and skips (exit 0), as CI wants:
+# the recipe is one shell, so that the skip ends it.
+VLLM_STAMP := $(VLLM_VENV)/.vllm-$(VLLM_VERSION)
+VPY := $(VLLM_VENV)/bin/python
+$(VLLM_STAMP): $(STAMP)
+	@set -e; rm -rf $(VLLM_VENV); $(BIN)/python -m venv --without-pip $(VLLM_VENV); \
+	site="$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
+	base="$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"; \
+	echo "import site; site.addsitedir('$$base')" > "$$site/kvlab-base-venv.pth"; \
+	echo "Downloading vllm==$(VLLM_VERSION) (no dependencies) from PyPI"; \
+	if ! $(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: -d $(VLLM_VENV)/wheels \
+			"vllm==$(VLLM_VERSION)" $(QUIET_PIP) || ! ls $(VLLM_VENV)/wheels/vllm-*.whl >/dev/null 2>&1; then \
+		echo "WARNING: ****************************************************************************"; \
+		echo "WARNING: could not download vllm==$(VLLM_VERSION); make test-vllm SKIPS the comparison."; \
+		echo "WARNING: ****************************************************************************"; \
+		rm -rf $(VLLM_VENV); exit 0; fi; \
+	echo "Installing vLLM (--no-deps) and the light packages its allocator imports into $(VLLM_VENV)"; \
+	$(BIN)/python -m pip --python $(VPY) install --quiet --no-warn-conflicts --no-deps \
+		$(VLLM_VENV)/wheels/vllm-*.whl $(VLLM_NO_DEPS) $(QUIET_PIP); \
+	$(BIN)/python -m pip --python $(VPY) install --quiet --no-warn-conflicts $(VLLM_LIGHT) $(QUIET_PIP); \
+	$(VPY) -c "import torch, kvlab, vllm.v1.core.kv_cache_manager; \
+		assert '$(TORCH)' in ('', torch.__version__.split('+')[0]), 'pulled torch ' + torch.__version__" \
+		|| { echo "the vLLM environment does not import (or pulled another torch)"; exit 1; }; \
+	rm -rf $(VLLM_VENV)/wheels; touch $@
+
+test-vllm: $(VLLM_STAMP)
+	@if [ ! -x $(VPY) ]; then echo "SKIPPED: vllm==$(VLLM_VERSION) is not installed (see the warning above)"; \
+	else $(VPY) -m pytest tests/vllm -p no:cacheprovider $(VLLM_ARGS); fi
+
 test-solutions: $(STAMP)
 	$(BIN)/python -m pytest tests/test_notebook_solutions.py --solutions $(PYTEST_ARGS)
 
@@ -65,7 +104,7 @@ strip: $(STAMP)
 	$(BIN)/python scripts/strip_notebooks.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)
 
 present: $(STAMP)
 	@nb="$$(ls notebooks/$(or $(NB),none)_*.ipynb 2>/dev/null | head -1)"; \

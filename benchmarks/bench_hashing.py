@@ -5,8 +5,7 @@ token ids (``kvlab.sim.hash_cost.measure_hash_cost``), plus the bare SHA-256 and
 the same pickled inputs. Saved to ``data/measurements/hashing.json`` with the machine.
 """
 
-from kvlab.capacity.cost_model import prefill_seconds
-from kvlab.capacity.models import get_model
+from kvlab.capacity.cost_model import cost_model
 from kvlab.machine import machine_line, save_measurement
 from kvlab.sim.hash_cost import measure_hash_cost
 
@@ -21,9 +20,10 @@ def main() -> None:
         cells = {r["block_size"]: r["seconds_per_block"] * 1e6 for r in rows if r["hash_fn"] == name}
         print(f"{name:<22}{cells[16]:>10.2f}{cells[64]:>10.2f}")
     for model in ("llama-3-8b", "llama-3-70b"):
-        estimate = prefill_seconds(get_model(model), 16) * 1e6
-        print(f"prefill of one 16-token block, {model}, one H100 at 50% of dense BF16 peak (estimate): "
-              f"{estimate:,.0f} µs")
+        cost = cost_model(model, "H100-SXM-80GB")
+        print(f"prefill of one 16-token block, {model}, one {cost.gpu.name} at {cost.prefill_mfu:.0%} of its "
+              f"{cost.gpu.bf16_dense_tflops:g} TFLOP/s dense BF16 peak (modelled): "
+              f"{cost.prefill_seconds(16) * 1e6:,.0f} µs of compute")
     path = save_measurement(
         "hashing", rows,
         method=f"kvlab.sim.hash_cost.measure_hash_cost(block_sizes=(16, 64), number={NUMBER}, repeat={REPEAT}): "

@@ -2,7 +2,7 @@
 
 ``python -m kvlab.kernels.bench`` on a CUDA machine runs Llama-3-8B's attention shape (32 query
 heads, 8 KV heads, head 128, bf16): decode at batch 1/16/64/256 x context 1K/8K/32K x block 16/64,
-and one prefill. Method, per shape:
+one prefill, and decodes with a 4K sliding window over 32K contexts. Method, per shape:
 
 * inputs: a paged cache whose blocks are handed out in random order (scattered block tables),
   one decode query per sequence (prefill: whole prompts), and for SDPA the same K/V copied into
@@ -13,8 +13,9 @@ and one prefill. Method, per shape:
   fused backend torch offers for the shape (flash, memory-efficient, cuDNN), keeping the fastest;
   ``do_bench`` times from the Python call, so a tiny shape measures launch overhead as much as the
   kernel: both are timed again inside a CUDA graph (``do_bench_cudagraph``), which leaves it out;
-* bandwidth: bytes of K, V and Q read plus output written, over the median time, and its ratio
-  to a device-to-device copy (read + write) timed the same way in the same run;
+* bandwidth: bytes of K, V (a windowed decode: the window's) and Q read plus output written, over
+  the median time, and its ratio to a device-to-device copy (read + write) timed the same way in
+  the same run;
 * correctness: the kernel's output against SDPA's, relative error, on the first input set.
 
 The goal shape (batch 64 x 8K, block 16) runs first, so a run cut short still has it; a shape that
@@ -41,6 +42,8 @@ from kvlab.kernels import TRITON_CUDA, backend, check_attention, plan_launch
 from kvlab.kernels.checks import PagedTensors
 from kvlab.kernels.grid import KernelConfig
 
+from kvlab.errors import KernelInputError
+
 GiB = 1024**3
 #: The issue's goal: decode at batch 64 x 8K reaches this share of the measured copy bandwidth.
 GOAL_COPY_FRACTION = 0.8
@@ -58,6 +61,11 @@ class Shape:
     num_kv_heads: int = 8
     head_size: int = 128
     dtype: torch.dtype = torch.bfloat16
+    sliding_window: int | None = None   # decode only: the query sees its last sliding_window keys
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.query_len != 1:
+            raise KernelInputError("Shape.sliding_window is benchmarked on decode shapes only (query_len=1)")
 
     @property
     def kind(self) -> str:
@@ -65,11 +73,23 @@ class Shape:
 
     @property
     def name(self) -> str:
-        return f"{self.kind} b{self.batch} ctx{self.context} bs{self.block_size}"
+        window = f" window{self.sliding_window}" if self.sliding_window else ""
+        return f"{self.kind} b{self.batch} ctx{self.context} bs{self.block_size}{window}"
+
+    @property
+    def keys_read(self) -> int:
+        """Keys each sequence's attention reads: the context, or the window of a windowed decode."""
+        return min(self.context, self.sliding_window or self.context)
+
+    @property
+    def cache_bytes(self) -> int:
+        """K and V of every sequence's whole context: what the cache holds (and SDPA's contiguous copy)."""
+        return 2 * self.batch * self.context * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.batch * self.context * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        """K and V the attention must read (the window's only, for a windowed decode)."""
+        return 2 * self.batch * self.keys_read * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
     @property
     def q_bytes(self) -> int:
@@ -83,7 +103,7 @@ class Shape:
     @property
     def flops(self) -> float:
         """Multiply-adds of q k^T and p v, counted as 2 flops each (causal prefill: about half the pairs)."""
-        pairs = self.query_len * self.context if self.query_len == 1 else self.context * (self.context + 1) / 2
+        pairs = self.keys_read if self.query_len == 1 else self.context * (self.context + 1) / 2
         return 4.0 * self.batch * self.num_q_heads * self.head_size * pairs
 
 
@@ -91,14 +111,17 @@ GOAL_SHAPE = Shape(64, 8192, 16)
 
 
 def gpu_shapes() -> list[Shape]:
-    """The issue's grid, the goal shape first: decode at batch 1/16/64/256 x 1K/8K/32K x block 16/64, one prefill."""
+    """The issue's grid, the goal shape first: decode at batch 1/16/64/256 x 1K/8K/32K x block 16/64, one prefill;
+    then sliding-window decodes of 4K over 32K contexts (they should cost what a 4K context costs)."""
     decode = [Shape(b, c, bs) for bs in (16, 64) for b in (1, 16, 64, 256) for c in (1024, 8192, 32768)]
-    return [GOAL_SHAPE] + [s for s in decode if s != GOAL_SHAPE] + [Shape(4, 2048, 16, query_len=2048)]
+    windowed = [Shape(b, 32768, 16, sliding_window=4096) for b in (1, 64)]
+    return [GOAL_SHAPE] + [s for s in decode if s != GOAL_SHAPE] + [Shape(4, 2048, 16, query_len=2048)] + windowed
 
 
 def smoke_shapes() -> list[Shape]:
-    """One tiny decode shape: enough to run every line of the benchmark through the interpreter."""
-    return [Shape(2, 64, 16, num_q_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32)]
+    """Two tiny decode shapes, one with a sliding window: every line of the benchmark, through the interpreter."""
+    tiny = dict(num_q_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    return [Shape(2, 64, 16, **tiny), Shape(2, 64, 16, sliding_window=24, **tiny)]
 
 
 @dataclasses.dataclass
@@ -143,7 +166,9 @@ def sdpa_backends() -> list[tuple[str, Any]]:
 
 
 def sdpa_call(shape: Shape, x: Inputs) -> torch.Tensor:
-    out = torch.nn.functional.scaled_dot_product_attention(x.sdpa_q, x.sdpa_k, x.sdpa_v,
+    """SDPA on the contiguous copy; a windowed decode attends to the copy's last ``sliding_window`` keys only."""
+    keys = slice(shape.context - shape.keys_read, shape.context)
+    out = torch.nn.functional.scaled_dot_product_attention(x.sdpa_q, x.sdpa_k[:, :, keys], x.sdpa_v[:, :, keys],
                                                            is_causal=shape.query_len > 1, enable_gqa=True)
     return out.transpose(1, 2).reshape(-1, shape.num_q_heads, shape.head_size)                # [tokens, Hq, D]
 
@@ -192,25 +217,25 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
 
 
 def input_sets(shape: Shape, device: str, generator: torch.Generator) -> int:
-    """How many independent sets to rotate: enough to overflow L2 three times, within memory."""
-    per_set = 2 * shape.kv_bytes + 3 * shape.q_bytes
+    """How many independent sets to rotate: enough that what is read overflows L2 three times, within memory."""
+    per_set = 2 * shape.cache_bytes + 3 * shape.q_bytes                 # the paged cache and SDPA's copy
     if device != "cuda":
         return 1
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 64 * 2**20)
     free, _ = torch.cuda.mem_get_info()
-    return max(1, min(8, math.ceil(3 * l2 / per_set), int(0.8 * free) // per_set))
+    return max(1, min(8, math.ceil(3 * l2 / (shape.kv_bytes + shape.q_bytes)), int(0.8 * free) // per_set))
 
 
 def bench_shape(shape: Shape, device: str, copy_bw: float, config: KernelConfig | None = None,
                 num_kv_splits: int | None = None, with_sdpa: bool = True) -> dict[str, Any]:
     """Time one shape; returns a row of the results table (times in microseconds, bandwidths in GB/s)."""
     g = torch.Generator().manual_seed(0)
-    if device == "cuda" and 2 * shape.kv_bytes + 3 * shape.q_bytes > 0.9 * torch.cuda.mem_get_info()[0]:
+    if device == "cuda" and 2 * shape.cache_bytes + 3 * shape.q_bytes > 0.9 * torch.cuda.mem_get_info()[0]:
         return {"shape": shape.name, "skipped": "does not fit in free GPU memory"}
     sets = [make_inputs(shape, device, g) for _ in range(input_sets(shape, device, g))]
     x = sets[0]
-    batch = check_attention(*x.args())
+    batch = check_attention(*x.args(), sliding_window=shape.sliding_window)
     from kvlab.kernels.attention import launch, num_sms  # here: importing it needs Triton
 
     plan = plan_launch(batch, num_kv_splits, config, num_sms(x.query.device))
@@ -222,6 +247,7 @@ def bench_shape(shape: Shape, device: str, copy_bw: float, config: KernelConfig 
     row: dict[str, Any] = {
         "shape": shape.name, "kind": shape.kind,
         "batch": shape.batch, "context": shape.context, "block_size": shape.block_size,
+        "sliding_window": shape.sliding_window,
         "dtype": str(shape.dtype).removeprefix("torch."), "input_sets": len(sets),
         "tile_n": plan.config.tile_n, "block_m": plan.config.block_m, "num_warps": plan.config.num_warps,
         "num_stages": plan.config.num_stages, "num_kv_splits": plan.num_kv_splits,

@@ -236,6 +236,7 @@ class AttentionBatch:
     k_scale: float
     v_scale: float
     causal: bool
+    sliding_window: int | None = None    # query at position q sees keys q - sliding_window + 1 .. q
 
     @property
     def num_seqs(self) -> int:
@@ -259,9 +260,32 @@ class AttentionBatch:
         return self.num_q_heads // self.num_kv_heads
 
 
+def check_sliding_window(sliding_window: object, causal: bool) -> int | None:
+    """``None`` (full attention) or a positive integer window, on causal attention only.
+
+    The window follows vLLM 0.33.0 (``TritonAttentionImpl`` turns ``sliding_window`` into
+    ``window_size = (sliding_window - 1, 0)``; the kernel masks ``q - k >= sliding_window``) and
+    transformers' Mistral and Gemma-2 masks (``k > q - sliding_window``): a query at position ``q``
+    sees the ``sliding_window`` keys ``q - sliding_window + 1 .. q``, itself included.
+    """
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window < 1:
+        raise KernelInputError(
+            f"sliding_window must be a positive integer (the keys a query sees, itself included) or None "
+            f"(full attention), got {sliding_window!r}"
+        )
+    if not causal:
+        raise KernelInputError(
+            "sliding_window needs causal=True: kvlab's kernels implement the decoder's window, which looks back "
+            "only (vLLM's encoder window, which also looks ahead, is not implemented)"
+        )
+    return int(sliding_window)
+
+
 def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *,
                     scale=None, causal=True, k_scale=1.0, v_scale=1.0, num_kv_splits=None,
-                    out=None) -> AttentionBatch:
+                    out=None, sliding_window=None) -> AttentionBatch:
     """Validate ``paged_attention``'s arguments; return the batch as host-side numbers."""
     check_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
     check_float_activations("query", query)
@@ -334,6 +358,7 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
         raise KernelInputError(f"scale must be a finite number > 0 or None (1/sqrt(head_size)), got {scale!r}")
     if not isinstance(causal, bool):
         raise KernelInputError(f"causal must be True or False, got {causal!r}")
+    window = check_sliding_window(sliding_window, causal)
     if num_kv_splits is not None and (
         isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral) or num_kv_splits < 1
     ):
@@ -352,4 +377,5 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
         num_blocks=num_blocks, block_size=block_size, query_start_loc=tuple(starts), seq_lens=tuple(lens),
         fp8=key_cache.dtype == FP8_DTYPE, scale=float(scale), k_scale=ks, v_scale=vs, causal=causal,
+        sliding_window=window,
     )

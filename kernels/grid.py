@@ -9,11 +9,14 @@ The grid is ``(q_blocks, num_kv_heads, num_kv_splits)``. Program ``(b, h, s)``:
 * serves ``BLOCK_Q`` query tokens times all ``num_queries_per_kv`` query heads of KV head ``h``
   (GQA packing: one K/V tile read serves every query head that shares it), ``BLOCK_M`` rows;
 * walks the keys it may see in tiles of ``TILE_N`` positions; position ``p`` lives in physical
-  block ``block_table[seq, p // block_size]`` at offset ``p % block_size``. With ``num_kv_splits``
-  > 1 the tiles are cut into that many contiguous ranges and ``s`` takes range ``s``.
+  block ``block_table[seq, p // block_size]`` at offset ``p % block_size``. Causal attention ends
+  at its last query's position; a sliding window of W starts at its first query's position - W + 1,
+  and the tiles wholly before that are never visited, so a program reads about W + BLOCK_Q keys
+  whatever the context length. With ``num_kv_splits`` > 1 the tiles it visits are cut into that
+  many contiguous ranges and ``s`` takes range ``s``.
 
 ``program_reads`` replays exactly this arithmetic in Python. The tests run the kernel with its
-trace switched on and check that it read the same physical blocks in the same order.
+trace switched on and check that it read the same (physical block, offset) pairs in the same order.
 """
 
 from __future__ import annotations
@@ -127,8 +130,9 @@ def plan_launch(batch: AttentionBatch, num_kv_splits: int | None = None, config:
             f"exceed block_m={config.block_m}"
         )
     if num_kv_splits is None:
+        keys = min(batch.max_seq_len, batch.sliding_window or batch.max_seq_len)   # what one decode program reads
         num_kv_splits = choose_num_kv_splits(batch.num_seqs, batch.num_kv_heads, batch.max_query_len,
-                                             batch.max_seq_len, config.tile_n, num_sms)
+                                             keys, config.tile_n, num_sms)
     return LaunchPlan(batch, config, num_kv_splits)
 
 
@@ -149,14 +153,25 @@ def find_seq_idx(query_start_loc: Sequence[int], q_block: int, block_q: int) -> 
 
 @dataclasses.dataclass(frozen=True)
 class ProgramReads:
-    """What one program does: its place in the grid, its rows, and the blocks of each tile it reads."""
+    """What one program does: its place in the grid, its rows, and where each key of each tile it reads lives."""
 
     program: tuple[int, int, int]                # (q_block, kv_head, split) = tl.program_id(0, 1, 2)
     seq: int
     q_block: int                                  # local query block within the sequence
     query_tokens: tuple[int, ...]                 # positions within the sequence's query
     tile_range: tuple[int, int]                   # [first, last) tile of this split
-    tiles: tuple[tuple[int, ...], ...]            # physical block id of each key position; -1 = masked
+    tiles: tuple[tuple[int, ...], ...]            # physical block id of each key position; -1 = not read
+    offsets: tuple[tuple[int, ...], ...] = ()     # offset inside that block of each key position; -1 = not read
+    first_tile: int = 0                           # the first tile the program may visit (a window skips some)
+
+    def keys_read(self) -> int:
+        """How many key positions this program loads (the trace's entries that are not -1)."""
+        return sum(block >= 0 for tile in self.tiles for block in tile)
+
+    def key_reads(self) -> list[tuple[int, int]]:
+        """The ``(physical block, offset)`` of every key this program loads, in the order it loads them."""
+        return [(block, offset) for blocks, offsets in zip(self.tiles, self.offsets, strict=True)
+                for block, offset in zip(blocks, offsets, strict=True) if block >= 0]
 
     def blocks_in_order(self) -> list[int]:
         """The distinct physical blocks this program reads, in the order it first touches them."""
@@ -168,9 +183,19 @@ class ProgramReads:
         return seen
 
 
+def visible_keys(batch: AttentionBatch, seq: int, q_block: int, block_q: int) -> tuple[int, int]:
+    """``[first_key, kv_len)``: the key positions query block ``q_block`` of ``seq`` may see (step 3 of the kernel)."""
+    q_len = batch.query_lens[seq]
+    seq_len = batch.seq_lens[seq]
+    q_first = seq_len - q_len + q_block * block_q                 # the block's first query, in the sequence
+    kv_len = min(seq_len, q_first + block_q) if batch.causal else seq_len
+    first_key = max(q_first - batch.sliding_window + 1, 0) if batch.sliding_window else 0
+    return first_key, kv_len
+
+
 def program_reads(plan: LaunchPlan, block_table: Sequence[Sequence[int]]) -> list[ProgramReads]:
     """Replay the kernel's index arithmetic for every program that does work, in grid order."""
-    batch, cfg = plan.batch, plan.config
+    batch, cfg, tile_n = plan.batch, plan.config, plan.config.tile_n
     qsl = batch.query_start_loc
     out = []
     for b in range(plan.num_q_blocks):
@@ -179,35 +204,36 @@ def program_reads(plan: LaunchPlan, block_table: Sequence[Sequence[int]]) -> lis
         q_block = b - (qsl[seq] // cfg.block_q + seq)
         if q_block * cfg.block_q >= q_len:
             continue                                          # past this sequence's last block: exits
-        seq_len = batch.seq_lens[seq]
-        context_len = seq_len - q_len
-        kv_len = min(seq_len, context_len + (q_block + 1) * cfg.block_q) if batch.causal else seq_len
-        num_tiles = cdiv(kv_len, cfg.tile_n)
-        per_split = cdiv(num_tiles, plan.num_kv_splits)
+        first_key, kv_len = visible_keys(batch, seq, q_block, cfg.block_q)
+        tile_start, num_tiles = first_key // tile_n, cdiv(kv_len, tile_n)
+        per_split = cdiv(num_tiles - tile_start, plan.num_kv_splits)
         tokens = tuple(range(q_block * cfg.block_q, min((q_block + 1) * cfg.block_q, q_len)))
         for h in range(batch.num_kv_heads):
             for s in range(plan.num_kv_splits):
-                lo, hi = s * per_split, min((s + 1) * per_split, num_tiles)
-                tiles = tuple(
-                    tuple(block_table[seq][p // batch.block_size] if p < kv_len else -1
-                          for p in range(t * cfg.tile_n, (t + 1) * cfg.tile_n))
-                    for t in range(lo, hi)
-                )
-                out.append(ProgramReads((b, h, s), seq, q_block, tokens, (lo, max(lo, hi)), tiles))
+                lo = tile_start + s * per_split
+                hi = min(lo + per_split, num_tiles)
+                keys = [range(t * tile_n, (t + 1) * tile_n) for t in range(lo, hi)]
+                tiles = tuple(tuple(block_table[seq][p // batch.block_size] if first_key <= p < kv_len else -1
+                                    for p in tile) for tile in keys)
+                offsets = tuple(tuple(p % batch.block_size if first_key <= p < kv_len else -1 for p in tile)
+                                for tile in keys)
+                out.append(ProgramReads((b, h, s), seq, q_block, tokens, (lo, max(lo, hi)), tiles, offsets,
+                                        tile_start))
     return out
 
 
 def trace_from_reads(plan: LaunchPlan, reads: Sequence[ProgramReads]) -> list:
-    """The mirror laid out as the kernel's trace buffer: ``[q_blocks, kv_heads, splits, max_tiles, tile_n]``.
+    """The mirror laid out as the kernel's trace buffer: ``[q_blocks, kv_heads, splits, max_tiles, tile_n, 2]``.
 
-    -2 marks a tile slot a program never reached (the kernel's buffer starts filled with -2).
+    Each entry is ``[physical block, offset]``; ``[-1, -1]`` marks a position the program did not
+    read, ``[-2, -2]`` a tile slot it never reached (the kernel's buffer starts filled with -2).
     """
     b_n, h_n, s_n = plan.grid
-    empty = [-2] * plan.config.tile_n
-    trace = [[[[list(empty) for _ in range(plan.max_tiles)] for _ in range(s_n)] for _ in range(h_n)]
+    empty = [[-2, -2]] * plan.config.tile_n
+    trace = [[[[[list(e) for e in empty] for _ in range(plan.max_tiles)] for _ in range(s_n)] for _ in range(h_n)]
              for _ in range(b_n)]
     for r in reads:
         b, h, s = r.program
-        for i, tile in enumerate(r.tiles):
-            trace[b][h][s][i] = list(tile)
+        for i, (blocks, offsets) in enumerate(zip(r.tiles, r.offsets, strict=True)):
+            trace[b][h][s][i] = [[blk, off] for blk, off in zip(blocks, offsets, strict=True)]
     return trace

@@ -2,8 +2,8 @@
 
 No tiles, no online softmax, no programs: gather a sequence's keys and values through its block
 table into ordinary tensors, then compute ``softmax(q k^T * scale) v`` in float32 with a causal
-mask. The Triton kernels must agree with these functions on every input (``tests/test_kernels_*``),
-and they are what runs when Triton is not installed.
+mask (and a sliding window, if given). The Triton kernels must agree with these functions on every
+input (``tests/test_kernels_*``), and they are what runs when Triton is not installed.
 """
 
 from __future__ import annotations
@@ -62,15 +62,18 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                         scale: float | None = None, causal: bool = True, k_scale: float = 1.0,
                         v_scale: float = 1.0, num_kv_splits: int | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, config: object = None,
+                        sliding_window: int | None = None) -> torch.Tensor:
     """Attention of every query token over its sequence's cached keys, gathered through ``block_table``.
 
-    Same signature as ``paged_attention``. ``num_kv_splits`` is accepted and ignored: splitting
-    the keys is a way to schedule work, and never changes the answer. Query head ``h`` reads
-    KV head ``h // (num_q_heads // num_kv_heads)`` (GQA).
+    Same signature as ``paged_attention``. ``num_kv_splits`` and ``config`` are accepted and
+    ignored: splitting the keys and choosing tiles schedule work, and never change the answer.
+    Query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)`` (GQA). With
+    ``sliding_window`` W, the query at position ``q`` sees keys ``q - W + 1 .. q`` only.
     """
     batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
-                            causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out)
+                            causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
+                            sliding_window=sliding_window)
     out = torch.empty_like(query) if out is None else out
     group = batch.num_queries_per_kv
     starts = batch.query_start_loc
@@ -85,9 +88,12 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
         scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale            # [Hq, q_len, seq_len]
         if causal:
             q_len = q.shape[0]
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # absolute positions
-            k_pos = torch.arange(seq_len, device=q.device)
-            scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # absolute positions
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            hidden = k_pos > q_pos                                              # [q_len, seq_len]
+            if batch.sliding_window is not None:
+                hidden |= k_pos <= q_pos - batch.sliding_window                 # slid out of the window
+            scores = scores.masked_fill(hidden[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

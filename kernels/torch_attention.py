@@ -17,10 +17,10 @@ place, block by block, with micro-kernels per instruction set (AMX, AVX-512, NEO
 plan built once per step (``cpu_attn_get_scheduler_metadata``, optional KV splits); its cache is
 head-major with K and V in one tensor (``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
 block sizes a multiple of 32, or 16 on the fallback), where ours is vLLM's flash layout; and it
-supports sliding windows, ALiBi, logit soft-capping, attention sinks, encoder and cross attention,
-and FP8 (e4m3 and e5m2) only on AVX-512 or AMX machines. Here the gather costs memory
-proportional to ``num_seqs x longest sequence`` per group; a sliding window is one more term in
-``visible_keys`` once ``check_attention`` accepts one.
+supports ALiBi, logit soft-capping, attention sinks, encoder and cross attention, and FP8 (e4m3
+and e5m2) only on AVX-512 or AMX machines. Here the gather costs memory proportional to
+``num_seqs x longest sequence`` per group, and a sliding window is a term of the mask, not a
+shorter gather.
 """
 
 from __future__ import annotations
@@ -33,20 +33,24 @@ from kvlab.kernels.grid import KernelConfig
 
 
 def visible_keys(seq_lens: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
-                 causal: bool) -> torch.Tensor:
+                 causal: bool, sliding_window: int | None = None) -> torch.Tensor:
     """``[num_seqs, max_query_len, max_seq_len]``: may query row ``r`` of sequence ``s`` read key ``j``?
 
     Key ``j`` exists if ``j < seq_lens[s]``; with ``causal`` it must also not lie after the query,
     whose absolute position is ``seq_lens[s] - query_lens[s] + r`` (the queries are the last
-    tokens). Rows past ``query_lens[s]`` are padding; they still see key 0, so no row is empty.
+    tokens), and with a ``sliding_window`` W not lie W or more before it. Rows past
+    ``query_lens[s]`` are padding and copy the last real row, so no row is empty.
     """
     device = seq_lens.device
     rows = torch.arange(max_query_len, device=device)                        # [Lq]
-    keys = torch.arange(max_seq_len, device=device)                          # [Lk]
-    visible = (keys[None, None, :] < seq_lens[:, None, None]).expand(-1, max_query_len, -1)
+    keys = torch.arange(max_seq_len, device=device)[None, None, :]           # [1, 1, Lk]
+    visible = (keys < seq_lens[:, None, None]).expand(-1, max_query_len, -1)
     if causal:
-        q_pos = (seq_lens - query_lens)[:, None] + rows[None, :]             # [S, Lq] absolute positions
-        visible = visible & (keys[None, None, :] <= q_pos[:, :, None])
+        rows = torch.minimum(rows[None, :], query_lens[:, None] - 1)         # [S, Lq]: padding -> last row
+        q_pos = (seq_lens - query_lens)[:, None, None] + rows[:, :, None]    # [S, Lq, 1] absolute positions
+        visible = visible & (keys <= q_pos)
+        if sliding_window is not None:
+            visible = visible & (keys > q_pos - sliding_window)
     return visible                                                            # [S, Lq, Lk]
 
 
@@ -103,7 +107,7 @@ def attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     blocks, offsets = slot_positions(table, seq_lens, max_k, batch.block_size)
     k = gather_padded(key_cache, blocks, offsets, batch.k_scale if batch.fp8 else None)
     v = gather_padded(value_cache, blocks, offsets, batch.v_scale if batch.fp8 else None)
-    mask = visible_keys(seq_lens, query_lens, max_q, max_k, batch.causal)    # [S, Lq, Lk]
+    mask = visible_keys(seq_lens, query_lens, max_q, max_k, batch.causal, batch.sliding_window)  # [S, Lq, Lk]
     if max_q == 1:                                                            # decodes: one row for the group
         mask = mask[:, None]                                                  # [S, 1, 1, Lk]
     else:
@@ -118,15 +122,17 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                           scale: float | None = None, causal: bool = True, k_scale: float = 1.0,
                           v_scale: float = 1.0, num_kv_splits: int | None = None, out: torch.Tensor | None = None,
-                          config: KernelConfig | None = None) -> torch.Tensor:
+                          config: KernelConfig | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """``paged_attention`` through a batched gather and SDPA (module docstring): ``[num_tokens, Hq, D]``.
 
     Same arguments and checks as ``paged_attention``; ``num_kv_splits`` and ``config`` schedule
-    the Triton kernel's work and are accepted and ignored here. Decode steps and longer queries
-    are attended in two batched calls.
+    the Triton kernel's work and are accepted and ignored here. ``sliding_window`` W hides keys
+    W or more positions before a query (they are still gathered: the Triton kernel skips them).
+    Decode steps and longer queries are attended in two batched calls.
     """
     batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
-                            causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out)
+                            causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
+                            sliding_window=sliding_window)
     out = torch.empty_like(query) if out is None else out
     decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
     longer = [i for i, n in enumerate(batch.query_lens) if n > 1]

@@ -23,30 +23,48 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 01  capacity.sizing                     ``AttentionSpec.page_size_bytes`` (``vllm/v1/kv_cache_interface.py``)
 02  capacity.budget                     ``vllm/v1/core/kv_cache_utils.py`` (``get_kv_cache_configs``), the worker's
                                         memory profiling (``vllm/v1/worker/gpu_worker.py``)
-02  sim.workloads, sim.fragmentation    contiguous reservation against paging (the PagedAttention paper)
+02  sim.workloads, sim.fragmentation    contiguous reservation against paging (the PagedAttention paper), step by
+    (and sim.fragmentation_fast)        step and event by event
+02  sim.sharing                         parallel sampling's shared prompt blocks, measured (the paper's Fig. 15)
 03  core.kv_cache_utils                 ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``)
-03  core.block_pool                     ``BlockPool`` (``vllm/v1/core/block_pool.py``)
+03  core.block_pool                     ``BlockPool``, ``BlockHashToBlockMap`` (``vllm/v1/core/block_pool.py``)
 03  core.sequence, sim.block_scenarios  block tables, slot mapping, fork and copy-on-write (the paper's, and
                                         ``vllm/v1/worker/block_table.py``)
 04  core.hashing                        ``hash_block_tokens``, ``NONE_HASH`` (``kv_cache_utils.py``,
                                         ``vllm/utils/hashing.py``)
 04  core.request                        ``Request`` (``vllm/v1/request.py``)
 04  core.kv_cache_manager               ``KVCacheManager`` (``vllm/v1/core/kv_cache_manager.py``,
-                                        ``single_type_kv_cache_manager.py``)
-04  core.cache_stats                    ``PrefixCacheStats``, ``CachingMetrics`` (``vllm/v1/metrics/stats.py``)
+    (+ manager_checks, manager_fork)    ``single_type_kv_cache_manager.py``), its input checks, kvlab's fork
+04  core.cache_stats                    ``PrefixCacheStats``, ``CachingMetrics`` (``vllm/v1/metrics/stats.py``),
+                                        kvlab's eviction counter
 04  sim.prefix_sim, sim.hash_cost,      hit rates against pool size, hashing cost, collisions on purpose
     sim.collisions
+04  sim.lifecycle                       one request's allocate, hit, free and evict on the real manager
 05  kernels (attention, cache_write)    ``triton_unified_attention.py``, ``reshape_and_cache_flash``
-                                        (``vllm/v1/attention/ops/``)
+                                        (``vllm/v1/attention/ops/``); the sliding window as ``triton_attn.py`` passes it
+05  kernels.verify, batches, mutants    kvlab's own: ``check_kernel``, a bench for a learner's kernel, and broken copies
+06  engine.hard_paths                   kvlab's own: the comparison with transformers where kernel bugs live
 06  core.sched.output                   ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``), ``SamplingParams``
+06  core.sched.config                   ``SchedulerConfig`` (``vllm/config/scheduler.py``)
 06  core.sched.scheduler                ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``)
-06  engine                              ``LLMEngine``, ``GPUModelRunner``, the sampler (``vllm/v1/engine/``,
-                                        ``vllm/v1/worker/``)
-07  capacity.hardware, cost_model,      GPUs and links as datasheets give them; a modelled cost of prefill and copies;
-    playbook, source_deployments        the capacity-planning playbook and the source articles' deployments
+06  core.sched.loop                     ``EngineCore.step`` (``vllm/v1/engine/core.py``), a no-compute executor
+06  engine.engine_config                ``EngineConfig`` (``VllmConfig`` and its parts, ``vllm/config/``)
+06  engine                              ``LLMEngine``, ``GPUModelRunner``, the sampler, the KV pool's start-up
+                                        (``vllm/v1/engine/``, ``vllm/v1/worker/``)
+07  capacity.hardware, cost_model,      GPUs, links and servers as datasheets give them; a modelled cost of prefill
+    playbook, source_deployments,       (compute and the weights-read roofline) and copies; the capacity-planning
+    startup_log, tiers                  playbook, the source articles' deployments, a start-up log read backwards,
+                                        and the GPU / CPU / SSD tiers of one server
 07  core.kv_cache_metrics               ``KVCacheMetricsCollector`` (``vllm/v1/core/kv_cache_metrics.py``)
 07  core.kv_offload, engine.kv_offload  ``OffloadingConnector``, ``CPUOffloadingManager`` (``vllm/v1/kv_offload/``)
 07  sim.serving_sim                     multi-turn chat on the no-compute scheduler
+09  capacity.mla                        naive (``forward_mha``) against absorbed (``forward_mqa``) MLA, counted
+                                        (``vllm/model_executor/layers/attention/mla_attention.py``)
+09  kernels (mla_cache_write,           ``concat_and_cache_mla`` (``vllm/_custom_ops.py``); the Triton MLA decode
+    mla_decode, mla_absorb)             (``vllm/v1/attention/backends/mla/triton_mla.py``,
+                                        ``vllm/v1/attention/ops/triton_decode_attention.py``)
+09  engine.mla, engine.deepseek         ``MLAAttention``, ``DeepseekV2ForCausalLM`` (``vllm/model_executor/models/
+                                        deepseek_v2.py``) over one latent cache per layer (``MLAAttentionSpec``)
 ==  ==================================  ==========================================================
 
 The names below are importable from ``kvlab`` itself; they load on first use, so importing

@@ -61,3 +61,36 @@ class BackendUnavailableError(KvlabError, ImportError):
 
 class RequestTooLongError(KvlabValueError):
     """A request needs more KV blocks (or tokens) than the engine can ever give it; it was not admitted."""
+
+
+class CheckpointError(KvlabValueError):
+    """A checkpoint (``config.json``, its weight files or their index) is malformed or disagrees with itself.
+
+    The message names the file and the field or tensor; a library's own error (JSON, safetensors)
+    is kept as the cause and quoted.
+    """
+
+
+class RequestFailedError(KvlabError):
+    """A request could not go on and finished with ``FINISHED_ERROR``; the message names it and says why.
+
+    Raised for one request, never for a whole engine: the request's blocks are freed and the
+    engine keeps serving the others.
+    """
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id!r}: {reason}")
+
+
+class NonFiniteLogitsError(RequestFailedError):
+    """A request's logits hold NaN or infinity, so no token can be sampled (a NaN weight, an overflow)."""
+
+    def __init__(self, request_id: str, num_nan: int, num_inf: int, vocab_size: int) -> None:
+        self.num_nan, self.num_inf = num_nan, num_inf
+        super().__init__(
+            request_id,
+            f"its logits hold {num_nan} NaN and {num_inf} infinite values out of {vocab_size}: no token can be "
+            "sampled. The model produced them (a NaN or huge weight, an overflow in a low-precision dtype); "
+            "kvlab finishes the request with an error instead of emitting a meaningless token",
+        )

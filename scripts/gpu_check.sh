@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# On a CUDA machine, in one go (about 5 minutes, never more than 8): install kvlab without fetching
-# anything, run the kernel tests natively, benchmark the kernels against SDPA (the goal shape first)
-# with a tile sweep, run the engine tests natively, and write logs and JSON (device and date inside)
-# to the folder given as $1, or $OUT, or data/measurements/.
+# On a CUDA machine, in one go (about 6 minutes, never more than 11): install kvlab without fetching
+# anything, run the kernel tests natively (every kernel: paged attention with and without sliding
+# windows, split-KV, FP8, the cache write, MLA decode and its latent write, the exercise's tile
+# kernel, check_kernel and its mutants), benchmark the kernels against SDPA (the goal shape first,
+# sliding-window decodes last) with a tile sweep, benchmark MLA decode (the absorbed kernel against
+# decompressing, with the bytes each reads), run the engine tests natively (the hard paths included),
+# and write logs and JSON (device and date inside) to the folder given as $1, or $OUT, or data/measurements/.
 #
 #   scripts/gpu_check.sh                # results into data/measurements/, ready to commit
 #   scripts/gpu_check.sh /tmp/results
@@ -23,6 +26,9 @@ if [ -z "$PY" ]; then
 fi
 START=$SECONDS
 step() { echo; echo "== $1 ($((SECONDS - START)) s in)"; }
+# The limits are for a GPU; a dry run on a CPU runs every kernel through the interpreter, so it gets 5x.
+SCALE=1
+if [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ]; then SCALE=5; fi
 
 step "machine"
 if [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ]; then
@@ -47,23 +53,27 @@ PARALLEL=()
 if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= "${PARALLEL[@]}")
 
-step "kernel tests, natively (limit 150 s)"
-timeout 150 "${PYTEST[@]}" tests/test_kernels_*.py 2>&1 | tee "$OUT_DIR/paged_attention_gpu_tests.log" | tail -15
+step "kernel tests, natively (limit $((200 * SCALE)) s)"
+timeout $((200 * SCALE)) "${PYTEST[@]}" tests/test_kernels_*.py 2>&1 | tee "$OUT_DIR/paged_attention_gpu_tests.log" | tail -15
 KERNEL_TESTS=${PIPESTATUS[0]}
 
-step "benchmark against SDPA, then the tile sweep (limit 240 s)"
-timeout 240 "$PY" benchmarks/bench_kernels.py --out "$OUT_DIR" --sweep 2>&1 | tee "$OUT_DIR/paged_attention_gpu_bench.log"
+step "benchmark against SDPA, then the tile sweep (limit $((240 * SCALE)) s)"
+timeout $((240 * SCALE)) "$PY" benchmarks/bench_kernels.py --out "$OUT_DIR" --sweep 2>&1 | tee "$OUT_DIR/paged_attention_gpu_bench.log"
 BENCH=${PIPESTATUS[0]}
 
+step "MLA decode: the absorbed Triton kernel against decompressing, bytes read counted (limit $((90 * SCALE)) s)"
+timeout $((90 * SCALE)) "$PY" benchmarks/bench_mla.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/mla_decode_gpu_bench.log"
+MLA_BENCH=${PIPESTATUS[0]}
+
 if "$PY" -c "import cbor2, transformers, safetensors" 2>/dev/null; then
-    step "engine tests, natively: tokens against transformers (limit 90 s)"
-    timeout 90 "${PYTEST[@]}" tests/engine 2>&1 | tee "$OUT_DIR/engine_gpu_tests.log" | tail -15
+    step "engine tests, natively: tokens against transformers (limit $((100 * SCALE)) s)"
+    timeout $((100 * SCALE)) "${PYTEST[@]}" tests/engine 2>&1 | tee "$OUT_DIR/engine_gpu_tests.log" | tail -15
     ENGINE_TESTS=${PIPESTATUS[0]}
 else
     step "engine tests skipped: cbor2, transformers or safetensors missing (make gpu-wheels, then carry .whl/)"
     ENGINE_TESTS=0
 fi
 
-step "done: kernel tests exit $KERNEL_TESTS, benchmark exit $BENCH, engine tests exit $ENGINE_TESTS; results in $OUT_DIR"
+step "done: kernel tests exit $KERNEL_TESTS, benchmark exit $BENCH, MLA benchmark exit $MLA_BENCH, engine tests exit $ENGINE_TESTS; results in $OUT_DIR"
 ls -l "$OUT_DIR"
-exit $(( KERNEL_TESTS != 0 || BENCH != 0 || ENGINE_TESTS != 0 ))
+exit $(( KERNEL_TESTS != 0 || BENCH != 0 || MLA_BENCH != 0 || ENGINE_TESTS != 0 ))

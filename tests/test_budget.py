@@ -8,12 +8,16 @@ from hypothesis import strategies as st
 
 from kvlab import GiB, KiB, MiB, ModelSpec, get_model
 from kvlab.capacity.budget import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     PRESETS,
+    SOURCE_REVISION_BLOCK_SIZE,
     max_concurrency,
     max_model_len_for,
     num_gpu_blocks,
     plan_kv_cache,
     plan_preset,
+    resolved_gpu_memory_utilization,
 )
 from kvlab.capacity.models import weights_bytes
 from kvlab.capacity.sizing import kv_bytes_per_token
@@ -222,3 +226,19 @@ def test_unknown_names_list_the_known_ones():
         plan_kv_cache("llama-3-8b", gpu_memory_gib=80, max_model_len=8192, weights_dtype="int3")
     with pytest.raises(UnknownNameError, match="A, B, C"):
         plan_preset("D")
+
+
+def test_the_default_block_size_is_vllm_0_33_0s_and_the_presets_keep_the_sources():
+    assert DEFAULT_BLOCK_SIZE == 16 and SOURCE_REVISION_BLOCK_SIZE == 64
+    assert plan_kv_cache("llama-3-8b", gpu_memory_gib=80, max_model_len=8192).block_size == 16
+    assert {p["block_size"] for p in PRESETS.values()} == {64}
+
+
+def test_an_extensible_kv_cache_resolves_an_unset_utilization_to_one_in_the_sources_revision():
+    assert resolved_gpu_memory_utilization() == DEFAULT_GPU_MEMORY_UTILIZATION == 0.92
+    assert resolved_gpu_memory_utilization(extensible_kv_cache=True) == 1.0
+    assert resolved_gpu_memory_utilization(0.8, extensible_kv_cache=True) == 0.8       # a value given wins
+    with pytest.raises(KvlabValueError, match="extensible_kv_cache"):
+        resolved_gpu_memory_utilization(extensible_kv_cache="yes")
+    with pytest.raises(KvlabValueError, match="gpu_memory_utilization"):
+        resolved_gpu_memory_utilization(1.5)

@@ -97,3 +97,44 @@ def test_the_figures_draw_the_cost_models_numbers_and_say_they_are_modelled():
         assert fig.layout.title.text.startswith("Modelled, not measured")
     fig = figure_swap_vs_recompute(c, [1000])
     assert fig.data[0].y[-1] == 0 and fig.data[1].y[0] == pytest.approx(2000 * c.copy_seconds(1000))
+
+
+def test_the_roofline_takes_the_longer_of_compute_and_one_read_of_the_weights_and_kv():
+    c = cost_model("llama-3-70b", "H100-SXM-80GB", tp=8)
+    assert c.weights_bytes_per_gpu == 70_553_706_496 * 2 // 8          # bf16 weights, an eighth per GPU
+    reads = c.weights_bytes_per_gpu + 2050 * c.kv_bytes_per_token
+    assert c.memory_read_seconds(50, 2000) == reads / (3350e9)
+    assert c.forward_seconds(2050) == c.prefill_seconds(2050) > c.memory_read_seconds(2050)   # compute-bound
+    assert c.forward_seconds(50, 2000) == c.memory_read_seconds(50, 2000) > c.prefill_seconds(50, 2000)
+    fp8 = cost_model("llama-3-70b", "H100-SXM-80GB", tp=8, weights_dtype="fp8")
+    assert fp8.weights_bytes_per_gpu == c.weights_bytes_per_gpu // 2
+    moe = cost_model("deepseek-v3", "H200-SXM-141GB", tp=8, active_params=37_000_000_000)
+    assert moe.weights_bytes_per_gpu == 37_000_000_000 // 8            # fp8 weights, active experts only
+
+
+def test_a_prefix_hit_speeds_the_first_token_up_at_most_to_the_weights_read():
+    c = cost_model("llama-3-8b", "H100-SXM-80GB")
+    speedups = [c.prefix_hit_speedup(8000, r) for r in (0, 4000, 7200, 7600, 7999)]
+    assert speedups[0] == 1 and speedups == sorted(speedups)
+    assert speedups[1] < 8000 / 4000                                      # attention over the cached half still costs
+    assert speedups[-1] == c.forward_seconds(8000) / c.forward_seconds(1, 7999) < 8000
+    with pytest.raises(KvlabValueError, match="last token"):
+        c.prefix_hit_speedup(100, 100)
+
+
+def test_the_mfu_a_measured_time_implies_inverts_prefill_seconds():
+    c = cost_model("llama-3-70b", "H100-SXM-80GB", tp=8)
+    assert c.implied_mfu(c.prefill_seconds(2050), 2050) == pytest.approx(c.prefill_mfu)
+    with pytest.raises(KvlabValueError, match="seconds"):
+        c.implied_mfu(0, 2050)
+    with pytest.raises(KvlabValueError, match="weights_dtype"):
+        cost_model("llama-3-8b", weights_dtype="fp7")
+
+
+def test_the_peak_and_the_bandwidth_come_from_the_hardware_data():
+    h100, h200 = get_gpu("H100-SXM-80GB"), get_gpu("H200-SXM-141GB")
+    assert h100.bf16_dense_flops == h200.bf16_dense_flops == 989.4e12
+    assert (h100.memory_bytes_per_s, h200.memory_bytes_per_s) == (3.35e12, 4.8e12)
+    assert h100.num_sms == h200.num_sms == 132
+    c = cost_model("llama-3-8b", "H200-SXM-141GB", prefill_mfu=1.0)
+    assert c.prefill_seconds(16) == c.prefill_flops(16) / 989.4e12

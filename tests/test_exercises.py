@@ -7,6 +7,7 @@ Each notebook's wrong solutions live in ``tests/wrong_solutions/nbXX.py`` as a d
 import importlib
 import inspect
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,47 @@ def test_exercise_is_complete(exercise_id):
     assert all(c.probes for c in e.edge_cases), "every edge case says what it probes"
     params = list(inspect.signature(e.reference).parameters)
     assert e.function_name == e.reference.__name__ or params
+
+
+NOTEBOOKS = sorted({i.split(".")[0] for i in IDS})
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_every_notebook_has_three_exercises_one_of_them_transfer_each_with_tested_wrong_answers(notebook):
+    ids = ex.list_exercises(notebook)
+    assert len(ids) >= 3, ids
+    assert any(ex.get_exercise(i).transfer for i in ids), f"notebook {notebook} needs a transfer exercise"
+    assert all(len(WRONG.get(i, [])) >= 2 for i in ids)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_every_self_test_has_three_questions_one_of_them_transfer(notebook):
+    questions = ex.self_test(notebook).questions
+    assert len(questions) >= 3 and any(q.transfer for q in questions), [q.id for q in questions]
+
+
+# A hint is a step, not the solution: no statement the learner could paste (the online-softmax hints,
+# b-kernel's, spell out Triton calls on purpose and are left out).
+ANSWER_LIKE = re.compile(r"\breturn [\w\"']|in one line|\bfor \w+ in \w|\w = \[|\.append\(|\bif .+ else\b")
+
+
+@pytest.mark.parametrize("exercise_id", [i for i in IDS if i != "05.online_softmax"])
+def test_hints_are_steps_and_none_is_the_answer(exercise_id):
+    hints = ex.get_exercise(exercise_id).hints
+    assert len(hints) >= 2, "reveal one step at a time"
+    pasted = [h for h in hints if ANSWER_LIKE.search(h.lower())]
+    assert not pasted, pasted
+
+
+def test_a_question_is_answered_from_one_computation_of_its_values():
+    calls = []
+
+    def values():
+        calls.append(1)
+        return {"n": 7}
+
+    question = ex.Question("99.q1", "seven?", values, lambda v: f"{v['n']}")
+    assert question.answer() == "7" and len(calls) == 1
 
 
 def test_hints_come_one_at_a_time_and_stop_at_the_last():

@@ -1,4 +1,4 @@
-"""GLOSSARY.md: every row complete, its Chinese quoted from the source articles, its pointers leading somewhere.
+"""GLOSSARY.md: every row defined, its Chinese quoted from the source articles, its pointers leading somewhere.
 
 The Chinese forms are checked against the articles themselves when they are on this
 machine (``shared/seeds`` beside the repository, or ``$KVLAB_SEEDS``): a form marked
@@ -35,6 +35,8 @@ def _rows() -> list[list[str]]:
 
 
 ROWS = _rows()
+NO_FORM = "—"  # the articles do not name the term
+SENTENCE_END = re.compile(r"[.!?](?=\s+\S|\s*$)")
 
 
 def _forms(cell: str) -> list[tuple[str, bool]]:
@@ -61,10 +63,25 @@ def _written_notebooks() -> set[str]:
     return {p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
 
 
-def test_every_row_has_three_non_empty_cells():
+def test_every_row_has_four_non_empty_cells():
     assert len(ROWS) >= 30
-    bad = [row for row in ROWS if len(row) != 3 or not all(row)]
+    bad = [row for row in ROWS if len(row) != 4 or not all(row)]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row[0])
+def test_every_term_has_a_definition_of_one_or_two_sentences(row):
+    english, definition = row[0], row[1]
+    assert len(definition.split()) >= 8, f"{english}: a definition says what the term means, not just its name"
+    assert definition.endswith("."), f"{english}: end the definition with a full stop"
+    assert 1 <= len(SENTENCE_END.findall(definition)) <= 2, f"{english}: one or two sentences"
+    assert definition.lower() != english.lower()
+
+
+def test_the_terms_the_first_notebooks_use_are_defined():
+    terms = {row[0].split(" (")[0].strip("`").lower() for row in ROWS}
+    for term in ("max_model_len", "lora adapter", "mfu", "headroom", "first-fit", "logits"):
+        assert term in terms, term
 
 
 def test_no_term_is_listed_twice():
@@ -73,12 +90,12 @@ def test_no_term_is_listed_twice():
 
 
 def test_each_term_has_a_chinese_form_and_a_notebook_that_teaches_it():
-    for english, chinese, taught in ROWS:
-        assert all(form for form, _ in _forms(chinese)), english
+    for english, _, chinese, taught in ROWS:
+        assert chinese == NO_FORM or all(form for form, _ in _forms(chinese)), english
         assert TAUGHT.search(taught), f"{english}: name the notebook as 'NN §' or 'NN ·' in {taught!r}"
 
 
-@pytest.mark.parametrize("number", sorted({n for row in ROWS for n in TAUGHT.findall(row[2])}))
+@pytest.mark.parametrize("number", sorted({n for row in ROWS for n in TAUGHT.findall(row[3])}))
 def test_the_notebooks_it_points_to_exist(number):
     if not list((ROOT / "notebooks").glob(f"{number}_*.ipynb")):
         if number in _planned_notebooks():
@@ -95,7 +112,7 @@ def test_links_lead_to_notebooks_and_their_sections():
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row[0])
 def test_each_link_names_the_notebook_and_section_it_opens(row):
-    for target, text in links(row[2]):
+    for target, text in links(row[3]):
         label = LINK_TEXT.match(text)
         assert label, f"{text!r}: name the section as 'NN §N title'"
         number, section = label.groups()
@@ -107,7 +124,7 @@ def test_each_link_names_the_notebook_and_section_it_opens(row):
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row[0])
 def test_a_notebook_that_exists_is_named_by_a_link_to_its_section(row):
-    for number in TAUGHT.findall(without_links(row[2])):
+    for number in TAUGHT.findall(without_links(row[3])):
         assert number in _planned_notebooks() - _written_notebooks(), (
             f"{row[0]}: notebook {number} exists, so link the section that teaches the term")
 
@@ -118,7 +135,7 @@ def test_chinese_forms_are_quoted_from_the_source_articles():
         pytest.skip("the source articles (shared/seeds) are not on this machine")
     traditional = "".join(p.read_text(encoding="utf-8") for p in seeds.glob("002_*.txt"))
     simplified = "".join(p.read_text(encoding="utf-8") for p in seeds.glob("00[013]_*.txt"))
-    missing = [(row[0], form) for row in ROWS for form, trad in _forms(row[1])
+    missing = [(row[0], form) for row in ROWS if row[2] != NO_FORM for form, trad in _forms(row[2])
                if form not in (traditional if trad else simplified)]
     assert not missing, f"not found as written in the articles (term, form): {missing}"
 

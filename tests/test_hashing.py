@@ -10,8 +10,6 @@ import cbor2
 import pytest
 import xxhash
 
-from kvlab.capacity.cost_model import H100_SXM_BF16_DENSE_FLOPS, prefill_flops, prefill_seconds
-from kvlab.capacity.models import get_model
 from kvlab.core import hashing
 from kvlab.core.hashing import (
     HASH_FUNCTIONS,
@@ -66,30 +64,35 @@ def test_the_chain_makes_a_blocks_hash_depend_on_its_whole_prefix():
     assert moved[1] != a[0]  # the same four tokens one block later are another block
 
 
-def test_none_hash_is_random_per_process_unless_a_seed_is_set(monkeypatch):
+def test_none_hash_is_fixed_for_sha256_random_for_xxhash_unless_a_seed_is_set(monkeypatch):
     assert none_hash_from_seed(hashing.sha256, "123") == hashing.sha256("123")
-    assert len(none_hash_from_seed(hashing.sha256, None)) == 32
-    assert none_hash_from_seed(hashing.sha256, None) != none_hash_from_seed(hashing.sha256, None)
+    assert none_hash_from_seed(hashing.sha256, None) == hashing.sha256("vllm-none-hash")  # vLLM 0.33.0's default
+    assert none_hash_from_seed(hashing.sha256_cbor, None) == hashing.sha256_cbor("vllm-none-hash")
+    for weak in (hashing.xxhash, hashing.xxhash_cbor):  # not collision resistant: the seed must stay secret
+        assert len(none_hash_from_seed(weak, None)) == 16
+        assert none_hash_from_seed(weak, None) != none_hash_from_seed(weak, None)
     with pytest.raises(KvlabValueError, match="hash_seed"):
         none_hash_from_seed(hashing.sha256, 123)
     monkeypatch.setattr(hashing, "NONE_HASH", hashing.NONE_HASH)  # restored after the test
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     assert hashing.init_none_hash(hashing.xxhash) == hashing.xxhash("7") == hashing.NONE_HASH
+    monkeypatch.setenv("PYTHONHASHSEED", "random")  # the literal string: it seeds the chain like any other
+    assert hashing.init_none_hash(hashing.sha256) == hashing.sha256("random")
 
 
-def test_separate_processes_agree_on_hashes_only_with_the_same_pythonhashseed():
-    code = ("from kvlab.core import hashing; h = hashing.init_none_hash(hashing.sha256_cbor); "
-            "print(hashing.hash_block_tokens(hashing.sha256_cbor, None, range(16)).hex())")
-
-    def run(seed):
+def test_separate_processes_agree_on_sha256_hashes_and_on_xxhash_only_with_the_same_pythonhashseed():
+    def run(seed, fn):
+        code = (f"from kvlab.core import hashing; h = hashing.init_none_hash(hashing.{fn}); "
+                f"print(hashing.hash_block_tokens(hashing.{fn}, None, range(16)).hex())")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
         if seed is not None:
             env["PYTHONHASHSEED"] = seed
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               check=True).stdout
 
-    assert run("0") == run("0") != run("1")
-    assert run(None) != run(None)
+    assert run("0", "xxhash_cbor") == run("0", "xxhash_cbor") != run("1", "xxhash_cbor")
+    assert run(None, "xxhash_cbor") != run(None, "xxhash_cbor")
+    assert run(None, "sha256_cbor") == run(None, "sha256_cbor") != run("0", "sha256_cbor")
 
 
 def _request(n, **kwargs):
@@ -98,20 +101,30 @@ def _request(n, **kwargs):
 
 def test_extra_keys_lora_on_every_block_salt_on_the_first_only():
     assert generate_block_hash_extra_keys(_request(32), 0, 16) == (None, 0)
-    r = _request(32, lora_name="sql", cache_salt="tenant-a")
-    assert generate_block_hash_extra_keys(r, 0, 16)[0] == ("sql", "tenant-a")
-    assert generate_block_hash_extra_keys(r, 16, 32)[0] == ("sql",)
+    r = _request(32, lora_name="sql", lora_path="/adapters/sql", cache_salt="tenant-a")
+    assert generate_block_hash_extra_keys(r, 0, 16)[0] == (("lora", "sql", "/adapters/sql"),
+                                                           ("cache_salt", "tenant-a"))
+    assert generate_block_hash_extra_keys(r, 16, 32)[0] == (("lora", "sql", "/adapters/sql"),)
+    assert generate_block_hash_extra_keys(_request(16, lora_name="x"), 0, 16)[0] == (("lora", "x", "x"),)
     with pytest.raises(KvlabValueError, match="end_token_idx"):
         generate_block_hash_extra_keys(r, 16, 16)
+
+
+def test_each_kind_of_extra_key_is_tagged_so_no_value_of_one_kind_stands_for_another():
+    same = list(range(16))
+    lora, salt = Request("a", same, lora_name="x"), Request("b", same, cache_salt="x")
+    assert generate_block_hash_extra_keys(lora, 0, 16)[0] != generate_block_hash_extra_keys(salt, 0, 16)[0]
+    one, other = (Request(i, same, lora_name="x", lora_path=p) for i, p in (("c", "/a/x"), ("d", "/b/x")))
+    assert generate_block_hash_extra_keys(one, 0, 16)[0] != generate_block_hash_extra_keys(other, 0, 16)[0]
 
 
 def test_extra_keys_name_each_image_with_its_offset_inside_the_block():
     images = [MultiModalFeatureSpec("cat", PlaceholderRange(10, 12)),
               MultiModalFeatureSpec("dog", PlaceholderRange(22, 20))]
     r = _request(64, mm_features=images)
-    assert generate_block_hash_extra_keys(r, 0, 16) == ((("cat", 10),), 0)  # the cat runs on into block 1
-    assert generate_block_hash_extra_keys(r, 16, 32) == ((("cat", -6), ("dog", 6)), 1)
-    assert generate_block_hash_extra_keys(r, 32, 48, 1) == ((("dog", -10),), 2)
+    assert generate_block_hash_extra_keys(r, 0, 16) == ((("mm", "cat", 10),), 0)  # the cat runs on into block 1
+    assert generate_block_hash_extra_keys(r, 16, 32) == ((("mm", "cat", -6), ("mm", "dog", 6)), 1)
+    assert generate_block_hash_extra_keys(r, 32, 48, 1) == ((("mm", "dog", -10),), 2)
     assert generate_block_hash_extra_keys(r, 48, 64, 2) == (None, 2)
 
 
@@ -160,11 +173,3 @@ def test_hash_cost_rows_exist_for_every_function_and_block_size():
     names = {r["hash_fn"] for r in rows}
     assert set(HASH_FUNCTIONS) <= names and {r["block_size"] for r in rows} == {16, 64}
     assert all(r["seconds_per_block"] > 0 for r in rows)
-
-
-def test_prefill_estimate_is_two_flops_per_parameter_per_token():
-    model = get_model("llama-3-8b")
-    assert prefill_flops(model, 16) == 2 * model.num_params * 16
-    assert prefill_seconds(model, 16, mfu=1.0) == prefill_flops(model, 16) / H100_SXM_BF16_DENSE_FLOPS
-    with pytest.raises(KvlabValueError, match="mfu"):
-        prefill_seconds(model, 16, mfu=0)

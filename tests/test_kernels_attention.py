@@ -9,8 +9,8 @@ program runs through Triton's interpreter, one after another.
 
 import pytest
 import torch
-from kernel_batches import FP8_BOUND, TOLERANCE, make_batch, poisoned_out, relative_error
 from kvlab.kernels import KernelConfig, paged_attention, paged_attention_ref, quantize_fp8
+from kvlab.kernels.batches import FP8_BOUND, TOLERANCE, make_batch, poisoned_out, relative_error
 
 
 def assert_matches_reference(batch, *, tolerance=None, **kwargs):

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import pytest
 from kvlab.kernels import TRITON_CUDA, backend, bench
 from kvlab.kernels.bench import (
     GOAL_COPY_FRACTION,
@@ -15,12 +16,14 @@ from kvlab.kernels.bench import (
     verdict_line,
 )
 
+from kvlab.errors import KernelInputError
+
 GiB = 1024**3
 
 
 def test_the_gpu_shapes_are_the_issues_grid():
     shapes = gpu_shapes()
-    decode = [s for s in shapes if s.kind == "decode"]
+    decode = [s for s in shapes if s.kind == "decode" and s.sliding_window is None]
     assert {(s.batch, s.context, s.block_size) for s in decode} == {
         (b, c, bs) for b in (1, 16, 64, 256) for c in (1024, 8192, 32768) for bs in (16, 64)}
     assert all((s.num_q_heads, s.num_kv_heads, s.head_size, str(s.dtype)) == (32, 8, 128, "torch.bfloat16")
@@ -34,10 +37,21 @@ def test_bytes_moved_count_kv_once_plus_query_and_output():
     assert goal.bytes_moved == goal.kv_bytes + 2 * 64 * 32 * 128 * 2
 
 
+def test_windowed_decodes_count_only_the_window_and_compare_with_sdpa_on_it():
+    windowed = [s for s in gpu_shapes() if s.sliding_window]
+    assert {(s.batch, s.context, s.sliding_window) for s in windowed} == {(1, 32768, 4096), (64, 32768, 4096)}
+    w = Shape(64, 32768, 16, sliding_window=4096)
+    assert w.kv_bytes == Shape(64, 4096, 16).kv_bytes and w.cache_bytes == Shape(64, 32768, 16).kv_bytes
+    assert w.flops == Shape(64, 4096, 16).flops and "window4096" in w.name
+    with pytest.raises(KernelInputError, match="decode shapes only"):
+        Shape(4, 2048, 16, query_len=2048, sliding_window=512)
+
+
 def test_a_smoke_run_agrees_with_sdpa_and_does_not_call_itself_performance():
     results = run(smoke_shapes())
-    (row,) = results["rows"]
-    assert row["rel_error_vs_sdpa"] < 1e-4
+    assert [r["sliding_window"] for r in results["rows"]] == [None, 24]
+    for row in results["rows"]:
+        assert row["rel_error_vs_sdpa"] < 1e-4, row
     assert results["performance"] == (backend() == TRITON_CUDA)
 
 
@@ -89,6 +103,6 @@ def test_the_verdict_reads_both_goals_off_the_rows():
 def test_rows_are_kept_as_they_land_so_a_run_stopped_by_a_time_limit_keeps_them(tmp_path, capsys):
     rows_file = tmp_path / "rows.jsonl"
     results = bench.main(["--smoke", "--rows-to", str(rows_file)])
-    (line,) = rows_file.read_text().splitlines()
-    assert json.loads(line) == results["rows"][0]
+    lines = rows_file.read_text().splitlines()
+    assert [json.loads(line) for line in lines] == results["rows"] and len(lines) == len(smoke_shapes())
     assert "not performance figures" in capsys.readouterr().out

@@ -2,15 +2,17 @@
 
 import pytest
 import torch
-from kernel_batches import DEVICE, fresh_seed
 from kvlab.kernels import (
     compute_slot_mapping,
+    default_device,
     dequantize_fp8,
     quantize_fp8,
     reshape_and_cache,
     reshape_and_cache_ref,
 )
+from kvlab.kernels.batches import fresh_seed
 
+DEVICE = default_device()
 FP8 = torch.float8_e4m3fn
 
 

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
-from kernel_batches import DEVICE, make_batch, poisoned_out
-from kvlab.kernels import paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref
+from kvlab.kernels import default_device, paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref
+from kvlab.kernels.batches import make_batch, poisoned_out
 
 from kvlab.errors import KernelInputError, KvlabValueError
+
+DEVICE = default_device()
 
 
 def good():

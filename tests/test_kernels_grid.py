@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 import torch
-from kernel_batches import make_batch
 from kvlab.kernels import KernelConfig, check_attention, choose_config, choose_num_kv_splits, plan_launch
 from kvlab.kernels.attention import kernel_constants, trace_reads
-from kvlab.kernels.grid import MAX_KV_SPLITS, find_seq_idx, program_reads, trace_from_reads
+from kvlab.kernels.batches import make_batch
+from kvlab.kernels.grid import MAX_KV_SPLITS, find_seq_idx, program_reads, trace_from_reads, visible_keys
 
 from kvlab.errors import KernelInputError
 
@@ -68,9 +68,20 @@ def test_the_kernel_reads_exactly_what_the_mirror_says(splits):
     batch = make_batch([50, 17, 1, 9], [20, 1, 1, 9], group=2, table="overlong")
     config = KernelConfig(block_q=8, block_m=16, tile_n=32)
     plan, out, trace = trace_reads(*batch.args(), num_kv_splits=splits, config=config)
-    mirror = trace_from_reads(plan, program_reads(plan, batch.block_table.tolist()))
-    assert trace.tolist() == mirror
+    reads = program_reads(plan, batch.block_table.tolist())
+    assert trace.tolist() == trace_from_reads(plan, reads)
     assert not torch.isnan(out).any()
+    for r in reads:                                      # (block, offset) of each key, in the order it is read
+        mine = trace[r.program].reshape(-1, 2)
+        assert r.key_reads() == [tuple(p) for p in mine[mine[:, 0] >= 0].tolist()]
+        table = batch.block_table[r.seq].tolist()
+        positions = [p for t in range(*r.tile_range) for p in range(t * 32, (t + 1) * 32)]
+        assert r.key_reads() == [(table[p // 16], p % 16) for p in positions if p < info_kv_len(plan, r)]
+
+
+def info_kv_len(plan, r):
+    """The keys query block ``r.q_block`` of ``r.seq`` may see, by causality (no window here)."""
+    return visible_keys(plan.batch, r.seq, r.q_block, plan.config.block_q)[1]
 
 
 def test_compile_time_constants_do_not_follow_the_sequence_lengths():

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from kernel_batches import DEVICE
-from kvlab.kernels import masked_attention
+from kvlab.kernels import default_device, masked_attention
 from kvlab.kernels.online_softmax import attention_by_tiles, softmax_states
 
 from kvlab.errors import KernelInputError
+
+DEVICE = default_device()
 
 
 def random_block(num_keys, hidden_start=0):

@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
-from kernel_batches import FP8_BOUND, TOLERANCE, fresh_seed, make_batch, poisoned_out, relative_error
-from kvlab.kernels import paged_attention_ref, paged_attention_torch, quantize_fp8
+from kvlab.kernels import PACKAGED_BATCHES, check_kernel, paged_attention_ref, paged_attention_torch, quantize_fp8
+from kvlab.kernels.batches import FP8_BOUND, TOLERANCE, fresh_seed, make_batch, poisoned_out, relative_error
 from kvlab.kernels.torch_attention import visible_keys
 
 from kvlab.errors import KernelInputError
@@ -43,6 +43,22 @@ def assert_matches_reference(batch, *, tolerance=None, **kwargs):
         "int64"])
 def test_matches_the_reference(seq_lens, query_lens, options):
     assert_matches_reference(make_batch(seq_lens, query_lens, **options))
+
+
+def test_it_passes_every_packaged_batch_a_learners_kernel_is_checked_on():
+    report = check_kernel(paged_attention_torch)
+    assert report.passed, str(report)
+    assert len(report.results) == len(PACKAGED_BATCHES)
+
+
+@pytest.mark.parametrize(("window", "seq_lens", "query_lens"), [
+    (1, [20, 5], [3, 5]),                         # each query sees itself only
+    (10, [50, 17, 1, 9], [20, 1, 1, 9]),          # edge inside a block of 16, chunk + decodes + prompt
+    (16, [40, 33], [1, 33]),                      # a window of exactly one block
+    (64, [40, 12], [6, 1]),                       # longer than the context: nothing slides out
+])
+def test_sliding_windows(window, seq_lens, query_lens):
+    assert_matches_reference(make_batch(seq_lens, query_lens, group=2), sliding_window=window)
 
 
 def test_non_causal_attention_and_a_custom_scale():
@@ -111,6 +127,9 @@ def test_visible_keys_is_causal_with_context_and_stops_at_the_sequence():
     visible = visible_keys(torch.tensor([5, 2]), torch.tensor([2, 1]), max_query_len=2, max_seq_len=5, causal=True)
     assert visible[0].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert visible[1, 0].int().tolist() == [1, 1, 0, 0, 0]
-    assert visible[1, 1].any()                                    # a padding row still sees a key: no NaN row
+    assert torch.equal(visible[1, 1], visible[1, 0])              # a padding row copies the last real one: never empty
+    window = visible_keys(torch.tensor([5]), torch.tensor([2]), max_query_len=2, max_seq_len=5, causal=True,
+                          sliding_window=2)                       # position q sees q - 1 and q
+    assert window[0].int().tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
     full = visible_keys(torch.tensor([5, 2]), torch.tensor([2, 1]), max_query_len=2, max_seq_len=5, causal=False)
     assert full[0].all() and full[1, 0].int().tolist() == [1, 1, 0, 0, 0]

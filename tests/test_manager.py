@@ -46,7 +46,7 @@ def test_eleven_block_pool_shares_a_prefix_and_frees_in_the_documented_order():
     req0 = Request("0", shared + tokens(1000, 7))
     assert admit(manager, req0) == 0 and manager.get_block_ids("0") == [1, 2, 3, 4]
     req1 = Request("1", shared + tokens(2000, 5))
-    computed, num_computed = manager.get_computed_blocks(req1)
+    computed, num_computed, _ = manager.get_computed_blocks(req1)
     assert ids(computed) == [1, 2, 3] and num_computed == 48
     new = manager.allocate_slots(req1, 5, 48, computed)
     assert ids(new) == [5] and manager.get_block_ids("1") == [1, 2, 3, 5]
@@ -66,14 +66,14 @@ def test_six_block_walk_second_half_b_hits_block_0_misses_block_1_and_waits():
     assert manager.get_block_ids("C") == [2, 3, 4, 5, 1]  # block 1's hash is evicted on the way
     assert manager.num_evicted_blocks == 1
     b = Request("B", tokens(0, 32) + tokens(9000, 8))  # A's first two blocks, then its own tokens
-    computed, num_computed = manager.get_computed_blocks(b)
+    computed, num_computed, _ = manager.get_computed_blocks(b)
     assert ids(computed) == [0] and num_computed == 16  # block 0 survived at the tail; block 1 did not
     before = snapshot(manager)
     # B needs block 0 out of the free queue plus two new blocks; one block is free.
     assert manager.allocate_slots(b, 24, 16, computed) is None
     assert snapshot(manager) == before  # nothing changed: block 0 is still free and still cached
     manager.free(c)
-    computed, num_computed = manager.get_computed_blocks(b)
+    computed, num_computed, _ = manager.get_computed_blocks(b)
     new = manager.allocate_slots(b, 24, num_computed, computed)
     assert ids(computed) == [0] and len(new) == 2 and manager.get_block_ids("B")[0] == 0
     assert manager.num_blocks_evicted_before_reuse == 1  # block 1's content came back and had to be recomputed
@@ -142,6 +142,15 @@ def test_same_tokens_with_another_salt_or_adapter_do_not_hit(kwargs):
     assert admit(manager, Request("same", prompt, **kwargs)) == 192  # same salt / adapter: hits again
 
 
+def test_a_lora_and_a_salt_of_one_value_do_not_share_block_0_nor_two_adapters_of_one_name():
+    manager = KVCacheManager(num_blocks=100, block_size=16)
+    prompt = tokens(0, 40)
+    admit(manager, Request("salted", prompt, cache_salt="x"))
+    assert admit(manager, Request("adapter", prompt, lora_name="x")) == 0  # tagged: ("lora", ..) != ("cache_salt", ..)
+    assert admit(manager, Request("adapter moved", prompt, lora_name="x", lora_path="/other/x")) == 0
+    assert admit(manager, Request("adapter again", prompt, lora_name="x")) == 32
+
+
 def test_images_behind_identical_placeholders_do_not_share_blocks():
     manager = KVCacheManager(num_blocks=100, block_size=16)
     prompt = tokens(0, 20) + [7] * 40 + tokens(100, 20)  # 40 placeholder tokens from position 20
@@ -162,7 +171,9 @@ def test_a_second_manager_refuses_a_request_hashed_by_the_first():
         second.get_computed_blocks(request)
 
 
-def test_managers_agree_on_hashes_only_when_they_share_a_seed():
+def test_sha256_managers_agree_by_default_xxhash_managers_only_when_they_share_a_seed(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+
     def hashes(**kwargs):
         request = Request("r", tokens(0, 40))
         KVCacheManager(20, 16, **kwargs).get_computed_blocks(request)
@@ -171,7 +182,9 @@ def test_managers_agree_on_hashes_only_when_they_share_a_seed():
     assert hashes(hash_seed="42") == hashes(hash_seed="42")
     assert hashes(hash_seed="42") != hashes(hash_seed="43")
     assert hashes(hash_seed="42", hash_fn="xxhash") != hashes(hash_seed="42")
-    assert hashes() != hashes()  # each manager draws its own random NONE_HASH, as each process does
+    assert hashes() == hashes()  # 0.33.0: SHA-256 seeds every chain with the fixed "vllm-none-hash"
+    assert hashes() == hashes(hash_seed="vllm-none-hash")
+    assert hashes(hash_fn="xxhash") != hashes(hash_fn="xxhash")  # xxhash: a secret random seed per manager
 
 
 # ----------------------------------------------------------------- decode, caching as blocks fill, preemption
@@ -215,7 +228,7 @@ def test_stats_count_tokens_at_admission_once_and_the_hit_rate_covers_a_window()
     admit(manager, first)
     big = Request("big", tokens(0, 8) + tokens(100, 20))
     for _ in range(3):  # looked up three times while it cannot fit: counted once, when admitted
-        hits, n = manager.get_computed_blocks(big)
+        hits, n, _ = manager.get_computed_blocks(big)
         assert n == 8 and manager.allocate_slots(big, big.num_tokens - n, n, hits) is None
     assert manager.prefix_cache_stats.requests == 1
     manager.free(first)
@@ -259,7 +272,7 @@ def test_a_weak_hash_lets_a_request_read_another_requests_block_unless_hits_are_
         collision = find_block_collision(weak, 16, manager.none_hash, seed=0)
         admit(manager, Request("A", list(collision.tokens_a) + [1, 2, 3]))
         b = Request("B", list(collision.tokens_b) + [1, 2, 3])
-        hits, num_hits = manager.get_computed_blocks(b)
+        hits, num_hits, _ = manager.get_computed_blocks(b)
         if verify:
             assert num_hits == 0 and manager.num_rejected_hits == 1
         else:  # B's first block differs from A's, yet B would attend over A's K and V
@@ -283,7 +296,7 @@ def test_bad_calls_raise_a_kvlab_error_and_change_nothing():
     live = Request("live", tokens(0, 10))
     admit(manager, live)
     other = Request("other", tokens(0, 10))
-    hits, n = manager.get_computed_blocks(other)
+    hits, n, _ = manager.get_computed_blocks(other)
     before = snapshot(manager)
     bad_calls = [
         (lambda: manager.allocate_slots(live, 0), KvlabValueError, "num_new_tokens"),

@@ -64,7 +64,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def admit(self, data):
         request = data.draw(st.sampled_from(self.waiting))
-        hits, num_hits = self.manager.get_computed_blocks(request)
+        hits, num_hits, _ = self.manager.get_computed_blocks(request)
         assert num_hits == len(hits) * self.block_size <= request.num_tokens - 1
         for i, block in enumerate(hits):  # a hit is exactly the request's own prefix
             assert self.shadow[block.block_id] == self._identity(request, i)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from kvlab import ModelSpec, get_model, list_models
-from kvlab.capacity.models import MODELS_DIR, count_parameters, weights_bytes
+from kvlab import GiB, ModelSpec, get_model, list_models
+from kvlab.capacity.models import MODELS_DIR, count_parameters, params_bytes, weights_bytes
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 REQUIRED_PRESETS = {"llama-2-7b", "llama-3-8b", "llama-3-70b", "deepseek-v3", "qwen3-8b", "mistral-7b-v0.1"}
@@ -134,3 +134,14 @@ def test_unknown_layer_type_is_refused_with_its_name():
 def test_unknown_families_have_no_parameter_count():
     assert count_parameters({"model_type": "mamba", "hidden_size": 1, "vocab_size": 1,
                              "num_hidden_layers": 1, "num_attention_heads": 1}) is None
+
+
+def test_nominal_parameter_counts_are_priced_like_counted_ones():
+    llama70 = get_model("llama-3-70b")
+    assert round(params_bytes(70e9, "bf16") / GiB, 2) == 130.39          # the source's "130 GiB"
+    assert round(weights_bytes(llama70) / GiB, 1) == 131.4                # counted from config.json
+    assert weights_bytes(llama70, "fp8") == params_bytes(llama70.num_params, "fp8")
+    with pytest.raises(UnknownNameError, match="weights_dtype"):
+        params_bytes(70e9, "fp7")
+    with pytest.raises(KvlabValueError, match="num_params"):
+        params_bytes(-1, "bf16")

@@ -104,7 +104,7 @@ def _manager_with_tier(num_gpu_blocks=4, num_cpu_blocks=8):
 
 
 def _admit(manager, request):
-    hits, num_hits = manager.get_computed_blocks(request)
+    hits, num_hits, _ = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits) is not None
     request.num_computed_tokens = request.num_tokens
     return num_hits
@@ -123,6 +123,23 @@ def test_a_gpu_eviction_becomes_a_store_and_the_metrics_collector_still_sees_it(
     assert collector.histogram("lifetime").count == 3         # the chained observer saw every eviction
 
 
+@pytest.mark.parametrize("collector_first", [True, False])
+def test_the_connector_and_the_metrics_collector_both_observe_whichever_is_attached_first(collector_first):
+    manager = KVCacheManager(4, 4, hash_seed="tier")
+    collector = KVCacheMetricsCollector()
+    if collector_first:
+        manager.block_pool.metrics_collector = collector
+    connector = OffloadingConnector(manager, CPUOffloadingManager(8))
+    if not collector_first:
+        manager.block_pool.metrics_collector = collector
+    first = Request("first", list(range(9)))
+    _admit(manager, first)
+    manager.free(first)
+    _admit(manager, Request("second", list(range(100, 109))))
+    assert len(connector.build_connector_meta().stores) == 2
+    assert collector.histogram("lifetime").count == 3
+
+
 def _first_two_blocks_on_the_cpu_only():
     """A pool of 3 usable blocks of 4 tokens: tokens 0..7 ran, then another request pushed them to the CPU tier."""
     manager, connector, _ = _manager_with_tier(num_gpu_blocks=4)
@@ -137,7 +154,7 @@ def _first_two_blocks_on_the_cpu_only():
 def test_a_cpu_hit_starts_after_the_gpus_and_never_covers_the_last_token():
     manager, connector = _first_two_blocks_on_the_cpu_only()
     again = Request("again", list(range(8)) + [60, 61])
-    hits, num_hits = manager.get_computed_blocks(again)
+    hits, num_hits, _ = manager.get_computed_blocks(again)
     assert num_hits == 0 and connector.get_num_new_matched_tokens(again, 0) == 8
     exact = Request("exact", list(range(8)))                  # 8 tokens: the last must be computed
     manager.get_computed_blocks(exact)

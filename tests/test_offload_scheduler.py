@@ -9,8 +9,9 @@ import pytest
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector
+from kvlab.core.sched.loop import NoComputeExecutor, step
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
-from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, step
+from kvlab.core.sched.scheduler import Scheduler
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import KvlabValueError
 from kvlab.sim.serving_sim import ChatWorkload, simulate_chat

@@ -9,10 +9,12 @@ from kvlab.capacity.budget import plan_kv_cache
 from kvlab.capacity.hardware import GB, get_gpu, get_link, list_gpus, list_links
 from kvlab.capacity.playbook import (
     LEVERS,
+    UTILIZATION_STEP,
     Deployment,
     Workload,
     concurrency_at,
     decide,
+    fp8_kv_verdict,
     plan_deployment,
     rank_levers,
 )
@@ -109,6 +111,25 @@ def test_decision_steps_start_with_fp8_kv_when_memory_is_short():
         decide(-1)
 
 
+def test_the_utilization_step_is_the_sources_range_and_the_lever_takes_its_top():
+    assert UTILIZATION_STEP == (0.93, 0.95)
+    assert "0.93 to 0.95" in decide(20).steps[1]
+    lever = next(r for r in rank_levers(*_chat_on_l40s()) if r.name == "Higher gpu_memory_utilization")
+    assert lever.deployment.gpu_memory_utilization == UTILIZATION_STEP[1]
+
+
+@pytest.mark.parametrize(("value", "verdict"), [(100.01, "not needed"), (100, "weigh it"), (20, "weigh it"),
+                                                (19.99, "cheapest doubling"), (0, "cheapest doubling")])
+def test_the_fp8_switch_points_are_the_sources(value, verdict):
+    assert fp8_kv_verdict(value) == verdict
+
+
+def test_the_weights_line_reads_as_vllm_0_33_0_prints_it():
+    result = plan_deployment(*_chat_on_l40s())
+    weights = round(result.plan.weights_bytes / GiB, 2)
+    assert result.startup_log[0] == f"Model loading took {weights} GiB memory and … seconds"
+
+
 # ----------------------------------------------------------------- levers
 
 
@@ -184,9 +205,9 @@ def test_the_source_arithmetic_reproduces_its_rounded_figures():
 
 def test_the_exact_plans_log_what_vllm_would_print():
     logs = {k: reproduce(k)["exact"].startup_log for k in "abc"}
-    assert logs["a"][1:] == ("GPU KV cache size: 149,568 tokens",
+    assert logs["a"][1:] == ("GPU KV cache size: 149,600 tokens",
                              "Maximum concurrency for 8,192 tokens per request: 18.26x")
-    assert logs["b"][2] == "Maximum concurrency for 32,768 tokens per request: 40.97x"
+    assert logs["b"][2] == "Maximum concurrency for 32,768 tokens per request: 40.98x"
     assert logs["c"][2] == "Maximum concurrency for 131,072 tokens per request: 2.61x"
     assert all(log[0].startswith("Model loading took ") for log in logs.values())
 

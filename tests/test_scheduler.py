@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import RequestStatus
+from kvlab.core.sched.loop import NoComputeExecutor, run_until_done, step
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
-from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, run_until_done, step
+from kvlab.core.sched.scheduler import Scheduler
 from kvlab.errors import KvlabValueError, RequestTooLongError
 
 

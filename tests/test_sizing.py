@@ -1,6 +1,7 @@
 """Bytes per token and per request: f x L x Hkv x D x b, checked against the source table and tensors."""
 
 import math
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
@@ -11,9 +12,13 @@ from kvlab.capacity.sizing import (
     KV_DTYPE_BYTES,
     blocks_for_tokens,
     breakdown,
+    kv_bytes_per_layer_token,
     kv_cache_tensors,
     kv_heads_per_rank,
+    mean_tail_waste,
     mha_ratio,
+    page_size_bytes,
+    reservation_waste,
     tail_waste,
     vector_bytes,
 )
@@ -139,3 +144,27 @@ def test_format_bytes_uses_binary_units():
     assert format_bytes(68.625 * KiB) == "68.625 KiB"
     assert format_bytes(1.25 * GiB) == "1.25 GiB"
     assert format_bytes(12) == "12 B"
+
+
+def test_one_layers_page_is_vllms_page_size_bytes():
+    llama8b, deepseek = get_model("llama-3-8b"), get_model("deepseek-v3")
+    # block 16, fp16: K 8 heads x 16 tokens x 128 x 2 B = 32 KiB, and V as much
+    assert page_size_bytes(llama8b, 16, "fp16") == 64 * KiB == 2 * 8 * 16 * 128 * 2
+    logical_block = page_size_bytes(llama8b, 16, "fp16") * llama8b.num_layers
+    assert logical_block == 2 * MiB == 16 * kv_bytes_per_token(llama8b, "fp16")
+    assert kv_bytes_per_layer_token(deepseek) == 576 * 2                  # one latent: head_size_v = 0
+    assert kv_bytes_per_layer_token(get_model("llama-3-70b"), tp=8) == 2 * 128 * 2
+
+
+def test_a_contiguous_reservation_wastes_what_the_request_never_reaches():
+    assert reservation_waste(500, 2048) == 1548 and reservation_waste(2048, 2048) == 0
+    with pytest.raises(KvlabValueError, match="reserved"):
+        reservation_waste(2049, 2048)
+
+
+def test_the_mean_tail_waste_is_block_size_minus_one_over_two():
+    assert [mean_tail_waste(b) for b in (8, 16, 128)] == [Fraction(7, 2), Fraction(15, 2), Fraction(127, 2)]
+    assert mean_tail_waste(16, range(1, 1601)) == Fraction(15, 2)          # every residue equally often
+    assert mean_tail_waste(16, [16, 32]) == 0 and mean_tail_waste(16, [1]) == 15
+    with pytest.raises(KvlabValueError, match="lengths"):
+        mean_tail_waste(16, [])

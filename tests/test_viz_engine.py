@@ -1,8 +1,9 @@
 """Notebook 06's panel is a thin view over panel_state: a real scheduler run, its numbers and its picture."""
 
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.loop import run_until_done
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
-from kvlab.core.sched.scheduler import Scheduler, run_until_done
+from kvlab.core.sched.scheduler import Scheduler
 from kvlab.viz.engine import ServingPanel, figure_compare_runs, figure_engine_history, panel_state
 
 

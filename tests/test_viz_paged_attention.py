@@ -2,8 +2,9 @@
 
 import random
 
+import pytest
 import torch
-from kvlab.kernels import compute_slot_mapping
+from kvlab.kernels import PACKAGED_BATCHES, check_kernel, compute_slot_mapping
 from kvlab.kernels.bench import GOAL_COPY_FRACTION
 from kvlab.kernels.fp8 import fp8_error_sweep
 from kvlab.kernels.layouts import legacy_x
@@ -14,6 +15,7 @@ from kvlab.viz.paged_attention import (
     ReadOrderPanel,
     figure_fp8_error,
     figure_gpu_bench,
+    figure_kernel_errors,
     figure_layout_offsets,
     figure_program_reads,
     figure_softmax_states,
@@ -86,3 +88,33 @@ def test_the_exercise_reference_is_vllms_slot_mapping():
             starts.append(starts[-1] + q)
         expected = compute_slot_mapping(torch.tensor(tables), torch.tensor(seq_lens), torch.tensor(starts), 4)
         assert slot_mapping(tables, seq_lens, query_lens, 4) == expected.tolist()
+
+
+def test_the_error_map_shows_one_cell_per_token_and_head_and_marks_nan():
+    spec = PACKAGED_BATCHES[2]                                        # chunked prefill + decodes: 4 sequences
+
+    def nan_in_one_row(*args, **kwargs):
+        out = paged_attention_ref(*args, **kwargs)
+        out[5, 1] = float("nan")
+        return out
+
+    report = check_kernel(nan_in_one_row, [spec])
+    fig = figure_kernel_errors(report)
+    heat = fig.data[0]
+    assert len(heat.z) == sum(spec.query_lens) and len(heat.z[0]) == spec.num_kv_heads * spec.group
+    assert heat.text[5][1] == "NaN or inf" and heat.z[5][1] == pytest.approx(3.0)     # drawn at the cap
+    assert len(fig.layout.shapes) == len(spec.seq_lens) - 1                           # lines between sequences
+    assert "fails" in fig.layout.title.text and heat.y[20] == "seq 1 · q 0"
+
+
+def test_the_error_map_of_a_raising_batch_says_so():
+    def raises(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    fig = figure_kernel_errors(check_kernel(raises, PACKAGED_BATCHES[:1]))
+    assert "boom" in fig.layout.annotations[0].text
+
+
+def test_the_reads_table_counts_the_keys_each_program_reads():
+    state = reads_state(**BATCH, tile_n=16, block_q=4, num_kv_splits=1)
+    assert state["table"][0]["keys read"] == 21                         # A's decode: its 21 keys

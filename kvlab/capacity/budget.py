@@ -34,9 +34,17 @@ from kvlab.capacity.sizing import canonical_kv_dtype, kv_bytes_per_token
 from kvlab.errors import KvlabValueError
 from kvlab.units import GiB, cdiv, format_bytes
 
-#: vLLM's default ``gpu_memory_utilization`` (``vllm/config/cache.py``) and ``block_size`` (64).
+#: vLLM 0.33.0's defaults (``vllm/config/cache.py``): ``gpu_memory_utilization`` 0.92 and
+#: ``CacheConfig.DEFAULT_BLOCK_SIZE`` 16.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
-DEFAULT_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 16
+#: The block size the source article on the memory budget reads as the default: 64 tokens in the
+#: vLLM revision it quotes (commit e740bad). vLLM 0.33.0's default is 16 (``DEFAULT_BLOCK_SIZE``).
+SOURCE_REVISION_BLOCK_SIZE = 64
+#: With an "extensible KV cache", revision e740bad resolves an unset ``gpu_memory_utilization`` to 1.0
+#: (``resolved_gpu_memory_utilization`` in its ``vllm/config/cache.py``): the pool is sized from the
+#: memory actually free after profiling. vLLM 0.33.0 has no such option.
+EXTENSIBLE_KV_CACHE_UTILIZATION = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +265,21 @@ def _warnings(plan: KVCachePlan, spec: ModelSpec) -> list[str]:
     return out
 
 
+def resolved_gpu_memory_utilization(gpu_memory_utilization: float | None = None, *,
+                                    extensible_kv_cache: bool = False) -> float:
+    """The utilization a plan uses, by revision e740bad's rule: a value given wins; unset, 0.92, or 1.0 if extensible.
+
+    The switch is the source article's revision, not vLLM 0.33.0's: 0.33.0's ``CacheConfig`` has no
+    extensible KV cache, so there an unset utilization is always 0.92. Feed the result to
+    ``plan_kv_cache(gpu_memory_utilization=...)``.
+    """
+    if not isinstance(extensible_kv_cache, bool):
+        raise KvlabValueError(f"extensible_kv_cache must be True or False, got {extensible_kv_cache!r}")
+    if gpu_memory_utilization is not None:
+        return fraction_in_unit_interval("gpu_memory_utilization", gpu_memory_utilization)
+    return EXTENSIBLE_KV_CACHE_UTILIZATION if extensible_kv_cache else DEFAULT_GPU_MEMORY_UTILIZATION
+
+
 def num_gpu_blocks(available_bytes: int, bytes_per_block: int) -> int:
     """Blocks the pool gets: ``available // bytes_per_block``, and none when nothing is available."""
     return max(int(available_bytes), 0) // positive_int("bytes_per_block", bytes_per_block)
@@ -281,15 +304,17 @@ def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int
 
 
 #: The source material's three scenarios, one click each in the panel. A: Llama-3-70B in bf16
-#: on 160 GiB; B: one GPU of a TP=8 DeepSeek-V3 deployment on 8 x 141 GiB (weights 625/8 GiB);
-#: C: preset A at a 128K context, where not even one request fits.
+#: on a 160 GiB GPU (hypothetical: no GPU has 160 GiB; the article picks it so the weights fit);
+#: B: one GPU of a TP=8 DeepSeek-V3 deployment on 8 x 141 GiB (weights 625/8 GiB); C: preset A at
+#: a 128K context, where not even one request fits. They keep the article's block size, 64
+#: (``SOURCE_REVISION_BLOCK_SIZE``), so that its figures come out; vLLM 0.33.0's default is 16.
 PRESETS: Mapping[str, Mapping[str, Any]] = {
     "A": {"model": "llama-3-70b", "gpu_memory_gib": 160, "gpu_memory_utilization": 0.92, "weights_gib": 130,
-          "kv_dtype": "bf16", "block_size": 64, "max_model_len": 8192, "tp": 1},
+          "kv_dtype": "bf16", "block_size": SOURCE_REVISION_BLOCK_SIZE, "max_model_len": 8192, "tp": 1},
     "B": {"model": "deepseek-v3", "gpu_memory_gib": 141, "gpu_memory_utilization": 0.92, "weights_gib": 78.125,
-          "kv_dtype": "bf16", "block_size": 64, "max_model_len": 32768, "tp": 8},
+          "kv_dtype": "bf16", "block_size": SOURCE_REVISION_BLOCK_SIZE, "max_model_len": 32768, "tp": 8},
     "C": {"model": "llama-3-70b", "gpu_memory_gib": 160, "gpu_memory_utilization": 0.92, "weights_gib": 130,
-          "kv_dtype": "bf16", "block_size": 64, "max_model_len": 131072, "tp": 1},
+          "kv_dtype": "bf16", "block_size": SOURCE_REVISION_BLOCK_SIZE, "max_model_len": 131072, "tp": 1},
 }
 
 

@@ -13,7 +13,13 @@ matmuls (``P``: parameters outside the embedding and the LM head), the causal at
 ``2 x H_q x (d_qk + d_v)`` per query-key pair over ``n x s + n (n + 1) / 2`` pairs and
 layer, and the LM head once (the first token's logits). Every layer is counted as full
 attention, as ``kvlab.capacity.budget`` sizes it. Dense models only: an MoE's active parameters are
-not its ``num_params``, so pass ``active_params``.
+not its ``num_params``, so pass ``active_params``. The rule of thumb "2 x parameters FLOPs per
+token" is this count without the attention and with the embeddings: for short prompts the two agree
+within a few percent.
+
+A forward pass can also be no faster than reading the weights (and the KV it attends over) from
+the GPU's memory once: ``forward_seconds`` takes the larger of the two, a roofline. Short prefills,
+such as the few new tokens after a long prefix hit, sit on the memory side of it.
 """
 
 from __future__ import annotations
@@ -21,20 +27,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from kvlab._validate import fraction_in_unit_interval, non_negative_int, positive_int, positive_number
+from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
 from kvlab.capacity.hardware import GPUSpec, LinkSpec, get_gpu, get_link
-from kvlab.capacity.models import ModelSpec, get_model
+from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, ModelSpec, get_model, params_bytes, weights_bytes
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.errors import KvlabValueError
 
-#: NVIDIA H100 SXM, dense BF16 Tensor Core peak: 989 TFLOP/s (the datasheet's 1,979 TFLOP/s is
-#: "with sparsity", i.e. twice the dense rate). Source: NVIDIA H100 Tensor Core GPU datasheet.
-H100_SXM_BF16_DENSE_FLOPS = 989e12
-#: Share of peak a large prefill sustains (model FLOPs utilisation); 0.5 is an assumption.
-ASSUMED_PREFILL_MFU = 0.5
-
-
-DEFAULT_PREFILL_MFU = ASSUMED_PREFILL_MFU  # kvlab's assumption (0.5, shared with notebook 04), not a measurement
+#: Share of the dense peak a large prefill sustains (model FLOPs utilisation): kvlab's assumption, not a measurement.
+DEFAULT_PREFILL_MFU = 0.5
 DEFAULT_LINK_EFFICIENCY = 1.0  # the theoretical bandwidth: an upper bound on what a copy reaches
 Where = Literal["recompute", "gpu", "cpu"]
 
@@ -62,6 +62,7 @@ class CostModel:
     prefill_mfu: float = DEFAULT_PREFILL_MFU
     link_efficiency: float = DEFAULT_LINK_EFFICIENCY
     active_params: int | None = None
+    weights_dtype: str | None = None  # None: the checkpoint's own
 
     def __post_init__(self) -> None:
         positive_int("tp", self.tp)
@@ -73,6 +74,8 @@ class CostModel:
                 "num_local_experts"):
             raise KvlabValueError(f"{self.model.name}: pass active_params (a mixture of experts, or an unknown "
                                   "parameter count, has no dense FLOP count kvlab can derive)")
+        if self.weights_dtype is not None:
+            one_of("weights_dtype", self.weights_dtype, WEIGHT_DTYPE_BYTES)
         _dims(self.model)
         kv_bytes_per_token(self.model, self.kv_dtype, self.tp)  # validates the dtype and TP
 
@@ -100,11 +103,52 @@ class CostModel:
     @property
     def flops_per_second(self) -> float:
         """The assumed prefill rate of the whole TP group: ``tp x dense BF16 peak x prefill_mfu``."""
-        return self.tp * self.gpu.bf16_dense_tflops * 1e12 * self.prefill_mfu
+        return self.tp * self.gpu.bf16_dense_flops * self.prefill_mfu
 
     def prefill_seconds(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
-        """Modelled seconds to prefill ``num_new_tokens`` after ``num_cached_tokens`` cached ones."""
+        """Modelled seconds to prefill ``num_new_tokens`` after ``num_cached_tokens`` cached ones (compute only)."""
         return self.prefill_flops(num_new_tokens, num_cached_tokens) / self.flops_per_second
+
+    def implied_mfu(self, seconds: float, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
+        """The share of the dense peak at which a prefill of these tokens takes ``seconds``."""
+        seconds = positive_number("seconds", seconds)
+        return self.prefill_flops(num_new_tokens, num_cached_tokens) / (
+            seconds * self.tp * self.gpu.bf16_dense_flops)
+
+    # ----------------------------------------------------------------- memory: the roofline's other side
+
+    @property
+    def weights_bytes_per_gpu(self) -> int:
+        """Weight bytes each GPU reads per forward pass: all of them for a dense model, the active ones for an MoE."""
+        dtype = self.weights_dtype or self.model.weights_dtype
+        if self.active_params is not None:
+            return params_bytes(self.active_params, dtype) // self.tp
+        return weights_bytes(self.model, dtype) // self.tp
+
+    def memory_read_seconds(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
+        """Modelled seconds to read the weights and the KV of every token attended over, once, from HBM."""
+        n = non_negative_int("num_new_tokens", num_new_tokens)
+        s = non_negative_int("num_cached_tokens", num_cached_tokens)
+        read = self.weights_bytes_per_gpu + (n + s) * self.kv_bytes_per_token
+        return read / self.gpu.memory_bytes_per_s
+
+    def forward_seconds(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
+        """The roofline: a prefill takes the longer of its compute and one read of the weights and KV."""
+        return max(self.prefill_seconds(num_new_tokens, num_cached_tokens),
+                   self.memory_read_seconds(num_new_tokens, num_cached_tokens))
+
+    def prefix_hit_speedup(self, prompt_tokens: int, reused_tokens: int) -> float:
+        """How many times faster the first token comes when ``reused_tokens`` of the prompt hit the GPU prefix cache.
+
+        Both sides on the roofline (``forward_seconds``): the speed-up approaches
+        ``prompt / (prompt - reused)`` while compute dominates, and stops at the weights' read time.
+        """
+        prompt = positive_int("prompt_tokens", prompt_tokens)
+        reused = non_negative_int("reused_tokens", reused_tokens)
+        if reused >= prompt:
+            raise KvlabValueError(f"reused_tokens={reused} must be below prompt_tokens={prompt}: the last token is "
+                                  "always computed")
+        return self.forward_seconds(prompt) / self.forward_seconds(prompt - reused, reused)
 
     # ----------------------------------------------------------------- copies
 
@@ -189,24 +233,3 @@ def cost_model(
     spec = model if isinstance(model, ModelSpec) else get_model(model)
     gpu_spec = get_gpu(gpu)
     return CostModel(spec, gpu_spec, get_link(link or gpu_spec.host_link), **kwargs)  # type: ignore[arg-type]
-
-
-# ----------------------------------------------------------------- the quick estimate (notebook 04)
-
-
-def prefill_flops(model: ModelSpec, num_tokens: int) -> float:
-    """Approximate FLOPs to prefill ``num_tokens`` tokens: ``2 x num_params`` per token (matmuls only)."""
-    if model.num_params is None:
-        raise KvlabValueError(f"{model.name} has no parameter count; prefill FLOPs cannot be estimated")
-    return 2.0 * model.num_params * positive_int("num_tokens", num_tokens)
-
-
-def prefill_seconds(
-    model: ModelSpec,
-    num_tokens: int,
-    peak_flops: float = H100_SXM_BF16_DENSE_FLOPS,
-    mfu: float = ASSUMED_PREFILL_MFU,
-) -> float:
-    """Estimated GPU seconds to prefill ``num_tokens`` tokens at ``mfu`` of ``peak_flops``."""
-    return prefill_flops(model, num_tokens) / (positive_number("peak_flops", peak_flops)
-                                               * fraction_in_unit_interval("mfu", mfu))

@@ -25,7 +25,7 @@ GB = 10**9  # the decimal gigabyte datasheets and link specifications use
 
 @dataclasses.dataclass(frozen=True)
 class GPUSpec:
-    """One GPU: its memory (label and reported), FP8 support, dense BF16 compute and host link."""
+    """One GPU: its memory (label, reported, bandwidth), FP8 support, dense BF16 compute, SMs and host link."""
 
     name: str
     full_name: str
@@ -34,8 +34,20 @@ class GPUSpec:
     memory_total_mib: int | None  # nvidia-smi memory.total; None where kvlab has no source
     native_fp8: bool  # FP8 tensor cores (Ada, Hopper and later)
     bf16_dense_tflops: float  # without sparsity
+    memory_bandwidth_gb_s: float  # the datasheet's figure, decimal GB/s
+    num_sms: int  # streaming multiprocessors
     host_link: str
     sources: tuple[str, ...]
+
+    @property
+    def bf16_dense_flops(self) -> float:
+        """The dense BF16 tensor-core peak in FLOP/s."""
+        return self.bf16_dense_tflops * 1e12
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """The datasheet's memory bandwidth in bytes per second."""
+        return self.memory_bandwidth_gb_s * GB
 
     @property
     def label_gb(self) -> float:
@@ -87,6 +99,31 @@ class LinkSpec:
         return float(Fraction(self.gigatransfers_per_s * GB * self.lanes * payload, line * 8))
 
 
+@dataclasses.dataclass(frozen=True)
+class HostSpec:
+    """A GPU server: its GPUs, CPU memory and local NVMe SSDs, the tiers below the GPUs' KV caches."""
+
+    name: str
+    full_name: str
+    gpu: str
+    num_gpus: int
+    system_memory_tb: float  # decimal TB, as the datasheet prints it
+    num_data_ssds: int
+    data_ssd_tb: float
+    ssd_link: str  # each SSD's own link (an NVMe drive: PCIe x4)
+    sources: tuple[str, ...]
+
+    @property
+    def system_memory_bytes(self) -> int:
+        """CPU memory in bytes."""
+        return round(self.system_memory_tb * 1000 * GB)
+
+    @property
+    def ssd_bytes(self) -> int:
+        """All data SSDs together, in bytes."""
+        return round(self.num_data_ssds * self.data_ssd_tb * 1000 * GB)
+
+
 def _load(kind: str) -> dict[str, dict]:
     with open(HARDWARE_DIR / f"{kind}.json", encoding="utf-8") as fh:
         return {k: v for k, v in json.load(fh).items() if not k.startswith("_")}
@@ -103,6 +140,12 @@ def _links() -> dict[str, LinkSpec]:
     return {name: LinkSpec(name=name, gigatransfers_per_s=raw["gigatransfers_per_s"], lanes=raw["lanes"],
                            encoding=tuple(raw["encoding"]), sources=tuple(raw["sources"]))
             for name, raw in _load("links").items()}
+
+
+@functools.cache
+def _hosts() -> dict[str, HostSpec]:
+    return {name: HostSpec(name=name, **{**raw, "sources": tuple(raw["sources"])})
+            for name, raw in _load("hosts").items()}
 
 
 def _find(kind: str, name: object, table: dict[str, object], cls: type) -> object:
@@ -132,3 +175,13 @@ def list_links() -> list[str]:
 def get_link(name: str | LinkSpec) -> LinkSpec:
     """The link called ``name`` (see ``list_links()``); a ``LinkSpec`` is returned as it is."""
     return _find("link", name, _links(), LinkSpec)  # type: ignore[arg-type, return-value]
+
+
+def list_hosts() -> list[str]:
+    """The servers in ``data/hardware/hosts.json``."""
+    return list(_hosts())
+
+
+def get_host(name: str | HostSpec) -> HostSpec:
+    """The server called ``name`` (see ``list_hosts()``); a ``HostSpec`` is returned as it is."""
+    return _find("host", name, _hosts(), HostSpec)  # type: ignore[arg-type, return-value]

@@ -263,8 +263,21 @@ def count_parameters(cfg: Mapping[str, Any]) -> int | None:
     return None
 
 
+def params_bytes(num_params: float, weights_dtype: str) -> int:
+    """Bytes of ``num_params`` parameters stored as ``weights_dtype``: how a "70B in bf16 is 130 GiB" is counted.
+
+    Takes a nominal count (``70e9``) as readily as one counted from a config, so a source's
+    back-of-the-envelope weights can be redone beside ``weights_bytes``.
+    """
+    if weights_dtype not in WEIGHT_DTYPE_BYTES:
+        raise UnknownNameError("weights_dtype", weights_dtype, WEIGHT_DTYPE_BYTES)
+    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or not (num_params > 0):
+        raise KvlabValueError(f"num_params must be a number > 0, got {num_params!r}")
+    return round(num_params * WEIGHT_DTYPE_BYTES[weights_dtype])
+
+
 def weights_bytes(model: ModelSpec, weights_dtype: str | None = None) -> int:
-    """Estimated bytes of the weights: ``num_params`` x bytes of the weight dtype."""
+    """Estimated bytes of the weights: ``num_params`` (counted from the config) x bytes of the weight dtype."""
     dtype = weights_dtype or model.weights_dtype
     if dtype not in WEIGHT_DTYPE_BYTES:
         raise UnknownNameError("weights_dtype", dtype, WEIGHT_DTYPE_BYTES)
@@ -273,7 +286,7 @@ def weights_bytes(model: ModelSpec, weights_dtype: str | None = None) -> int:
             f"cannot estimate the weights of {model.name!r}: its config does not allow counting "
             "parameters; pass the weights size explicitly"
         )
-    return round(model.num_params * WEIGHT_DTYPE_BYTES[dtype])
+    return params_bytes(model.num_params, dtype)
 
 
 def list_models() -> list[str]:

@@ -33,7 +33,13 @@ from kvlab.errors import KvlabValueError
 from kvlab.units import GiB, cdiv, format_bytes
 
 RankBy = Literal["max_model_len", "typical"]
-HIGHER_UTILIZATION = 0.95  # the top of the source material's "0.93-0.95" advice
+#: The source material's advice for the middle band: raise gpu_memory_utilization "to 0.93-0.95".
+UTILIZATION_STEP = (0.93, 0.95)
+HIGHER_UTILIZATION = UTILIZATION_STEP[1]  # the lever applies the top of the range
+#: The source material's switch points for an FP8 KV cache, on vLLM's logged maximum concurrency:
+#: above 100 memory is not the bottleneck (keep 16-bit quality); below 20 FP8 is the cheapest doubling.
+FP8_NOT_NEEDED_ABOVE = 100
+FP8_CHEAPEST_BELOW = 20
 
 
 # ----------------------------------------------------------------- inputs
@@ -165,7 +171,8 @@ DECISION_BANDS: tuple[tuple[float, Decision], ...] = (
         "FP8 KV cache", "Lower max_model_len", "Weight quantization (FP8 or AWQ)", "More tensor parallelism",
         "A GQA (or MLA) model"))),
     (50, Decision("10 to 50", "Enough for steady load, but traffic peaks will preempt.", (
-        "FP8 KV cache", "Higher gpu_memory_utilization (0.93 to 0.95)", "Watch vllm:num_preemptions"))),
+        "FP8 KV cache", f"Higher gpu_memory_utilization ({UTILIZATION_STEP[0]} to {UTILIZATION_STEP[1]})",
+        "Watch vllm:num_preemptions"))),
     (math.inf, Decision(">= 50", "Memory is plentiful: the bottleneck is elsewhere.", (
         "Check CPU cores", "Check tokenization overhead", "Check that max_num_batched_tokens is not too small"))),
 )
@@ -177,6 +184,21 @@ def decide(max_concurrency: float) -> Decision:
             max_concurrency >= 0):
         raise KvlabValueError(f"max_concurrency must be a number >= 0, got {max_concurrency!r}")
     return next(decision for bound, decision in DECISION_BANDS if max_concurrency < bound)
+
+
+def fp8_kv_verdict(max_concurrency: float) -> Literal["not needed", "cheapest doubling", "weigh it"]:
+    """The source material's rule for an FP8 KV cache, read off vLLM's logged maximum concurrency.
+
+    Above ``FP8_NOT_NEEDED_ABOVE`` (100) memory is not what limits the server: keep the 16-bit
+    cache and its quality. Below ``FP8_CHEAPEST_BELOW`` (20) halving every token's bytes is the
+    cheapest way to double the requests held. In between, weigh the gain against an evaluation.
+    """
+    decide(max_concurrency)  # the same check of the argument
+    if max_concurrency > FP8_NOT_NEEDED_ABOVE:
+        return "not needed"
+    if max_concurrency < FP8_CHEAPEST_BELOW:
+        return "cheapest doubling"
+    return "weigh it"
 
 
 # ----------------------------------------------------------------- levers
@@ -338,11 +360,13 @@ class PlaybookResult:
 def startup_log(deployment: Deployment, plan: KVCachePlan | None = None) -> list[str]:
     """The lines vLLM prints at start-up: the weights line, then the two KV cache lines (or its error).
 
-    vLLM's weights line also gives the load time in seconds, which depends on the disk and
-    nothing kvlab models: it is shown as "…".
+    The weights line is worded and rounded as vLLM 0.33.0 logs it (``gpu_model_runner.py``:
+    "Model loading took %s GiB memory and %.6f seconds", the GiB rounded to two decimals by
+    ``format_gib``). Its load time depends on the disk and nothing kvlab models: it is shown as "…".
     """
     plan = plan or deployment.plan()
-    return [f"Model loading took {plan.weights_bytes / GiB:.4f} GiB and … seconds", *plan.startup_log()]
+    return [f"Model loading took {round(plan.weights_bytes / GiB, 2)} GiB memory and … seconds",
+            *plan.startup_log()]
 
 
 def plan_deployment(deployment: Deployment, workload: Workload, rank_by: RankBy = "max_model_len") -> PlaybookResult:

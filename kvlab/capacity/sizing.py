@@ -7,7 +7,7 @@ Everything here is exact integer arithmetic on a ``ModelSpec``; the budget simul
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -84,14 +84,24 @@ def kv_heads_per_rank(model: ModelSpec, tp: int = 1) -> int:
     return 1
 
 
+def kv_bytes_per_layer_token(model: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> int:
+    """Bytes one token's KV takes in one layer on one GPU: f x Hkv x D x b."""
+    return model.kv_factor * kv_heads_per_rank(model, tp) * vector_bytes(model.head_dim, kv_dtype)
+
+
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> int:
     """Bytes one token's KV takes on one GPU: f x L x Hkv x D x b (summed over all layers)."""
-    return (
-        model.kv_factor
-        * model.num_layers
-        * kv_heads_per_rank(model, tp)
-        * vector_bytes(model.head_dim, kv_dtype)
-    )
+    return model.num_layers * kv_bytes_per_layer_token(model, kv_dtype, tp)
+
+
+def page_size_bytes(model: ModelSpec, block_size: int, kv_dtype: str = "bf16", tp: int = 1) -> int:
+    """One layer's page of ``block_size`` tokens on one GPU, as vLLM's ``AttentionSpec.page_size_bytes``.
+
+    vLLM 0.33.0 (``vllm/v1/kv_cache_interface.py``): ``num_heads x num_states x (head_size +
+    head_size_v) x dtype_size``, with ``head_size_v = head_size`` for MHA/GQA (a K and a V) and
+    0 for MLA (one latent). A block of the pool holds this page in every layer.
+    """
+    return positive_int("block_size", block_size) * kv_bytes_per_layer_token(model, kv_dtype, tp)
 
 
 def kv_bytes(
@@ -104,7 +114,7 @@ def kv_bytes(
     """
     tokens = positive_int("tokens", tokens)
     requests = positive_int("requests", requests)
-    per_layer_token = model.kv_factor * kv_heads_per_rank(model, tp) * vector_bytes(model.head_dim, kv_dtype)
+    per_layer_token = kv_bytes_per_layer_token(model, kv_dtype, tp)
     held = sum(tokens_held_per_layer(model, tokens))
     return per_layer_token * held * requests
 
@@ -183,3 +193,31 @@ def blocks_for_tokens(tokens: int, block_size: int) -> int:
 def tail_waste(tokens: int, block_size: int) -> int:
     """Empty slots in a request's last block: paging wastes at most ``block_size - 1`` per request."""
     return blocks_for_tokens(tokens, block_size) * block_size - tokens
+
+
+def reservation_waste(tokens: int, reserved: int) -> int:
+    """Slots a contiguous reservation of ``reserved`` tokens never fills when its request ends at ``tokens``.
+
+    The internal fragmentation of reserving for the worst case: a request that stops after
+    ``tokens`` leaves ``reserved - tokens`` slots nobody else may use.
+    """
+    tokens, reserved = positive_int("tokens", tokens), positive_int("reserved", reserved)
+    if tokens > reserved:
+        raise KvlabValueError(f"tokens={tokens} cannot exceed the reservation reserved={reserved}")
+    return reserved - tokens
+
+
+def mean_tail_waste(block_size: int, lengths: Iterable[int] | None = None) -> Fraction:
+    """Mean empty slots in a request's last block: exact for uniform lengths, or measured over ``lengths``.
+
+    With lengths spread evenly over the residues modulo ``block_size``, the empty slots take
+    each value 0 .. block_size - 1 once, so the mean is ``(block_size - 1) / 2``, not
+    ``block_size / 2``. Given ``lengths``, the mean of ``tail_waste`` over them.
+    """
+    block_size = positive_int("block_size", block_size)
+    if lengths is None:
+        return Fraction(block_size - 1, 2)
+    wastes = [tail_waste(int(t), block_size) for t in lengths]
+    if not wastes:
+        raise KvlabValueError("lengths must hold at least one request length")
+    return Fraction(sum(wastes), len(wastes))

@@ -10,10 +10,17 @@ most recent ``max_recent_requests`` requests (1000 by default); in Prometheus it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import deque
+from collections.abc import Hashable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from kvlab._validate import fraction_in_unit_interval, non_negative_int, positive_int
+
+if TYPE_CHECKING:
+    from kvlab.core.block_pool import BlockPool
+    from kvlab.core.kv_cache_utils import KVCacheBlock
 
 
 @dataclasses.dataclass
@@ -87,6 +94,63 @@ class CachingMetrics:
         if self.aggregated_query_total == 0:
             return 0.0
         return self.aggregated_query_hit / self.aggregated_query_total
+
+
+class EvictionCounter:
+    """A pool observer counting cached blocks whose contents allocation evicts, and the prefixes that come back.
+
+    ``num_evicted_blocks`` counts evictions; ``num_blocks_evicted_before_reuse`` the evicted
+    contents a later request asked for again (it had to recompute them). What the observer
+    hears is staged and counted only once the call that caused it succeeded (``counting``):
+    a call that fails, say because another observer raised, counts nothing. kvlab's addition.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.num_evicted_blocks = 0
+        self.num_blocks_evicted_before_reuse = 0
+        self.evicted_hashes: set[Hashable] = set()  # evicted contents nobody has asked for since
+        self.staged: list[tuple[Hashable, bool]] = []  # (hash, no other block holds it)
+        pool.add_observer(self)
+
+    def on_block_evicted(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            ids = self.pool.cached_block_hash_to_block.block_ids(block.block_hash)
+            self.staged.append((block.block_hash, ids == [block.block_id]))
+
+    def on_block_allocated(self, block: KVCacheBlock) -> None:
+        pass
+
+    def on_block_accessed(self, block: KVCacheBlock) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def commit(self) -> None:
+        if not self.staged:
+            return
+        self.num_evicted_blocks += len(self.staged)
+        # A hash still held by another block (the same content computed twice) is not lost.
+        self.evicted_hashes.update(h for h, lost in self.staged if lost)
+        self.staged = []
+
+    def missed(self, block_hashes: Iterable[Hashable]) -> None:
+        """A request was admitted without hits on ``block_hashes``: count those it lost to eviction, once each."""
+        if self.evicted_hashes:
+            lost = {h for h in block_hashes if h in self.evicted_hashes}
+            self.num_blocks_evicted_before_reuse += len(lost)
+            self.evicted_hashes -= lost
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self.commit()  # anything heard from direct use of the pool since the last call
+        try:
+            yield
+        except BaseException:
+            self.staged = []
+            raise
+        self.commit()
 
 
 def interpret_hit_rate(hit_rate: float, workload_shares_prefixes: bool) -> str:

@@ -7,9 +7,11 @@ Mirrors ``vllm/v1/core/kv_cache_utils.py`` (``NONE_HASH``, ``init_none_hash``,
     h_0 = H((NONE_HASH, tokens_0, extra_0)),   h_i = H((h_{i-1}, tokens_i, extra_i))
 
 Only full blocks are hashed. ``NONE_HASH``, the seed of every chain, is process state in
-vLLM; here it is set once at import, and every ``KVCacheManager`` derives its own seed (as a
+vLLM; here it is set once at import, and every ``KVCacheManager`` derives its own (as a
 separate vLLM process would), so nothing a notebook cell does to this module changes
-another cell's results.
+another cell's results. vLLM 0.33.0's rule for that seed: ``PYTHONHASHSEED`` if set, else a
+fixed string for SHA-256 (shareable across processes) and 32 random bytes for xxhash (whose
+seed must stay secret); older releases drew random bytes for every function.
 """
 
 from __future__ import annotations
@@ -79,23 +81,37 @@ def hash_fn_name(hash_fn: HashFn) -> str:
 
 # ----------------------------------------------------------------- the seed of every chain
 
+#: The seed vLLM 0.33.0 hashes for ``NONE_HASH`` when ``PYTHONHASHSEED`` is unset and the hash is cryptographic.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+#: Hash functions that are not collision resistant: their seed must stay secret, so it is random per process.
+NON_CRYPTO_HASH_FUNCTIONS = frozenset({xxhash, xxhash_cbor})
+
+
+def resolve_none_hash_seed(hash_fn: HashFn, hash_seed: str | None) -> str:
+    """The string ``NONE_HASH`` is derived from, by vLLM 0.33.0's rule (``resolve_none_hash_seed``).
+
+    ``hash_seed`` (vLLM reads ``PYTHONHASHSEED``) wins when set. Otherwise SHA-256 (either
+    serialisation) gets the fixed ``DEFAULT_NONE_HASH_SEED``: every process computes the same
+    hashes, so caches can be shared across processes and nodes, and a known seed costs SHA-256
+    nothing (its collision resistance does not depend on a secret). xxhash gets 32 random
+    bytes (as hex): anyone who knew its seed could build colliding blocks offline.
+    """
+    if hash_seed is not None:
+        if not isinstance(hash_seed, str):
+            raise KvlabValueError(f"hash_seed must be a string (as PYTHONHASHSEED is) or None, got {hash_seed!r}")
+        return hash_seed
+    if hash_fn in NON_CRYPTO_HASH_FUNCTIONS:
+        return os.urandom(32).hex()
+    return DEFAULT_NONE_HASH_SEED
+
 
 def none_hash_from_seed(hash_fn: HashFn, hash_seed: str | None) -> bytes:
-    """``NONE_HASH`` as vLLM derives it: ``hash_fn(hash_seed)`` if a seed is set, else 32 random bytes.
-
-    vLLM reads the seed from ``PYTHONHASHSEED``. A random seed means nobody outside the
-    process can predict a block hash (so a tenant cannot probe for another's prompt); a
-    shared seed is what lets several processes or nodes agree on hashes and share a cache.
-    """
-    if hash_seed is None:
-        return os.urandom(32)
-    if not isinstance(hash_seed, str):
-        raise KvlabValueError(f"hash_seed must be a string (as PYTHONHASHSEED is) or None, got {hash_seed!r}")
-    return hash_fn(hash_seed)
+    """``NONE_HASH`` as vLLM 0.33.0 derives it: ``hash_fn`` of the seed ``resolve_none_hash_seed`` picks."""
+    return hash_fn(resolve_none_hash_seed(hash_fn, hash_seed))
 
 
 def init_none_hash(hash_fn: HashFn) -> bytes:
-    """Set this process's ``NONE_HASH`` from ``PYTHONHASHSEED`` (or randomly) and return it."""
+    """Set this process's ``NONE_HASH`` from ``PYTHONHASHSEED`` (or the default rule) and return it."""
     global NONE_HASH
     NONE_HASH = none_hash_from_seed(hash_fn, os.getenv("PYTHONHASHSEED"))
     return NONE_HASH
@@ -146,19 +162,28 @@ def generate_block_hash_extra_keys(
 ) -> tuple[tuple[Any, ...] | None, int]:
     """Keys besides the tokens that decide a block's KV, and the next multimodal index to look at.
 
-    In vLLM's order: the LoRA adapter's name (every block: the adapter changes every K and V),
-    each multimodal item overlapping the block as ``(identifier, offset - start_token_idx)``
-    (the same placeholder tokens stand for different images), and the cache salt on the first
-    block only (the chain carries it into every later hash). ``None`` when there are none.
+    Each key is tagged with its kind, as vLLM 0.33.0 writes them, so that no value of one kind
+    can stand for another (a LoRA named ``"x"`` and a salt ``"x"`` stay apart). In vLLM's
+    order: ``("lora", name, path)`` on every block (the adapter changes every K and V; the
+    path keeps two adapters given one name apart), ``("mm", identifier, offset -
+    start_token_idx)`` for each multimodal item overlapping the block (the same placeholder
+    tokens stand for different images), and ``("cache_salt", salt)`` on the first block only
+    (the chain carries it into every later hash). ``None`` when there are none.
     """
     start_token_idx = non_negative_int("start_token_idx", start_token_idx)
     end_token_idx = positive_int("end_token_idx", end_token_idx)
     if end_token_idx <= start_token_idx:
         raise KvlabValueError(f"end_token_idx={end_token_idx} must be greater than start_token_idx={start_token_idx}")
-    mm_keys, next_mm_idx = _mm_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
-    lora_keys = [request.lora_name] if request.lora_name else []
-    salt_keys = [request.cache_salt] if (start_token_idx == 0 and request.cache_salt) else []
-    extra_keys = lora_keys + mm_keys + salt_keys
+    return _extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
+
+
+def _extra_keys(request: Request, start: int, end: int, mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
+    """``generate_block_hash_extra_keys`` without its argument checks (the hasher's indices are its own)."""
+    mm_keys, next_mm_idx = _mm_extra_keys(request, start, end, mm_idx) if request.mm_features else ([], mm_idx)
+    extra_keys = [("lora", request.lora_name, request.lora_path)] if request.lora_name else []
+    extra_keys += mm_keys
+    if start == 0 and request.cache_salt:
+        extra_keys.append(("cache_salt", request.cache_salt))
     return (tuple(extra_keys) if extra_keys else None), next_mm_idx
 
 
@@ -177,7 +202,7 @@ def _mm_extra_keys(request: Request, start: int, end: int, mm_idx: int) -> tuple
         if start >= offset + length:  # the block starts after this item ends
             mm_idx += 1
             continue
-        keys.append((feature.identifier, offset - start))
+        keys.append(("mm", feature.identifier, offset - start))
         if end >= offset + length:  # the item ends inside the block: the next may start here too
             mm_idx += 1
         else:
@@ -189,27 +214,31 @@ def _mm_extra_keys(request: Request, start: int, end: int, mm_idx: int) -> tuple
 
 
 def get_request_block_hasher(
-    block_size: int, caching_hash_fn: HashFn, none_hash: BlockHash | None = None
+    hash_block_size: int, caching_hash_fn: HashFn, none_hash: BlockHash | None = None
 ) -> Callable[[Request], list[BlockHash]]:
-    """A function returning the hashes of a request's full blocks not yet in ``request.block_hashes``.
+    """A function returning the hashes of a request's full hash blocks not yet in ``request.block_hashes``.
 
-    ``none_hash`` is the chain's seed (default: this process's ``NONE_HASH``); passing it as
-    the first block's parent gives exactly the hash vLLM computes when its ``NONE_HASH`` is
-    that seed.
+    Hashes are taken every ``hash_block_size`` tokens and chained over the whole prefix, so a
+    coarser KV block is named by the hash at its last boundary (vLLM's
+    ``BlockHashListWithBlockSize``). ``none_hash`` is the chain's seed (default: this process's
+    ``NONE_HASH``); passing it as the first block's parent gives exactly the hash vLLM
+    computes when its ``NONE_HASH`` is that seed.
     """
-    block_size = positive_int("block_size", block_size)
+    hash_block_size = positive_int("hash_block_size", hash_block_size)
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
-        start_token_idx = len(request.block_hashes) * block_size
+        start_token_idx = len(request.block_hashes) * hash_block_size
+        num_tokens = request.num_tokens
+        if start_token_idx + hash_block_size > num_tokens:
+            return []
         parent = request.block_hashes[-1] if request.block_hashes else none_hash
+        tokens = request._all_token_ids
         mm_idx = 0
         new_hashes: list[BlockHash] = []
-        while start_token_idx + block_size <= request.num_tokens:
-            end_token_idx = start_token_idx + block_size
-            extra_keys, mm_idx = generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, mm_idx)
-            block_hash = hash_block_tokens(
-                caching_hash_fn, parent, request.token_ids(start_token_idx, end_token_idx), extra_keys
-            )
+        while start_token_idx + hash_block_size <= num_tokens:
+            end_token_idx = start_token_idx + hash_block_size
+            extra_keys, mm_idx = _extra_keys(request, start_token_idx, end_token_idx, mm_idx)
+            block_hash = hash_block_tokens(caching_hash_fn, parent, tokens[start_token_idx:end_token_idx], extra_keys)
             new_hashes.append(block_hash)
             parent = block_hash
             start_token_idx = end_token_idx

@@ -1,18 +1,25 @@
 """The KV cache manager: prefix-cache lookup, slot allocation and freeing for each request.
 
-Mirrors ``vllm/v1/core/kv_cache_manager.py`` with one full-attention KV cache group, so the
-work of ``single_type_kv_cache_manager.FullAttentionManager`` is folded in and vLLM's
-``KVCacheBlocks`` (a tuple over groups) is a plain list. The scheduler's calls are vLLM's:
+Mirrors ``vllm/v1/core/kv_cache_manager.py`` (vLLM 0.33.0) with one full-attention KV cache
+group: the work of ``UnitaryKVCacheCoordinator`` and ``FullAttentionManager`` is folded in, and
+vLLM's ``KVCacheBlocks`` (a tuple over groups) is a plain list. The scheduler's calls are vLLM's:
+``get_computed_blocks(request, max_cache_hit_length=None)`` (the longest cached prefix, its
+tokens, and the shared-prefix boundary, always 0 with one group; never the last token, which
+the model must compute for the next token's logits), ``allocate_slots(...)`` (the new blocks,
+or None with nothing changed), ``take_kv_cache_block_copies()`` and ``free(request)`` (tail first).
 
-* ``get_computed_blocks(request)``: the longest cached prefix, stopping at the first miss and
-  never covering the last token (the model must compute it to produce the next token's logits);
-* ``allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-  num_lookahead_tokens)``: the new blocks, or ``None`` with nothing changed;
-* ``free(request)``: the request's blocks back to the pool, tail first.
+**Partial hits.** With hashes finer than blocks (``hash_block_size`` < ``block_size``) a hit may
+end inside a block. The request cannot write into that shared block, so ``allocate_slots`` takes
+one more block, points the table at it and queues ``KVCacheBlockCopy(src, dst)`` for the worker;
+both keep an extra reference until the scheduler takes the copies. vLLM 0.33.0 turns this on only
+for hybrid models whose Mamba layers cache in "align" mode; kvlab lets one group use it.
 
 kvlab adds checks vLLM leaves to its scheduler (bad calls raise ``RequestStateError`` or
-``KvlabValueError`` and change nothing), eviction counters, and ``verify_hits``: a per-hit
-comparison of each block's tokens and extra keys, the cheap guard nano-vllm uses.
+``KvlabValueError`` and change nothing; ``kvlab.core.manager_checks``), eviction counters, one
+``NONE_HASH`` per manager (vLLM's is process state), ``fork`` and ``copy_on_write`` for parallel
+sampling (``kvlab.core.manager_fork``: the PagedAttention paper's mechanism, which V1 serves
+through the prefix cache instead) and ``verify_hits``, nano-vllm's per-hit comparison of tokens.
+vLLM's KV events, encoder blocks and sliding windows are not modelled.
 """
 
 from __future__ import annotations
@@ -22,18 +29,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvlab._validate import non_negative_int, positive_int
-from kvlab.core.block_pool import BlockPool
-from kvlab.core.cache_stats import CachingMetrics, PrefixCacheStats
+from kvlab.core.block_pool import BlockPool, BlockPoolObserver
+from kvlab.core.cache_stats import CachingMetrics, EvictionCounter, PrefixCacheStats
 from kvlab.core.hashing import (
     BlockHash,
     HashFn,
-    generate_block_hash_extra_keys,
     get_hash_fn_by_name,
     get_request_block_hasher,
     hash_fn_name,
     none_hash_from_seed,
 )
-from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from kvlab.core.manager_checks import AllocationChecks
+from kvlab.core.manager_fork import ForkMixin
 from kvlab.core.request import Request, RequestStatus
 from kvlab.errors import KvlabValueError, RequestStateError
 from kvlab.units import cdiv
@@ -50,7 +58,8 @@ def find_longest_cache_hit(
     """Cached blocks for the longest prefix of ``block_hashes``, at most ``max_cache_hit_length`` tokens.
 
     The walk stops at the first miss: hashes are chained, so after a miss no later block of
-    this request can be in the cache with the right prefix.
+    this request can be in the cache with the right prefix. (vLLM's
+    ``FullAttentionManager.find_longest_cache_hit``, phase 1: whole blocks.)
     """
     hits = []
     for block_hash in block_hashes[: max_cache_hit_length // block_size]:
@@ -61,15 +70,17 @@ def find_longest_cache_hit(
     return hits
 
 
-class KVCacheManager:
+class KVCacheManager(ForkMixin, AllocationChecks):
     """Allocates a pool's blocks to requests and finds their cached prefixes, as vLLM V1's manager does.
 
     ``hash_fn`` is a name (``"sha256"``, ``"sha256_cbor"``, ``"xxhash"``, ``"xxhash_cbor"``) or
-    a function of one object returning bytes. ``hash_seed`` plays ``PYTHONHASHSEED``: managers
-    with the same seed and hash function compute the same block hashes; without one (and
-    without ``PYTHONHASHSEED`` in the environment) each manager draws a random ``NONE_HASH``,
-    as each vLLM process does. ``hit_rate_window`` is the number of recent requests the
-    hit rate covers.
+    a function of one object returning bytes. ``hash_seed`` plays ``PYTHONHASHSEED``; without
+    it (and without ``PYTHONHASHSEED``) SHA-256 managers all share 0.33.0's fixed seed and
+    agree on every hash, while each xxhash manager draws a secret random one. ``hash_block_size``
+    (default ``block_size``, which it must divide) is the granularity of hashes and hits;
+    ``max_model_len`` caps the slots a request gets (default: no cap); ``watermark`` is the
+    share of blocks kept free when admitting; ``hit_rate_window`` is the number of recent
+    requests the hit rate covers.
     """
 
     def __init__(
@@ -83,30 +94,37 @@ class KVCacheManager:
         hash_seed: str | None = None,
         verify_hits: bool = False,
         hit_rate_window: int = 1000,
+        hash_block_size: int | None = None,
+        max_model_len: int | None = None,
+        watermark: float = 0.0,
+        metrics_collector: BlockPoolObserver | None = None,
     ) -> None:
         self.block_size = positive_int("block_size", block_size)
-        if callable(hash_fn):
-            self.caching_hash_fn: HashFn = hash_fn
-        else:
-            self.caching_hash_fn = get_hash_fn_by_name(hash_fn)
+        self.hash_block_size = self._check_hash_block_size(hash_block_size, verify_hits)
+        self.caching_hash_fn: HashFn = hash_fn if callable(hash_fn) else get_hash_fn_by_name(hash_fn)
         self.hash_fn_name = hash_fn_name(self.caching_hash_fn)
+        self.max_model_len = None if max_model_len is None else positive_int("max_model_len", max_model_len)
+        self.watermark_blocks = self._check_watermark(watermark, num_blocks)
         self.caching_metrics = CachingMetrics(hit_rate_window)
-        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block)
+        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block, metrics_collector=metrics_collector)
+        self._eviction_counter = EvictionCounter(self.block_pool)
         self.enable_caching = bool(enable_caching)
         self.verify_hits = bool(verify_hits)
         seed = hash_seed if hash_seed is not None else os.getenv("PYTHONHASHSEED")
         self.none_hash: BlockHash = none_hash_from_seed(self.caching_hash_fn, seed)
-        self._request_block_hasher = get_request_block_hasher(self.block_size, self.caching_hash_fn, self.none_hash)
+        self._request_block_hasher = get_request_block_hasher(self.hash_block_size, self.caching_hash_fn,
+                                                              self.none_hash)
+        self._scale = self.block_size // self.hash_block_size  # hashes per block
 
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # each request's block table
         self.num_cached_block: dict[str, int] = {}  # how many of a request's blocks are cached
         self._requests: dict[str, Request] = {}  # the live requests holding blocks
+        # The copies partial hits queued for the worker: (source, copy), both holding an extra reference until
+        # taken. (vLLM notes the tail in _partial_hit_reqs and redirects it later in the same allocate_slots.)
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
         self.prefix_cache_stats = PrefixCacheStats()  # since start (or the last reset)
         self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
-        self.num_evicted_blocks = 0  # cached blocks whose hash was dropped to reuse the block
-        self.num_blocks_evicted_before_reuse = 0  # evicted blocks a later request asked for again
-        self._evicted_hashes: set[BlockHash] = set()
         self.num_rejected_hits = 0  # hash hits whose tokens differed (verify_hits only)
         self._block_content: dict[int, tuple[tuple[int, ...], Any]] = {}  # verify_hits: what each block holds
 
@@ -121,6 +139,16 @@ class KVCacheManager:
     def hit_rate(self) -> float:
         """Hit tokens / queried tokens over the last ``hit_rate_window`` admitted requests."""
         return self.caching_metrics.hit_rate
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Cached blocks whose hash was dropped to reuse the block (kvlab's counter)."""
+        return self._eviction_counter.num_evicted_blocks
+
+    @property
+    def num_blocks_evicted_before_reuse(self) -> int:
+        """Evicted blocks a later request asked for again, and recomputed (kvlab's counter)."""
+        return self._eviction_counter.num_blocks_evicted_before_reuse
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The stats gathered since the previous call (then reset), as vLLM's scheduler takes them each step."""
@@ -139,37 +167,47 @@ class KVCacheManager:
         """The block ids of a live request: the row of the block table the attention kernel reads."""
         return [block.block_id for block in self.get_blocks(request_id)]
 
+    def full_block_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's hashes at block granularity: each block is named by the hash at its last boundary."""
+        hashes = request.block_hashes
+        return hashes if self._scale == 1 else hashes[self._scale - 1::self._scale]
+
     # ----------------------------------------------------------------- prefix-cache lookup
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The cached blocks of the request's longest cached prefix, and how many tokens they hold.
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[list[KVCacheBlock], int, int]:
+        """The cached blocks of the request's longest cached prefix, their tokens, and 0 (vLLM's three values).
 
-        At most ``num_tokens - 1`` tokens may hit: a fully cached prompt still computes its last
-        token, and since hits are whole blocks, that means its whole last block. The lookup
-        changes nothing; ``allocate_slots`` takes the blocks.
+        At most ``max_cache_hit_length`` tokens hit, by default ``num_tokens - 1``: a fully
+        cached prompt still computes its last token, and since hits end on hash boundaries, that
+        means the last block (or hash block) is recomputed. The third value is vLLM's
+        ``shared_prefix_boundary``, which only hybrid models set. The lookup changes nothing
+        in the pool; the first one hashes the request with this manager's seed.
         """
         self._check_request(request)
+        if max_cache_hit_length is not None:
+            max_cache_hit_length = non_negative_int("max_cache_hit_length", max_cache_hit_length)
         if not self.enable_caching:
-            return [], 0
+            return [], 0, 0
         self._ensure_block_hashes(request)
-        hits = find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1, self.block_size, self.block_pool.get_cached_block
-        )
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        get = self.block_pool.cached_block_hash_to_block.get_one_block
+        hits = find_longest_cache_hit(self.full_block_hashes(request), limit, self.block_size, get)
+        hit_length = len(hits) * self.block_size
+        if self._scale > 1:  # phase 2: the longest hash boundary inside the next block, probed high to low
+            first = len(hits) * self._scale
+            last = min(first + self._scale - 1, limit // self.hash_block_size, len(request.block_hashes))
+            for fine_idx in range(last - 1, first - 1, -1):
+                block = get(request.block_hashes[fine_idx])
+                if block is not None:
+                    hits.append(block)
+                    hit_length = (fine_idx + 1) * self.hash_block_size
+                    break
         if self.verify_hits:
             hits = self._verified(request, hits)
-        return hits, len(hits) * self.block_size
-
-    def _verified(self, request: Request, hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """Cut ``hits`` at the first block whose recorded tokens or extra keys differ from the request's."""
-        for i, block in enumerate(hits):
-            if self._block_content.get(block.block_id) != self._content(request, i):
-                self.num_rejected_hits += 1
-                return hits[:i]
-        return hits
-
-    def _content(self, request: Request, block_index: int) -> tuple[tuple[int, ...], Any]:
-        start, end = block_index * self.block_size, (block_index + 1) * self.block_size
-        return request.token_ids(start, end), generate_block_hash_extra_keys(request, start, end)[0]
+            hit_length = len(hits) * self.block_size
+        return hits, hit_length, 0
 
     # ----------------------------------------------------------------- allocation
 
@@ -180,74 +218,151 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> list[KVCacheBlock] | None:
         """Give ``request`` slots for ``num_new_tokens`` tokens to compute; return the new blocks, or None.
 
         ``new_computed_blocks`` (``num_new_computed_tokens`` tokens) are the hits from
-        ``get_computed_blocks``, for a request that holds no blocks yet. The pool must supply the
-        new blocks *and* the hit blocks that sit in the free queue (taking them out of it is
-        what keeps them from eviction); if it cannot, the call returns None and changes
-        nothing. Full blocks of tokens already known are cached (hashed and indexed) at once.
-        ``num_lookahead_tokens`` reserves slots for tokens not yet known.
+        ``get_computed_blocks``, and ``num_external_computed_tokens`` the tokens a KV connector
+        (the CPU tier of notebook 07) will load, both for a request that holds no blocks yet.
+        The pool must supply the new blocks *and* the hit blocks that sit in the free queue
+        (taking them out of it is what keeps them from eviction), and still leave
+        ``reserved_blocks`` free (plus the ``watermark`` when admitting while others run); if it
+        cannot, the call returns None and changes nothing. ``full_sequence_must_fit`` asks that
+        the whole request fit. Full blocks of tokens already known are cached (hashed and
+        indexed) at once, unless ``delay_cache_blocks``. ``num_lookahead_tokens`` reserves slots
+        for tokens not yet known (speculative decoding). The returned list holds the copy of a
+        partial hit's tail block first, then the fresh blocks, as vLLM's does (blocks for
+        external tokens are in the table but not in the list). ``num_encoder_tokens`` and
+        ``skip_zeroing_group_ids`` are vLLM's too; kvlab has no encoder and no zeroing, so they
+        must keep their defaults.
         """
-        computed_blocks = self._check_allocation(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens
-        )
-        request_id = request.request_id
-        held = self.req_to_blocks.get(request_id, [])
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - len(computed_blocks) - len(held), 0)
-        # A hit block that nobody holds sits in the free queue: taking it costs a free block too.
-        num_evictable_computed_blocks = sum(block.ref_cnt == 0 for block in computed_blocks)
-        if num_new_blocks + num_evictable_computed_blocks > self.block_pool.get_num_free_blocks():
+        computed, partial = self._check_allocation(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens, num_encoder_tokens, reserved_blocks, skip_zeroing_group_ids)
+        held = self.req_to_blocks.get(request.request_id)
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = self._cap(num_local_computed_tokens + num_external_computed_tokens)
+        watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in
+                     (RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0)
+        free = self.block_pool.get_num_free_blocks()
+        if full_sequence_must_fit:
+            need = self._num_blocks_to_allocate(held, self._cap(request.num_tokens), computed, partial)
+            if need + watermark > free:
+                return None
+        num_tokens_need_slot = self._cap(total_computed_tokens + num_new_tokens + num_lookahead_tokens)
+        if self._num_blocks_to_allocate(held, num_tokens_need_slot, computed, partial) + watermark > \
+                free - reserved_blocks:
             return None
 
-        admitted = request_id not in self.req_to_blocks
-        if admitted and self.enable_caching:
-            self._record_admission(request, num_new_computed_tokens, len(computed_blocks))
-        if computed_blocks:
-            self.block_pool.touch(computed_blocks)
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        blocks.extend(computed_blocks)
-        if admitted:
-            self.num_cached_block[request_id] = len(computed_blocks)
+        return self._commit_allocation(request, held, computed, partial, num_tokens_need_slot,
+                                       num_new_computed_tokens, num_external_computed_tokens,
+                                       None if delay_cache_blocks else min(total_computed_tokens + num_new_tokens,
+                                                                           request.num_tokens))
+
+    def _commit_allocation(self, request: Request, held: list[KVCacheBlock] | None, computed: list[KVCacheBlock],
+                           partial: int, num_tokens_need_slot: int, num_new_computed_tokens: int,
+                           num_external_computed_tokens: int, num_tokens_to_cache: int | None) -> list[KVCacheBlock]:
+        """``allocate_slots`` once every check passed: from here on the call succeeds.
+
+        The pool takes the hits and every new block in one step (external-token blocks, the partial
+        hit's copy, the fresh blocks, in vLLM's order); then the table, the copy, the stats, the cache.
+        """
+        request_id, admitted = request.request_id, held is None
+        num_table = (0 if held is None else len(held)) + len(computed)
+        num_external_blocks = 0
+        if admitted and num_external_computed_tokens:
+            num_external_blocks = max(0, cdiv(request.num_computed_tokens + num_new_computed_tokens +
+                                              num_external_computed_tokens, self.block_size) - num_table)
+        num_fresh = max(cdiv(num_tokens_need_slot, self.block_size) - num_table - num_external_blocks, 0)
+        num_taken = num_external_blocks + partial + num_fresh
+        if num_taken or computed:  # (a decode step inside its last block takes nothing: no pool call, as in vLLM)
+            with self._eviction_counter.counting():
+                taken = self.block_pool.touch_and_get_new_blocks(computed, num_taken)
+        else:
+            taken = []
+        if held is None:
+            held = self.req_to_blocks[request_id] = list(computed)
             self._requests[request_id] = request
-        new_blocks = self._get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+            self.num_cached_block[request_id] = len(computed) - partial
+            if self.enable_caching:
+                self._ensure_block_hashes(request)
+        held.extend(taken[:num_external_blocks])
+        new_blocks = taken[num_external_blocks:]
+        if partial:
+            self._apply_cow(held, len(computed) - 1, new_blocks[0])
+        held.extend(new_blocks[partial:])
+        if admitted and self.enable_caching:
+            self._record_admission(request, num_new_computed_tokens, len(computed))
+        if self.enable_caching and num_tokens_to_cache is not None:
+            self.cache_blocks(request, num_tokens_to_cache)
         return new_blocks
 
-    def _get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take blocks from the pool, counting the cached ones whose contents this evicts."""
-        evicted = []
-        block = self.block_pool.free_block_queue.fake_free_list_head.next_free_block
-        for _ in range(num_blocks):
-            assert block is not None
-            if block.block_hash is not None:
-                evicted.append(block.block_hash)
-            block = block.next_free_block
-        new_blocks = self.block_pool.get_new_blocks(num_blocks)
-        self.num_evicted_blocks += len(evicted)
-        # A hash still held by another block (the same content computed twice) is not lost.
-        self._evicted_hashes.update(h for h in evicted if self.block_pool.get_cached_block(h) is None)
-        return new_blocks
+    def _cap(self, num_tokens: int) -> int:
+        return num_tokens if self.max_model_len is None else min(num_tokens, self.max_model_len)
 
-    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash and index the request's full blocks among its first ``num_tokens`` tokens."""
-        request_id = request.request_id
-        num_cached_blocks = self.num_cached_block[request_id]
-        num_full_blocks = num_tokens // self.block_size
-        if num_full_blocks <= num_cached_blocks:
+    def _num_blocks_to_allocate(self, held: list[KVCacheBlock] | None, num_tokens: int,
+                                computed: list[KVCacheBlock], partial: int) -> int:
+        """Free blocks the call takes (vLLM's ``get_num_blocks_to_allocate``): new ones, plus hits in the queue."""
+        num_required = cdiv(num_tokens, self.block_size)
+        if held is not None:  # a running request: no new hits
+            return max(num_required - len(held), 0)
+        # A hit block that nobody holds sits in the free queue: taking it costs a free block too.
+        num_evictable = sum(block.ref_cnt == 0 for block in computed)
+        return max(num_required - len(computed), 0) + partial + num_evictable
+
+    def _apply_cow(self, blocks: list[KVCacheBlock], index: int, copy: KVCacheBlock) -> None:
+        """Point a partial hit's tail at its private copy; source and copy stay referenced until taken."""
+        source = blocks[index]
+        blocks[index] = copy
+        copy.ref_cnt += 1
+        self._pending_cow_copies.append((source, copy))
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The copies queued since the last call, and the blocks they retain (vLLM's name).
+
+        The caller hands the copies to the worker and, once they are made, frees the retained
+        blocks with ``block_pool.free_blocks`` (kvlab's synchronous scheduler does so at once).
+        """
+        pending, self._pending_cow_copies = self._pending_cow_copies, []
+        copies = [KVCacheBlockCopy(source.block_id, copy.block_id) for source, copy in pending]
+        return copies, [block for pair in pending for block in pair]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash and index the request's full blocks among its first ``num_tokens`` tokens (and its partial tail)."""
+        if not self.enable_caching:
             return
+        request_id = request.request_id
+        num_cached_blocks = self.num_cached_block.get(request_id, 0)
+        num_hashed_tokens = len(request.block_hashes) * self.hash_block_size
+        num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size
         blocks = self.req_to_blocks[request_id]
-        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached_blocks, num_full_blocks)
-        for i in range(num_cached_blocks, num_full_blocks):
-            self._evicted_hashes.discard(request.block_hashes[i])
-            if self.verify_hits:
-                self._block_content[blocks[i].block_id] = self._content(request, i)
-        self.num_cached_block[request_id] = num_full_blocks
+        if num_cached_blocks < num_full_blocks:
+            hashes = self.full_block_hashes(request)
+            self.block_pool.cache_full_blocks(blocks, hashes, num_cached_blocks, num_full_blocks, self.block_size)
+            for i in range(num_cached_blocks, num_full_blocks):
+                self._eviction_counter.evicted_hashes.discard(hashes[i])
+                if self.verify_hits:
+                    self._block_content[blocks[i].block_id] = self._content(request, i)
+            self.num_cached_block[request_id] = num_full_blocks
+        if self._scale > 1:
+            self._cache_partial_tail_block(request, num_tokens, blocks)
+
+    def _cache_partial_tail_block(self, request: Request, num_tokens: int, blocks: list[KVCacheBlock]) -> None:
+        """Register the prompt's last hash boundary when it ends inside a block (vLLM's partial entry)."""
+        hbs = self.hash_block_size
+        boundary = min((request.num_prompt_tokens - 1) // hbs, len(request.block_hashes)) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        index = boundary // self.block_size
+        if index < len(blocks):
+            self.block_pool.cache_partial_block(blocks[index], request.block_hashes[boundary // hbs - 1], boundary)
 
     def _record_admission(self, request: Request, num_hits: int, num_hit_blocks: int) -> None:
         """Count the request's lookup once, when it is admitted (vLLM counts at admission too)."""
@@ -257,9 +372,7 @@ class KVCacheManager:
         self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted)
         self._interval_stats.record(request.num_tokens, num_hits, preempted)
         self.caching_metrics.observe(stats)
-        lost = {h for h in request.block_hashes[num_hit_blocks:] if h in self._evicted_hashes}
-        self.num_blocks_evicted_before_reuse += len(lost)
-        self._evicted_hashes -= lost  # each eviction is counted once, by the first request that misses it
+        self._eviction_counter.missed(self.full_block_hashes(request)[num_hit_blocks:])
 
     # ----------------------------------------------------------------- freeing
 
@@ -273,152 +386,18 @@ class KVCacheManager:
         if not isinstance(request, Request):
             raise KvlabValueError(f"request must be a kvlab Request, got {type(request).__name__}")
         self._check_same_object(request)
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        blocks = self.req_to_blocks.get(request.request_id, [])
         self.block_pool.free_blocks(reversed(blocks))
+        self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
 
-    # ----------------------------------------------------------------- kvlab's additions: fork and copy-on-write
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Give ``child`` the parent's block table, sharing every block (each ``ref_cnt`` + 1).
-
-        For parallel sampling (``n > 1``). vLLM V1 has no fork; its earlier block manager had
-        one, and kvlab keeps it so a learner can watch copy-on-write. Nothing is copied now:
-        only a write into a shared, partly filled block copies it (``copy_on_write``). The child
-        must be new to this manager and start with the tokens the parent has computed.
-        """
-        self._check_request(parent)
-        self._check_request(child)
-        if parent.request_id not in self.req_to_blocks:
-            raise RequestStateError(f"request {parent.request_id!r} holds no blocks: there is nothing to fork")
-        if child.request_id in self.req_to_blocks or child.num_computed_tokens:
-            raise RequestStateError(f"request {child.request_id!r} already holds blocks; fork into a new request")
-        computed = parent.num_computed_tokens
-        if child.num_tokens < computed or child.token_ids(0, computed) != parent.token_ids(0, computed):
-            raise KvlabValueError(
-                f"child {child.request_id!r} must start with the {computed} tokens that parent "
-                f"{parent.request_id!r} has computed"
-            )
-        blocks = self.req_to_blocks[parent.request_id]
-        self.block_pool.touch(blocks)
-        self.req_to_blocks[child.request_id] = list(blocks)
-        self.num_cached_block[child.request_id] = self.num_cached_block[parent.request_id]
-        self._requests[child.request_id] = child
-        if self.enable_caching:
-            self._ensure_block_hashes(child)
-
-    def copy_on_write(self, request: Request) -> list[tuple[int, int]] | None:
-        """Before ``request`` writes its next token, give it a private copy of that token's block if it is shared.
-
-        Returns the copies ``(src_block_id, dst_block_id)`` the engine must make on the KV tensors
-        (empty when the block is private, full or not yet allocated), or None, changing nothing,
-        when no block is free for the copy. The shared block loses one reference and the request's
-        table points at the copy. Full blocks are never copied: nobody writes into them again.
-        """
-        self._check_request(request)
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        index, offset = divmod(request.num_computed_tokens, self.block_size)
-        if offset == 0 or index >= len(blocks) or blocks[index].ref_cnt == 1:
-            return []
-        if self.block_pool.get_num_free_blocks() < 1:
-            return None
-        shared = blocks[index]
-        (copy,) = self._get_new_blocks(1)
-        blocks[index] = copy
-        self.block_pool.free_blocks([shared])  # its ref_cnt was above 1: the other holders keep it
-        return [(shared.block_id, copy.block_id)]
-
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (after a weight update, say); refused (False) while any request holds blocks."""
-        if self.req_to_blocks or not self.block_pool.reset_prefix_cache():
+        """Forget every cached block (after a weight update, say); refused (False) while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
             return False
         self._block_content.clear()
-        self._evicted_hashes.clear()
+        self._eviction_counter.evicted_hashes.clear()
         self.caching_metrics.reset()
         self.prefix_cache_stats.reset = self._interval_stats.reset = True
         return True
-
-    # ----------------------------------------------------------------- checks
-
-    def _ensure_block_hashes(self, request: Request) -> None:
-        """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
-        if request._hasher_owner is None:
-            request._hasher_owner = self
-            request._block_hasher = self._request_block_hasher
-            request.block_hashes.extend(self._request_block_hasher(request))
-        elif request._hasher_owner is not self:
-            raise RequestStateError(
-                f"request {request.request_id!r} was hashed by another KVCacheManager (its own hash seed and "
-                "function); create a new Request for this manager"
-            )
-
-    def _check_request(self, request: Request) -> None:
-        if not isinstance(request, Request):
-            raise KvlabValueError(f"request must be a kvlab Request, got {type(request).__name__}")
-        if request.is_finished():
-            raise RequestStateError(
-                f"request {request.request_id!r} is {request.status.value}; a finished request gets no blocks"
-            )
-        self._check_same_object(request)
-
-    def _check_same_object(self, request: Request) -> None:
-        live = self._requests.get(request.request_id)
-        if live is not None and live is not request:
-            raise RequestStateError(
-                f"another request with id {request.request_id!r} holds blocks; request ids must be unique"
-            )
-
-    def _check_allocation(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] | None,
-        num_lookahead_tokens: int,
-    ) -> list[KVCacheBlock]:
-        """Validate an ``allocate_slots`` call completely before anything changes; return the hit blocks."""
-        self._check_request(request)
-        num_new_tokens = positive_int("num_new_tokens", num_new_tokens)
-        num_new_computed_tokens = non_negative_int("num_new_computed_tokens", num_new_computed_tokens)
-        non_negative_int("num_lookahead_tokens", num_lookahead_tokens)
-        computed = list(new_computed_blocks or [])
-        held = request.request_id in self.req_to_blocks
-        if not held and request.num_computed_tokens > 0:
-            raise RequestStateError(
-                f"request {request.request_id!r} holds no blocks but has num_computed_tokens="
-                f"{request.num_computed_tokens}: it was freed. A preempted request restarts from "
-                "num_computed_tokens = 0"
-            )
-        if len(computed) * self.block_size != num_new_computed_tokens:
-            raise KvlabValueError(
-                f"num_new_computed_tokens={num_new_computed_tokens} must equal len(new_computed_blocks) x "
-                f"block_size = {len(computed)} x {self.block_size}"
-            )
-        if computed:
-            if held:
-                raise RequestStateError(
-                    f"request {request.request_id!r} already holds blocks; prefix hits are taken only at admission"
-                )
-            if not self.enable_caching:
-                raise KvlabValueError("new_computed_blocks must be empty when prefix caching is disabled")
-            self._ensure_block_hashes(request)
-            for i, block in enumerate(computed):
-                ok = (isinstance(block, KVCacheBlock) and i < len(request.block_hashes)
-                      and block.block_hash == request.block_hashes[i]
-                      and self.block_pool.cached_block_hash_to_block[block.block_hash].get(block.block_id) is block)
-                if not ok:
-                    raise KvlabValueError(
-                        f"new_computed_blocks[{i}] ({block!r}) is not a cached block of this pool for the request's "
-                        f"block {i}; pass exactly what get_computed_blocks returned"
-                    )
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if total > request.num_tokens:
-            raise KvlabValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens; computing {num_new_tokens} new "
-                f"after {request.num_computed_tokens + num_new_computed_tokens} computed would pass its end "
-                "(reserve slots for future tokens with num_lookahead_tokens)"
-            )
-        if self.enable_caching:
-            self._ensure_block_hashes(request)
-        return computed

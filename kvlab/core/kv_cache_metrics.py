@@ -1,14 +1,16 @@
 """Block lifetime metrics as vLLM V1 collects them: lifetime, idle time before eviction, and reuse gaps.
 
-Mirrors ``vllm/v1/core/kv_cache_metrics.py``. A ``KVCacheMetricsCollector`` is attached to a
-``BlockPool`` (its ``metrics_collector``) and the pool calls it where vLLM's pool does:
+Mirrors ``vllm/v1/core/kv_cache_metrics.py`` (vLLM 0.33.0). A ``KVCacheMetricsCollector`` is
+attached to a ``BlockPool`` (its ``metrics_collector``; further observers, such as the CPU
+tier, sit beside it in ``observers``) and the pool calls it where vLLM's pool does:
 
 * ``on_block_allocated`` when ``get_new_blocks`` hands a block out: a new life starts, with no
   accesses yet (and the block is sampled, or not, for the rest of that life);
 * ``on_block_accessed`` when ``touch`` takes a block for a prefix hit: the hit is appended to
   the last ``ACCESS_HISTORY_LEN`` (4) accesses and becomes the block's last access;
-* ``on_block_evicted`` when the free queue gives a block up for reuse (hashed or not): the
-  life ends and three histograms are observed, ``vllm:kv_block_lifetime_seconds``
+* ``on_block_evicted`` when, with prefix caching on, the free queue gives a block up for
+  reuse (hashed or not; with caching off 0.33.0 never calls it, so no life ends and nothing
+  is observed): the life ends and three histograms are observed, ``vllm:kv_block_lifetime_seconds``
   (allocation to eviction), ``vllm:kv_block_idle_before_evict_seconds`` (last access, or
   allocation, to eviction) and ``vllm:kv_block_reuse_gap_seconds`` (one value per pair of
   consecutive recorded hits). Nothing is observed for a block that is never evicted.

@@ -9,6 +9,7 @@ takes a cached block out of the middle of the queue in O(1).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 from kvlab._validate import non_negative_int
 from kvlab.errors import BlockStateError, OutOfBlocksError
@@ -19,12 +20,14 @@ BlockHash = Hashable  # bytes from kvlab.core.hashing; any hashable value works 
 class KVCacheBlock:
     """Metadata of one physical KV block: its id, who uses it, what it caches, its queue links."""
 
-    __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null", "_pool")
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens", "prev_free_block",
+                 "next_free_block", "is_null", "_pool")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0  # how many requests' block tables (or direct holders) point here
-        self._block_hash: BlockHash | None = None  # set once the block is full and cached
+        self._block_hash: BlockHash | None = None  # set once the block is cached (full, or a partial entry)
+        self._block_hash_num_tokens: int | None = None  # prefix tokens that hash covers
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False  # block 0 when reserved: a placeholder that never holds KV
@@ -32,23 +35,37 @@ class KVCacheBlock:
 
     @property
     def block_hash(self) -> BlockHash | None:
-        """The hash of the block's whole prefix, or None while the block is partial or uncached."""
+        """The hash of the prefix this block ends, or None while the block is uncached."""
         return self._block_hash
 
-    @block_hash.setter
-    def block_hash(self, block_hash: BlockHash) -> None:
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """How many prefix tokens ``block_hash`` covers: the block's end, or less for a partial entry."""
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, block_hash: BlockHash, num_tokens: int | None = None) -> None:
+        """Give an uncached block its hash (vLLM's ``set_block_hash``); a cached block must be reset first."""
         if self._block_hash is not None:
             raise BlockStateError(f"block {self.block_id} already has a hash; reset it before caching again")
         self._block_hash = block_hash
+        self._block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
         """Forget the cached content's identity (the block is being evicted or reused)."""
         self._block_hash = None
+        self._block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         cached = "" if self._block_hash is None else f", hash={short_hash(self._block_hash)}"
         null = ", null" if self.is_null else ""
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached}{null})"
+
+
+class KVCacheBlockCopy(NamedTuple):
+    """A copy the worker makes on the KV tensors before the step's forward: block ``src`` into block ``dst``."""
+
+    src_block_id: int
+    dst_block_id: int
 
 
 def short_hash(block_hash: BlockHash) -> str:
@@ -85,13 +102,37 @@ class FreeKVCacheBlockQueue:
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` blocks from the head, in queue order."""
+        """Take ``n`` blocks from the head, in queue order (one relinking, as vLLM's ``popleft_n``)."""
         n = non_negative_int("n", n)
         if n > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"the pool is out of blocks: asked for {n}, only {self.num_free_blocks} are free"
             )
-        return [self.popleft() for _ in range(n)]
+        out = []
+        block = self.fake_free_list_head.next_free_block
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        assert block is not None
+        self.fake_free_list_head.next_free_block = block
+        block.prev_free_block = self.fake_free_list_head
+        self.num_free_blocks -= n
+        return out
+
+    def peek_n(self, n: int, skip: frozenset[int] = frozenset()) -> list[KVCacheBlock]:
+        """The ``n`` blocks ``popleft_n`` would take, leaving the queue as it is; blocks whose ids are in
+        ``skip`` are passed over (they are about to leave the queue another way). Assumes enough are free."""
+        out = []
+        block = self.fake_free_list_head.next_free_block
+        while len(out) < n:
+            assert block is not None and block is not self.fake_free_list_tail
+            if block.block_id not in skip:
+                out.append(block)
+            block = block.next_free_block
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         """Take ``block`` out of the middle of the queue (a prefix hit on a free cached block)."""

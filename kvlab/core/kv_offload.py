@@ -29,7 +29,6 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 from kvlab._validate import non_negative_int, positive_int
-from kvlab.core.block_pool import BlockPoolObserver
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.errors import BlockStateError, KvlabValueError
 from kvlab.units import cdiv
@@ -114,11 +113,18 @@ class CPUOffloadingManager:
         return [self._lru[h] for h in block_hashes]
 
     def complete_load(self, block_hashes: Sequence[BlockHash]) -> None:
-        """The loads of ``block_hashes`` are done: they may be evicted again."""
+        """The loads of ``block_hashes`` are done: they may be evicted again.
+
+        Every hash must be loading (as often as it is listed) or nothing is released.
+        """
+        counts: dict[BlockHash, int] = {}
         for block_hash in block_hashes:
-            left = self._protected.get(block_hash, 0) - 1
-            if left < 0:
-                raise BlockStateError("complete_load for a block that was not being loaded")
+            counts[block_hash] = counts.get(block_hash, 0) + 1
+        for block_hash, count in counts.items():
+            if self._protected.get(block_hash, 0) < count:
+                raise BlockStateError("complete_load for a block that was not being loaded; nothing was released")
+        for block_hash, count in counts.items():
+            left = self._protected[block_hash] - count
             if left:
                 self._protected[block_hash] = left
             else:
@@ -229,17 +235,16 @@ class OffloadStats:
 class OffloadingConnector:
     """The scheduler's link to the CPU tier, called where vLLM's scheduler calls its ``KVConnector``.
 
-    It is also the GPU pool's observer (chained in front of any ``metrics_collector`` already
-    there): an evicted block that carries a hash becomes a store in this step's metadata.
+    It is also one of the GPU pool's observers (beside any ``metrics_collector``, whichever
+    was attached first): an evicted block that carries a hash becomes a store in this step's
+    metadata. vLLM's connector learns of blocks another way (it stores each block once full).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, cpu_manager: CPUOffloadingManager) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.cpu = cpu_manager
         self.block_size = kv_cache_manager.block_size
-        pool = kv_cache_manager.block_pool
-        self.next_observer: BlockPoolObserver | None = pool.metrics_collector
-        pool.metrics_collector = self
+        kv_cache_manager.block_pool.add_observer(self)
         self.stats = OffloadStats()
         self._evicted: list[tuple[int, BlockHash]] = []  # (gpu block id, hash) evicted this step
         self._meta = KVConnectorMetadata()
@@ -251,23 +256,18 @@ class OffloadingConnector:
     # ----------------------------------------------------------------- the GPU pool's observer
 
     def on_block_allocated(self, block: KVCacheBlock) -> None:
-        if self.next_observer is not None:
-            self.next_observer.on_block_allocated(block)
+        pass
 
     def on_block_accessed(self, block: KVCacheBlock) -> None:
-        if self.next_observer is not None:
-            self.next_observer.on_block_accessed(block)
+        pass
 
     def on_block_evicted(self, block: KVCacheBlock) -> None:
         """The pool is about to reuse ``block``: if it holds a cached block, keep a copy on the CPU."""
         if block.block_hash is not None:
             self._evicted.append((block.block_id, block.block_hash))
-        if self.next_observer is not None:
-            self.next_observer.on_block_evicted(block)
 
     def reset(self) -> None:
-        if self.next_observer is not None:
-            self.next_observer.reset()
+        pass
 
     # ----------------------------------------------------------------- what the scheduler calls
 

@@ -4,7 +4,8 @@ Mirrors ``vllm/v1/request.py`` with what the prefix cache and a scheduler need: 
 the output tokens appended one by one, ``num_computed_tokens``, the chained ``block_hashes``
 of its full blocks, the keys that isolate it (``cache_salt``, ``lora_name``, multimodal
 items), ``status`` and ``num_preemptions``. vLLM keeps a whole ``LoRARequest``; kvlab keeps
-only the adapter's name, the one field that enters the block hash.
+the two fields that enter the block hash, the adapter's name and its path (vLLM requires a
+path; kvlab uses the name when none is given).
 """
 
 from __future__ import annotations
@@ -42,7 +43,13 @@ class MultiModalFeatureSpec:
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is in its life, as vLLM's ``RequestStatus`` names it (a subset)."""
+    """Where a request is in its life, as vLLM's ``RequestStatus`` names it (a subset).
+
+    ``FINISHED_ABORTED`` is a request its client gave up (``LLMEngine.abort_request``);
+    ``FINISHED_ERROR`` is vLLM's request-level internal error (finish reason ``"error"``): kvlab
+    gives it to a request whose step failed (the executor raised, or returned no usable token
+    for it), so the request ends, its blocks are freed, and the engine serves the others.
+    """
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -50,10 +57,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        """True for the three finished states."""
+        """True for the finished states."""
         return status.value.startswith("finished")
 
 
@@ -73,6 +81,7 @@ class Request:
         *,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        lora_path: str | None = None,
         mm_features: Sequence[MultiModalFeatureSpec] = (),
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
@@ -81,9 +90,11 @@ class Request:
         if not tokens:
             raise KvlabValueError(f"prompt_token_ids of request {request_id!r} must hold at least one token")
         _check_token_ids("prompt_token_ids", tokens)
-        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name), ("lora_path", lora_path)):
             if value is not None and (not isinstance(value, str) or not value):
                 raise KvlabValueError(f"{name} must be None or a non-empty string, got {value!r}")
+        if lora_path is not None and lora_name is None:
+            raise KvlabValueError("lora_path needs a lora_name: a path alone names no adapter")
         features = sorted(mm_features, key=lambda f: f.mm_position.offset)
         for feature in features:
             if not isinstance(feature, MultiModalFeatureSpec):
@@ -98,6 +109,7 @@ class Request:
         self._all_token_ids: list[int] = tokens
         self.cache_salt = cache_salt
         self.lora_name = lora_name
+        self.lora_path = lora_path if lora_path is not None else lora_name
         self.mm_features: tuple[MultiModalFeatureSpec, ...] = tuple(features)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
@@ -149,7 +161,7 @@ class Request:
 
     def is_finished(self) -> bool:
         """True once the request stopped, hit its length cap or was aborted."""
-        return RequestStatus.is_finished(self.status)
+        return self.status in FINISHED
 
     def __repr__(self) -> str:
         return (
@@ -159,7 +171,14 @@ class Request:
         )
 
 
+#: The three finished states, for a quick membership test.
+FINISHED = frozenset(s for s in RequestStatus if RequestStatus.is_finished(s))
+
+
 def _check_token_ids(name: str, tokens: Sequence[object]) -> None:
+    """Every token id a non-negative int (bools refused); checked once per call, before anything changes."""
     for t in tokens:
+        if type(t) is int and t >= 0:
+            continue
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise KvlabValueError(f"{name} must hold non-negative integer token ids, got {t!r}")

@@ -5,12 +5,13 @@ physical blocks that hold its tokens, in order; ``slot_mapping`` turns token pos
 the flat slots a kernel writes and reads (notebook 05 consumes exactly this array).
 
 vLLM V1 keeps block tables in ``KVCacheManager`` (``req_to_blocks``) and shares a block
-between requests only once it is full and hashed (the prefix cache, notebook 04); ``n > 1``
-sampling simply allocates each sample its own blocks. V1 has no copy-on-write. kvlab adds
-it, as vLLM's earlier block manager (``append_slots`` returning the copy to make) and the
-PagedAttention paper had it: ``fork`` shares every block, and the first write into a shared,
-partly filled last block copies that block first. Full shared blocks are never copied,
-because nobody writes into a full block again.
+between requests through the prefix cache (notebook 04); ``n > 1`` sampling runs ``n``
+requests that share the prompt's full blocks that way. Its only copy-on-write (0.33.0) is
+for a prefix hit that ends inside a block (``KVCacheManager`` with ``hash_block_size`` <
+``block_size``). kvlab keeps the PagedAttention paper's mechanism (vLLM's earlier block
+manager had it too): ``fork`` shares every block, and the first write into a shared, partly
+filled last block copies that block first (``BlockPool.copy_on_write``, the one home of that
+copy). Full shared blocks are never copied, because nobody writes into a full block again.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from collections.abc import Iterable
 
 from kvlab._validate import non_negative_int, positive_int
 from kvlab.core.block_pool import BlockPool
-from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from kvlab.errors import BlockStateError, KvlabValueError, OutOfBlocksError, RequestStateError
 from kvlab.units import cdiv
 
-BlockCopy = tuple[int, int]  # (src_block_id, dst_block_id): a copy the engine must make on the KV tensors
+BlockCopy = KVCacheBlockCopy  # (src_block_id, dst_block_id): a copy the engine must make on the KV tensors
 
 
 class BlockContents:
@@ -181,8 +182,9 @@ class Sequence:
                 f"cannot write {_count(len(tokens), 'token')}: {need} needed, but only {_count(free, 'block')} "
                 f"{'is' if free == 1 else 'are'} free; nothing was written (release a sequence to free blocks)"
             )
-        copies = [self._copy_last_block()] if copy_first else []
-        for block in self.pool.get_new_blocks(fresh):
+        taken = self.pool.get_new_blocks(copy_first + fresh)  # one pool call: it succeeds whole or changes nothing
+        copies = [self._copy_last_block(taken[0])] if copy_first else []
+        for block in taken[copy_first:]:
             self.contents.clear(block.block_id)
             self.blocks.append(block)
         for pos, token in enumerate(tokens, start=self.num_tokens):
@@ -193,14 +195,11 @@ class Sequence:
     def _last_block_shared_and_partial(self) -> bool:
         return self.num_tokens % self.block_size != 0 and self.blocks[-1].ref_cnt > 1
 
-    def _copy_last_block(self) -> BlockCopy:
-        """Copy-on-write: move this sequence's last block to a private copy, drop the shared one."""
-        shared = self.blocks[-1]
-        (copy,) = self.pool.get_new_blocks(1)
-        self.contents.copy(shared.block_id, copy.block_id)
-        self.blocks[-1] = copy
-        self.pool.free_blocks([shared])  # ref_cnt was > 1: it stays in use by the others
-        return (shared.block_id, copy.block_id)
+    def _copy_last_block(self, block: KVCacheBlock) -> BlockCopy:
+        """Copy-on-write into ``block``: the last block becomes a private copy (the pool drops the shared one)."""
+        copy = self.pool.copy_on_write(self.blocks, len(self.blocks) - 1, block)
+        self.contents.copy(copy.src_block_id, copy.dst_block_id)
+        return copy
 
     # ----------------------------------------------------------------- sharing and releasing
 

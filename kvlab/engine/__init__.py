@@ -1,25 +1,39 @@
 """kvlab.engine: a real Llama-family model generating through kvlab's paged cache, scheduler and kernels.
 
-``LLMEngine`` is the serving loop; ``load_model`` builds the decoder from a checkpoint;
-``save_tiny_llama`` writes the small seeded checkpoint tests and notebooks use offline.
+``LLMEngine`` is the serving loop, built from an ``EngineConfig``; ``load_model`` builds the decoder
+from a checkpoint; ``save_tiny_llama`` writes the small seeded checkpoint tests and notebooks use offline.
+MLA: ``load_deepseek`` builds a DeepSeek-V3-style decoder over one latent cache per layer
+(``allocate_mla_kv_caches``); ``save_tiny_deepseek`` writes its small seeded checkpoint.
 """
 
 from kvlab.engine.attention import AttentionMetadata
 from kvlab.engine.config import DecoderConfig
+from kvlab.engine.deepseek import DeepseekV2ForCausalLM, load_deepseek
+from kvlab.engine.deepseek_config import DeepseekConfig
+from kvlab.engine.engine_config import EngineConfig
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.loader import load_model
+from kvlab.engine.mla import MLAAttention, allocate_mla_kv_caches
 from kvlab.engine.model import LlamaForCausalLM
 from kvlab.engine.model_runner import ModelRunner, copy_blocks, prepare_inputs
 from kvlab.engine.toy import save_tiny_llama
+from kvlab.engine.toy_mla import save_tiny_deepseek
 
 __all__ = [
     "AttentionMetadata",
     "DecoderConfig",
+    "DeepseekConfig",
+    "DeepseekV2ForCausalLM",
+    "EngineConfig",
     "LLMEngine",
     "LlamaForCausalLM",
+    "MLAAttention",
     "ModelRunner",
+    "allocate_mla_kv_caches",
     "copy_blocks",
+    "load_deepseek",
     "load_model",
     "prepare_inputs",
+    "save_tiny_deepseek",
     "save_tiny_llama",
 ]

@@ -46,6 +46,8 @@ class Attention(torch.nn.Module):
 
     ``k_scale`` / ``v_scale`` are the per-tensor scales of an FP8 cache (1.0, vLLM's default,
     unless calibrated); for a cache in the model's own dtype they are 1.0 and unused.
+    ``kernel_config`` and ``decode_kv_splits`` are kvlab's knobs on the kernel (set through
+    ``ModelRunner``): fixed tiles for every step, and a split count forced on decode-only steps.
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
@@ -53,6 +55,8 @@ class Attention(torch.nn.Module):
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.kernel_config: kernels.KernelConfig | None = None  # None: the kernel chooses per step
+        self.decode_kv_splits: int | None = None  # None: the kernel chooses (on a CPU: 1)
 
     def forward(
         self,
@@ -63,6 +67,7 @@ class Attention(torch.nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         key_cache, value_cache = kv_cache
+        decode_only = query.shape[0] == attn_metadata.num_seqs  # one token per request (no device sync needed)
         kernels.reshape_and_cache(
             key, value, key_cache, value_cache, attn_metadata.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale
         )
@@ -77,4 +82,6 @@ class Attention(torch.nn.Module):
             causal=True,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            num_kv_splits=self.decode_kv_splits if decode_only else None,
+            config=self.kernel_config,
         )

@@ -5,7 +5,10 @@ one decoder: RMSNorm, rotary embeddings, grouped-query attention, a SwiGLU MLP. 
 differences kvlab supports are data, not code: biases on q/k/v (Qwen2) are read from the
 weights when present, per-head q/k RMSNorm (Qwen3) is switched on by ``model_type``, and the
 rotary frequencies follow ``rope_parameters`` (transformers 5) or ``rope_theta`` /
-``rope_scaling`` (older files). Everything else is refused with a message that says why.
+``rope_scaling`` (older files). Everything else is refused with a message that says why, and
+so is a value the forward could not use: a size that is not a positive integer (a string "64"
+included), an ``rms_norm_eps`` or ``rope_theta`` that is not a positive number (with either at or
+below 0 the forward would produce NaN, which would then be sampled as token 0).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvlab._validate import positive_int
+from kvlab._validate import positive_int, positive_number
 from kvlab.capacity.models import ModelSpec
-from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
+from kvlab.errors import CheckpointError, KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 #: ``model_type`` values whose decoder is the one ``kvlab.engine.model`` implements.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -66,7 +69,9 @@ class DecoderConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], name: str | None = None) -> DecoderConfig:
-        """Read and check a ``config.json`` dict; unsupported architectures raise naming the field."""
+        """Read and check a ``config.json`` dict; unsupported architectures and bad values raise naming the field."""
+        if not isinstance(config, Mapping):
+            raise KvlabValueError(f"a config must be a JSON object (a dict of fields), got a {type(config).__name__}")
         cfg = dict(config)
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -78,40 +83,63 @@ class DecoderConfig:
                 f"sliding_window={cfg.get('sliding_window')!r} is set: kvlab's engine implements full attention "
                 "only (set use_sliding_window=false or sliding_window=null to run this checkpoint)"
             )
-        spec = ModelSpec.from_hf_config(cfg, name=name)
 
-        def need(key: str) -> Any:
+        def need(key: str) -> int:
             if cfg.get(key) is None:
                 raise MissingConfigKeyError(key)
-            return cfg[key]
+            return positive_int(key, cfg[key])
 
-        eos = cfg.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        sizes = {key: need(key) for key in ("vocab_size", "hidden_size", "intermediate_size")}  # before the spec
+        spec = ModelSpec.from_hf_config(cfg, name=name)
+        max_len = cfg.get("max_position_embeddings")
+        eps, tie = (cfg.get(key) for key in ("rms_norm_eps", "tie_word_embeddings"))  # absent or null: the default
+        eps, tie = 1e-6 if eps is None else eps, False if tie is None else tie
+        if not isinstance(tie, bool):
+            raise KvlabValueError(f"tie_word_embeddings must be true or false, got {tie!r}")
         return cls(
             model_type=model_type,
-            vocab_size=positive_int("vocab_size", need("vocab_size")),
-            hidden_size=positive_int("hidden_size", need("hidden_size")),
-            intermediate_size=positive_int("intermediate_size", need("intermediate_size")),
+            **sizes,
             num_hidden_layers=spec.num_layers,
             num_attention_heads=spec.num_attention_heads,
             num_key_value_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=positive_number("rms_norm_eps", eps),
             rope=rope_config(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tie,
             qk_norm=model_type == "qwen3",
-            max_position_embeddings=cfg.get("max_position_embeddings"),
-            eos_token_id=eos_ids,
+            max_position_embeddings=None if max_len is None else positive_int("max_position_embeddings", max_len),
+            eos_token_id=_eos_token_ids(cfg.get("eos_token_id")),
             spec=spec,
         )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> DecoderConfig:
-        """Read ``model_dir/config.json``."""
+        """Read ``model_dir/config.json``; anything wrong raises ``CheckpointError`` naming the file and the field."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise KvlabValueError(f"model_dir={str(model_dir)!r} has no config.json: is it a Hugging Face checkpoint?")
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")), name=Path(model_dir).name)
+            raise CheckpointError(f"model_dir={str(model_dir)!r} has no config.json: is it a Hugging Face checkpoint?")
+        raw = read_json(path)
+        try:
+            return cls.from_dict(raw, name=Path(model_dir).name)
+        except KvlabValueError as error:
+            raise CheckpointError(f"{path}: {error}") from error
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file, parsed; one that does not parse raises ``CheckpointError`` quoting the parser."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is not a readable JSON file: {error}") from error
+
+
+def _eos_token_ids(eos: object) -> tuple[int, ...]:
+    """``eos_token_id`` as a tuple: config files write one id, a list of ids, or null."""
+    ids = () if eos is None else eos if isinstance(eos, list) else [eos]
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise KvlabValueError(f"eos_token_id must be a token id, a list of them or null, got {eos!r}")
+    return tuple(ids)
 
 
 def _uses_sliding_window(cfg: Mapping[str, Any]) -> bool:
@@ -125,27 +153,35 @@ def rope_config(cfg: Mapping[str, Any]) -> RopeConfig:
 
     transformers 5 writes ``rope_parameters = {"rope_type", "rope_theta", ...}``; older files
     have a top-level ``rope_theta`` and an optional ``rope_scaling`` dict (whose type key was
-    once called ``type``). Only "default" and "llama3" are computed; others raise.
+    once called ``type``). Only "default" and "llama3" are computed; others raise, and so does a
+    value no rotation could use (a theta or factor that is not a positive number).
     """
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise KvlabValueError(f"rope_parameters / rope_scaling must be an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnknownNameError("rope_type", rope_type, SUPPORTED_ROPE_TYPES)
-    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    if positive_number("partial_rotary_factor", partial) != 1.0:
         raise KvlabValueError("partial_rotary_factor != 1 is not supported: kvlab rotates the whole head")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = positive_number("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if rope_type == "default":
-        return RopeConfig("default", float(theta))
+        return RopeConfig("default", theta)
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         if key not in params:
             raise MissingConfigKeyError(key, where="rope_parameters (llama3)")
+    low, high = (positive_number(key, params[key]) for key in ("low_freq_factor", "high_freq_factor"))
+    if high <= low:
+        raise KvlabValueError(f"llama3 rope needs high_freq_factor > low_freq_factor, got {high} and {low}")
     return RopeConfig(
         "llama3",
-        float(theta),
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings") or 8192
+        theta,
+        factor=positive_number("factor", params["factor"]),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=positive_int(
+            "original_max_position_embeddings",
+            params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings") or 8192,
         ),
     )

@@ -1,32 +1,36 @@
 """``LLMEngine``: a checkpoint, a paged KV cache, the scheduler and the model runner in one serving loop.
 
-Start-up follows vLLM: load the weights, size the KV pool (a block count, or a memory
-budget cut into blocks by ``kvlab.capacity.budget``), allocate one K and one V tensor
-``[num_blocks, block_size, num_kv_heads, head_size]`` per layer, and print the start-up
-lines. Each ``step()`` is vLLM's ``EngineCore.step``: the scheduler picks tokens, the runner
-computes them through ``kvlab.kernels``, the scheduler appends the samples and frees
+Start-up follows vLLM: check the configuration (``EngineConfig``), load the weights, size the KV
+pool (a block count, or a memory budget cut into blocks by ``kvlab.capacity.budget``), allocate
+one K and one V tensor ``[num_blocks, block_size, num_kv_heads, head_size]`` per layer, and print
+the start-up lines. Each ``step()`` is vLLM's ``EngineCore.step``: the scheduler picks tokens, the
+runner computes them through ``kvlab.kernels``, the scheduler appends the samples and frees
 finished requests. ``metrics_text()`` is what a Prometheus scrape of ``/metrics`` would see;
 ``history`` keeps one ``SchedulerStats`` per step for plots.
+
+A request that fails (its logits are not finite, or the executor raises in its step) finishes
+with finish reason ``"error"`` and frees its blocks; ``step()`` then raises its error and the
+engine keeps serving the others. vLLM instead treats an exception in ``execute_model`` as fatal
+to the whole engine (``kvlab.core.sched.loop``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import numbers
 import os
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
-
-from kvlab import kernels
-from kvlab._validate import non_negative_int, one_of, positive_int
-from kvlab.capacity.budget import KVCachePlan, plan_kv_cache
-from kvlab.capacity.sizing import kv_bytes_per_token
+from kvlab.capacity.budget import KVCachePlan
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector
+from kvlab.core.request import RequestStatus
+from kvlab.core.sched.config import check_request_fits
+from kvlab.core.sched.loop import step
 from kvlab.core.sched.output import (
     GenerationRequest,
     RequestOutput,
@@ -35,59 +39,24 @@ from kvlab.core.sched.output import (
     SchedulerStats,
     child_request_id,
 )
-from kvlab.core.sched.scheduler import DEFAULT_MAX_NUM_SEQS, Scheduler, check_request_fits, step
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches
+from kvlab.engine.kv_pool import allocate_kv_caches, plan_pool
 from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.errors import KvlabValueError, RequestStateError
-from kvlab.units import GiB, cdiv
-
-#: kv_cache_dtype -> (torch dtype of the cache tensors or None for the model's, kvlab.capacity.sizing name or None).
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn,
-                                                   "fp8_e4m3": torch.float8_e4m3fn}
-_SIZING_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                 torch.float8_e4m3fn: "fp8_e4m3"}
-#: kvlab's default token budget: small, because every token costs a lot on a CPU.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
-#: The most memory a default-sized pool takes (a real checkpoint would otherwise ask for many GiB).
-DEFAULT_KV_CACHE_MEMORY_GIB = 1
-
-
-def _device_memory_gib(device: torch.device) -> float:
-    """The memory the start-up plan divides: the GPU's, or on a CPU engine this machine's RAM in its place."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / GiB
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16.0
-
-
-def engine_device(device: str | torch.device | None = None) -> torch.device:
-    """The device an engine runs on: ``device``, or by default where the kernels run (``kernels.default_device()``).
-
-    Checked before anything is loaded: native Triton kernels need CUDA tensors, so on the
-    ``triton-cuda`` backend a CPU engine is refused, and ``cuda`` needs a device torch can see.
-    """
-    try:
-        chosen = torch.device(kernels.default_device() if device is None else device)
-    except (RuntimeError, TypeError) as error:
-        raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from error
-    if chosen.type not in ("cpu", "cuda"):
-        raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
-    if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise KvlabValueError(f"device={device!r} needs a CUDA device, and torch sees none here: use 'cpu'")
-    kernels.check_kernel_device(kernels.backend(), chosen)
-    return chosen
+from kvlab.units import GiB
 
 
 class LLMEngine:
     """Serve a Llama-family checkpoint through kvlab's paged KV cache, scheduler and Triton kernels.
 
-    The pool holds ``num_gpu_blocks`` blocks (vLLM's ``num_gpu_blocks_override``), or as many
-    as ``kv_cache_memory_gib`` buys (vLLM's ``kv_cache_memory_bytes``), or by default enough
-    for ``max_num_seqs`` requests of ``max_model_len`` tokens, capped at 1 GiB (vLLM would
+    ``LLMEngine(model_dir, **engine_args)`` takes ``EngineConfig``'s fields as keywords (or one
+    ``EngineConfig``). The pool holds ``num_gpu_blocks`` blocks (vLLM's ``num_gpu_blocks_override``),
+    or as many as ``kv_cache_memory_gib`` buys (vLLM's ``kv_cache_memory_bytes``), or by default
+    enough for ``max_num_seqs`` requests of ``max_model_len`` tokens, capped at 1 GiB (vLLM would
     profile the GPU instead; kvlab does not profile). Block 0 is the null block, as in vLLM.
     ``kv_cache_dtype="fp8"`` stores K and V as float8 e4m3 with scale 1.0 (vLLM's default)
     and the kernels dequantize on load. The model and the cache live on ``device``: by default
@@ -101,90 +70,54 @@ class LLMEngine:
     histograms (sampling ``kv_cache_metrics_sample`` of the blocks) and adds them to ``metrics_text()``.
     """
 
-    def __init__(
-        self,
-        model_dir: str | os.PathLike,
-        *,
-        num_gpu_blocks: int | None = None,
-        kv_cache_memory_gib: float | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        kv_cache_dtype: str = "auto",
-        max_model_len: int | None = None,
-        keep_logits: bool = False,
-        cpu_offload_blocks: int = 0,
-        preemption_mode: str = "recompute",
-        kv_cache_metrics: bool = False,
-        kv_cache_metrics_sample: float = 1.0,
-        device: str | torch.device | None = None,
-    ) -> None:
-        one_of("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-        self.device = engine_device(device)
-        block_size = positive_int("block_size", block_size)
-        if num_gpu_blocks is not None and kv_cache_memory_gib is not None:
-            raise KvlabValueError("give num_gpu_blocks or kv_cache_memory_gib, not both")
-        self.model_dir = Path(model_dir)
+    def __init__(self, model_dir: str | os.PathLike | EngineConfig, **engine_args: Any) -> None:
+        # 1. Config: every argument checked once, with the checkpoint's config.json, before a weight is read.
+        if isinstance(model_dir, EngineConfig) and engine_args:
+            raise KvlabValueError("pass an EngineConfig alone, or a model_dir with keywords, not both")
+        config = model_dir if isinstance(model_dir, EngineConfig) else EngineConfig.create(model_dir, **engine_args)
+        self.engine_config = config
+        self.model_dir, self.config, self.max_model_len = config.model_dir, config.model_config, config.max_model_len
+        self.block_size, self.kv_cache_dtype = config.block_size, config.kv_cache_dtype
+        # 2. Device: where the kernels run (chosen and checked in step 1).
+        self.device = config.device
+        # 3. Weights: the checkpoint's tensors, checked against config.json, onto the device.
         started = time.perf_counter()
-        self.model = load_model(model_dir).to(self.device)
+        self.model = load_model(config.model_dir, config=config.model_config).to(self.device)
         self.load_seconds = time.perf_counter() - started
-        self.config = self.model.config
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.kv_cache_dtype = kv_cache_dtype
-        self.cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or next(self.model.parameters()).dtype
-        self.max_model_len = positive_int(
-            "max_model_len", max_model_len or self.config.max_position_embeddings or 2048
-        )
-        self.block_size = block_size
-        per_block = kv_bytes_per_token(self.config.spec, _SIZING_NAMES[self.cache_dtype]) * block_size
-        if num_gpu_blocks is None and kv_cache_memory_gib is None:
-            wanted = 1 + positive_int("max_num_seqs", max_num_seqs) * cdiv(self.max_model_len, block_size)
-            num_gpu_blocks = max(2, min(wanted, int(DEFAULT_KV_CACHE_MEMORY_GIB * GiB) // per_block))
-        if num_gpu_blocks is not None:
-            kv_cache_memory_gib = positive_int("num_gpu_blocks", num_gpu_blocks) * per_block / GiB  # exact: GiB = 2**30
-        self.plan: KVCachePlan = plan_kv_cache(
-            self.config.spec, gpu_memory_gib=_device_memory_gib(self.device), weights_gib=self.weights_bytes / GiB,
-            kv_cache_memory_gib=kv_cache_memory_gib, kv_dtype=_SIZING_NAMES[self.cache_dtype],
-            block_size=block_size, max_model_len=self.max_model_len,
-        )
-        if self.plan.num_blocks < 2:
-            raise KvlabValueError(
-                f"the KV pool would hold {self.plan.num_blocks} block(s) of {per_block} bytes; it needs at least 2 "
-                "(block 0 is the null block): raise num_gpu_blocks or kv_cache_memory_gib"
-            )
-        self.num_gpu_blocks = self.plan.num_blocks
-        shape = (self.num_gpu_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
-            for _ in range(self.config.num_hidden_layers)
-        ]  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_size]
-        self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
-        # vLLM's --kv-cache-metrics: block lifetimes, idle time before eviction, reuse gaps (core.kv_cache_metrics).
-        self.kv_cache_metrics = KVCacheMetricsCollector(kv_cache_metrics_sample) if kv_cache_metrics else None
+        self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or next(self.model.parameters()).dtype
+        # 4. Pool plan: how many blocks, from a count, a memory budget, or the default.
+        self.plan: KVCachePlan = plan_pool(config, self.cache_dtype, self.weights_bytes)
+        self.num_gpu_blocks, self.bytes_per_block = self.plan.num_blocks, self.plan.bytes_per_block
+        # 5. Tensors: per layer one K and one V cache, [num_blocks, block_size, num_kv_heads, head_size].
+        self.kv_caches = allocate_kv_caches(config, self.num_gpu_blocks, self.cache_dtype)
+        # 6. Manager: the block pool and prefix cache, and vLLM's --kv-cache-metrics on its blocks.
+        self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, config.block_size,
+                                               enable_caching=config.enable_prefix_caching)
+        self.kv_cache_metrics = (KVCacheMetricsCollector(config.kv_cache_metrics_sample)
+                                 if config.kv_cache_metrics else None)
         self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
-        # kvlab.core.kv_offload: an optional CPU tier of cpu_offload_blocks blocks (vLLM's kv_offloading_size).
-        self.cpu_offload_blocks = non_negative_int("cpu_offload_blocks", cpu_offload_blocks)
-        one_of("preemption_mode", preemption_mode, ("recompute", "swap"))
-        if preemption_mode == "swap" and not cpu_offload_blocks:
-            raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: set cpu_offload_blocks")
-        self.bytes_per_block = per_block
-        self.cpu_kv_caches = allocate_cpu_kv_caches(self.kv_caches, cpu_offload_blocks) if cpu_offload_blocks else []
-        self.connector = (OffloadingConnector(self.kv_cache_manager, CPUOffloadingManager(cpu_offload_blocks))
-                          if cpu_offload_blocks else None)
-        self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                                   connector=self.connector, preemption_mode=preemption_mode)
-        self.model_runner = ModelRunner(self.model, self.kv_caches, block_size, keep_logits=keep_logits)
+        # 7. Offload wiring: an optional CPU tier of cpu_offload_blocks blocks (kvlab.core.kv_offload).
+        self.cpu_offload_blocks = config.cpu_offload_blocks
+        self.cpu_kv_caches = (allocate_cpu_kv_caches(self.kv_caches, config.cpu_offload_blocks)
+                              if config.cpu_offload_blocks else [])
+        self.connector = (OffloadingConnector(self.kv_cache_manager, CPUOffloadingManager(config.cpu_offload_blocks))
+                          if config.cpu_offload_blocks else None)
+        # 8. Scheduler: the token budget, queues and preemption over the manager.
+        self.scheduler = Scheduler(self.kv_cache_manager, **dataclasses.asdict(config.scheduler_config),
+                                   connector=self.connector)
+        # 9. Executor: the model runner, behind the CPU tier's copies when there is one.
+        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits)
         self.executor = (self.model_runner if self.connector is None else
                          OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
+        # What the engine has served: metrics, per-step history, and each request's tokens and end.
         self.metrics = EngineMetrics()
-        self.latency = LatencyMetrics()  # vLLM's time-to-first-token, per-token and end-to-end histograms
+        self.latency = LatencyMetrics()  # vLLM's time-to-first-token, inter-token and end-to-end histograms
         self.history: list[SchedulerStats] = []
         self.step_seconds: list[float] = []
         self.outputs: dict[str, list[int]] = {}  # request id -> generated tokens (children included)
         self.finish_reasons: dict[str, str | None] = {}
+        self.errors: dict[str, BaseException] = {}  # request id -> why it finished with "error"
         self.last_scheduler_output: SchedulerOutput | None = None  # what the latest step computed
         self._request_ids = itertools.count()
         self._tokenizer: Any = None
@@ -220,19 +153,22 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise KvlabValueError(f"prompt is a string, but {self.model_dir} has no tokenizer: pass token ids")
             return list(self.tokenizer(prompt)["input_ids"])
+        if not isinstance(prompt, Iterable) or isinstance(prompt, (bytes, dict)):
+            raise KvlabValueError(f"a prompt must be a string or a sequence of token ids, got {prompt!r}")
         tokens = list(prompt)
         vocab = self.config.vocab_size
-        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
         if bad:
             raise KvlabValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
-        return tokens
+        return [int(t) for t in tokens]
 
-    def _make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None
-                      ) -> GenerationRequest:
+    def _make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None,
+                      cache_salt: str | None) -> GenerationRequest:
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.outputs:
             raise RequestStateError(f"request id {request_id!r} was used already")
-        request = GenerationRequest(request_id, self.encode(prompt), params, eos_token_id=self.config.eos_token_id)
+        request = GenerationRequest(request_id, self.encode(prompt), params, eos_token_id=self.config.eos_token_id,
+                                    cache_salt=cache_salt)
         check_request_fits(request, self.max_model_len, self.scheduler.num_usable_blocks, self.block_size)
         return request
 
@@ -246,10 +182,18 @@ class LLMEngine:
         temperature: float = 0.0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> str:
-        """Queue one prompt; return its request id. A request that could never fit is refused, changing nothing."""
+        """Queue one prompt; return its request id. A request that could never fit is refused, changing nothing.
+
+        ``cache_salt`` (vLLM's per-request ``cache_salt``) enters the hash of every block of the
+        prompt, so only requests with the same salt share cached blocks: give each tenant its own.
+        ``lora_name`` is refused: kvlab's engine has no LoRA adapters (see ``_refuse_lora``).
+        """
+        _refuse_lora(lora_name)
         params = SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
-        request = self._make_request(prompt, params, request_id)
+        request = self._make_request(prompt, params, request_id, cache_salt)
         self._queue([request], n)
         return request.request_id
 
@@ -261,72 +205,124 @@ class LLMEngine:
             self.scheduler.add_request(request)
             self.outputs[request.request_id] = []
 
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[str]:
+        """Abort requests, as vLLM's ``LLMEngine.abort_request``: free their blocks, finish them with "abort".
+
+        A parent's id aborts its parallel samples too (``n > 1``), as vLLM's output processor does.
+        Ids that are unknown or already finished are ignored, as in vLLM. Each aborted request
+        counts in ``vllm:request_success_total{finished_reason="abort"}``; vLLM 0.33.0 drops a
+        client-aborted request before its statistics are taken, so there that count stays 0.
+        Returns the ids aborted, samples included.
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        bad = [i for i in ids if not isinstance(i, str)]
+        if bad:
+            raise KvlabValueError(f"request_ids must be request id strings, got {bad[:3]}")
+        children = [r.request_id for r in self.scheduler.requests.values() if r.parent_id in ids]
+        outputs = self.scheduler.finish_requests([*ids, *children], RequestStatus.FINISHED_ABORTED)
+        self._record(outputs, time.perf_counter())
+        return [o.request_id for o in outputs]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ----------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute and update once; return what each request produced in this step."""
+        """Schedule, execute and update once; return what each request produced in this step.
+
+        A request that failed in this step finished with finish reason "error" and freed its
+        blocks; once the step is recorded, its error is raised (the first, if several) with a
+        note naming the failed requests. The next call serves the others.
+        """
+        outputs = self._step()
+        failed = [o for o in outputs if o.error is not None]
+        if failed:
+            raise _with_note(failed[0].error, [o.request_id for o in failed])
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        """One step, recorded; errors stay in the outputs (an interrupt of the executor is raised again)."""
         started = time.perf_counter()
         self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
         now = time.perf_counter()
         self.step_seconds.append(now - started)
-        for out in outputs:
-            self.latency.tokens(out.request_id, bool(out.new_token_ids), out.finished, now)
-            self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                self.finish_reasons[out.request_id] = out.finish_reason
+        self._record(outputs, now)
         self.history.append(stats)
         if self.kv_cache_metrics is not None:
             self.kv_cache_metrics.advance()
         self.metrics.record(stats, sum(len(o.new_token_ids) for o in outputs))
+        for out in outputs:
+            if out.error is not None and not isinstance(out.error, Exception):
+                raise out.error  # Ctrl-C during the forward: the step's requests are finished, now stop
         return outputs
+
+    def _record(self, outputs: Sequence[RequestOutput], now: float) -> None:
+        """Fold requests' outputs into the engine's tokens, finish reasons, errors and metrics."""
+        for out in outputs:
+            self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason == "abort":
+                self.latency.forget(out.request_id)  # as in vLLM: an abort observes no latency
+            else:
+                self.latency.tokens(out.request_id, bool(out.new_token_ids), out.finished, now)
+            if out.finished:
+                self.finish_reasons[out.request_id] = out.finish_reason
+                self.metrics.record_finished(out.finish_reason)
+            if out.error is not None:
+                self.errors[out.request_id] = out.error
 
     def generate(
         self,
-        prompts: Sequence[str | Sequence[int]],
+        prompts: Iterable[str | Sequence[int]],
         max_tokens: int = 16,
         n: int = 1,
         *,
         temperature: float = 0.0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        cache_salt: str | None = None,
         use_tqdm: bool | None = None,
     ) -> list[list[int]] | list[list[list[int]]]:
         """Generate for every prompt; return per prompt its token ids (for ``n > 1``, a list of ``n`` lists).
 
-        Greedy unless ``temperature > 0``. All prompts are checked before any is queued, so a
-        prompt that could never fit raises and nothing runs. A progress bar counts finished
+        ``prompts`` is any iterable of prompts (a list, a tuple, a generator), never one prompt
+        bare. Greedy unless ``temperature > 0``; ``cache_salt`` salts every prompt of the call.
+        All prompts are checked before any is queued, so a prompt that could never fit raises and
+        nothing runs. A request that fails does not stop the others: they run to the end, then
+        its error is raised (their tokens are in ``outputs``). A progress bar counts finished
         requests when the run is long (``use_tqdm=None``: prompts x n x max_tokens above 256).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise KvlabValueError("prompts must be a list of prompts (strings or lists of token ids), not one prompt")
+        prompts = _prompt_list(prompts)
         params = SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
-        requests = [self._make_request(p, params, None) for p in prompts]
+        requests = [self._make_request(p, params, None, cache_salt) for p in prompts]
         self._queue(requests, n)
         ids = [r.request_id for r in requests]
-        wanted = set(ids) | {child_request_id(i, k) for i in ids for k in range(1, n)}
-        if use_tqdm is None:
-            use_tqdm = len(requests) * n * max_tokens > 256
+        wanted = list(itertools.chain.from_iterable((i, *(child_request_id(i, k) for k in range(1, n))) for i in ids))
+        self._run_until_finished(wanted, use_tqdm if use_tqdm is not None else len(wanted) * max_tokens > 256)
+        failed = [i for i in wanted if i in self.errors]
+        if failed:
+            raise _with_note(self.errors[failed[0]], failed)
+        if n == 1:
+            return [self.outputs[i] for i in ids]
+        return [[self.outputs[i], *(self.outputs[child_request_id(i, k)] for k in range(1, n))] for i in ids]
+
+    def _run_until_finished(self, wanted: Sequence[str], use_tqdm: bool) -> None:
+        """Step until every request in ``wanted`` finished, with an optional progress bar."""
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(wanted), desc="Processed prompts", unit="req")
         try:
-            while wanted - self.finish_reasons.keys():
+            while set(wanted) - self.finish_reasons.keys():
                 if not self.has_unfinished_requests():
                     raise RequestStateError("the engine stopped with requests of this call unfinished")
-                finished = [o for o in self.step() if o.finished and o.request_id in wanted]
+                finished = [o for o in self._step() if o.finished and o.request_id in wanted]
                 if bar is not None:
                     bar.update(len(finished))
         finally:
             if bar is not None:
                 bar.close()
-        if n == 1:
-            return [self.outputs[i] for i in ids]
-        return [[self.outputs[i], *(self.outputs[child_request_id(i, k)] for k in range(1, n))] for i in ids]
 
     # ----------------------------------------------------------------- observing
 
@@ -357,3 +353,40 @@ class LLMEngine:
                 "resumed_hits": stats.prefix_cache_stats.preempted_hits, "seconds": seconds,
             })
         return pd.DataFrame(rows).set_index("step") if rows else pd.DataFrame()
+
+
+def _refuse_lora(lora_name: str | None) -> None:
+    """kvlab's engine serves the base weights only, so a LoRA adapter is refused rather than silently ignored.
+
+    Accepting the name would key the prefix cache apart, as an adapter's name does in vLLM's
+    block hash, while every token still came from the base model: a teacher asking for an
+    adapter would see the base model's answer. ``kvlab.core``'s ``KVCacheManager`` takes
+    ``lora_name`` (notebook 04) to show how an adapter keeps its cache apart; tenants of one engine
+    keep theirs apart with ``cache_salt``.
+    """
+    if lora_name is not None:
+        raise KvlabValueError(
+            f"lora_name={lora_name!r}: kvlab's engine has no LoRA adapters, so the request would run the base "
+            "model while only its prefix cache was kept apart. Leave lora_name=None; use cache_salt= to keep "
+            "tenants' caches apart"
+        )
+
+
+def _prompt_list(prompts: Iterable[str | Sequence[int]]) -> list[str | Sequence[int]]:
+    """Any iterable of prompts as a list; a single prompt passed bare (a string, a list of ids) is refused."""
+    if isinstance(prompts, str) or not isinstance(prompts, Iterable):
+        raise KvlabValueError(f"prompts must be a list of prompts (strings or lists of token ids), got {prompts!r}")
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], numbers.Integral):
+        raise KvlabValueError("prompts must be a list of prompts (strings or lists of token ids), not one prompt: "
+                              "wrap it, generate([prompt])")
+    return prompts
+
+
+def _with_note(error: BaseException, request_ids: Sequence[str]) -> BaseException:
+    """``error``, with a note (once) saying which requests it finished and that the engine goes on."""
+    note = (f"kvlab: request(s) {list(request_ids)} finished with finish_reason 'error' (FINISHED_ERROR) and freed "
+            "their blocks; the engine keeps serving the others")
+    if note not in getattr(error, "__notes__", []):
+        error.add_note(note)
+    return error

@@ -2,71 +2,113 @@
 
 A checkpoint is either one ``model.safetensors`` or several shards listed in
 ``model.safetensors.index.json`` (its ``weight_map`` names the file of every tensor). Only
-safetensors are read: they are plain tensors, never code, so loading one is safe.
+safetensors are read: they are plain tensors, never code, so loading one is safe. Everything
+that can be wrong with the files is refused with a ``CheckpointError`` naming the file: a JSON
+file that does not parse, a shard path that leaves the folder (``../``, an absolute path), a
+truncated or garbage safetensors file (the library's own message is kept), a tensor the index
+puts in one shard and the shard lacks, a tensor in two files. ``LlamaForCausalLM.load_weights``
+then checks the tensors against ``config.json``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from kvlab.engine.config import DecoderConfig
+from kvlab.engine.config import DecoderConfig, read_json
 from kvlab.engine.model import LlamaForCausalLM
-from kvlab.errors import KvlabValueError
+from kvlab.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The weight files of a checkpoint: the shards its index lists, else every ``*.safetensors``."""
+def _check_shard_path(index: Path, tensor: str, shard: object) -> str:
+    """A shard file name from the index: a relative path that stays inside the checkpoint folder."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index}: weight_map[{tensor!r}] must be a shard file name, got {shard!r}")
+    for flavour in (PurePosixPath, PureWindowsPath):
+        path = flavour(shard)
+        if path.is_absolute() or path.drive or path.root or ".." in path.parts:
+            raise CheckpointError(
+                f"{index}: weight_map[{tensor!r}] = {shard!r} leaves the checkpoint folder; shard paths must be "
+                "relative and inside it (no absolute paths, no '..')"
+            )
+    return shard
+
+
+def shard_map(model_dir: str | os.PathLike) -> dict[Path, set[str] | None]:
+    """Each weight file of a checkpoint, with the tensors its index assigns to it (None: no index, any tensor).
+
+    The shards ``model.safetensors.index.json`` lists, else every ``*.safetensors`` in the folder.
+    """
     root = Path(model_dir)
     index = root / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = [root / name for name in sorted(set(weight_map.values()))]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise KvlabValueError(f"{INDEX_FILE} in {root} lists shards that are missing: {absent}")
-        return files
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise KvlabValueError(
-            f"model_dir={str(model_dir)!r} holds no *.safetensors file (kvlab does not read pickled .bin weights)"
-        )
-    return files
+    if not index.is_file():
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(
+                f"model_dir={str(model_dir)!r} holds no *.safetensors file (kvlab does not read pickled .bin weights)"
+            )
+        return dict.fromkeys(files)
+    data = read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} must hold a non-empty 'weight_map' object: tensor name -> shard file")
+    shards: dict[Path, set[str] | None] = {}
+    for tensor, shard in weight_map.items():
+        shards.setdefault(root / _check_shard_path(index, tensor, shard), set()).add(tensor)  # type: ignore[union-attr]
+    absent = [str(f.relative_to(root)) for f in shards if not f.is_file()]
+    if absent:
+        raise CheckpointError(f"{index} lists shards that are missing: {absent}")
+    return shards
 
 
-def read_weights(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by name (rotary ``inv_freq`` buffers some old files carry are skipped)."""
+def read_weights(model_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Every tensor of the checkpoint by name, and the file each came from.
+
+    Rotary ``inv_freq`` buffers some old files carry are skipped (kvlab computes them).
+    """
     weights: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                if not name.endswith("rotary_emb.inv_freq"):
-                    weights[name] = handle.get_tensor(name)
-    return weights
+    sources: dict[str, Path] = {}
+    for path, assigned in shard_map(model_dir).items():
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                names = [n for n in handle.keys() if not n.endswith("rotary_emb.inv_freq")]  # noqa: SIM118
+                tensors = {name: handle.get_tensor(name) for name in names}
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from error
+        lacking = sorted(n for n in assigned or () if n not in tensors and not n.endswith("rotary_emb.inv_freq"))
+        if lacking:
+            raise CheckpointError(f"{path} lacks tensors that {INDEX_FILE} puts there: {lacking[:3]}")
+        for name, tensor in tensors.items():
+            if name in sources:
+                raise CheckpointError(f"tensor {name} is in two weight files: {sources[name]} and {path}")
+            weights[name], sources[name] = tensor, path
+    return weights, sources
 
 
-def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               config: DecoderConfig | None = None) -> LlamaForCausalLM:
     """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
 
-    Biases are switched on where the checkpoint has them (Qwen2's q/k/v biases, Llama's
-    ``attention_bias``), so no per-model flag is needed. On CPU keep ``float32``: the Triton
+    ``config`` is the checkpoint's ``DecoderConfig`` if the caller read it already (``EngineConfig``
+    does). Biases are switched on where the checkpoint has them (Qwen2's q/k/v biases, Llama's
+    ``attention_bias``), so no per-model flag is needed; every tensor must then fit the config
+    exactly (``LlamaForCausalLM.load_weights``). On CPU keep ``float32``: the Triton
     interpreter has no bf16 arithmetic.
     """
-    config = DecoderConfig.from_pretrained(model_dir)
-    weights = read_weights(model_dir)
-    names = set(weights)
+    config = config or DecoderConfig.from_pretrained(model_dir)
+    weights, sources = read_weights(model_dir)
     model = LlamaForCausalLM(
         config,
-        qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
-        o_bias="model.layers.0.self_attn.o_proj.bias" in names,
-        mlp_bias="model.layers.0.mlp.gate_proj.bias" in names,
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        o_bias="model.layers.0.self_attn.o_proj.bias" in weights,
+        mlp_bias="model.layers.0.mlp.gate_proj.bias" in weights,
     )
     model.to(dtype)
-    model.load_weights(weights)
+    model.load_weights(weights, sources={name: str(path) for name, path in sources.items()},
+                       config_file=str(Path(model_dir) / "config.json"))
     return model.eval()

@@ -15,6 +15,7 @@ belongs to. No layer ever sees a padded ``[batch, seq]`` tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from torch import nn
 from kvlab.engine.attention import Attention, AttentionMetadata
 from kvlab.engine.config import DecoderConfig
 from kvlab.engine.rope import RotaryEmbedding
-from kvlab.errors import KvlabValueError
+from kvlab.errors import CheckpointError, KvlabValueError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
 
@@ -155,21 +156,90 @@ class LlamaForCausalLM(nn.Module):
         """``[n, hidden_size] -> [n, vocab_size]`` in float32."""
         return (hidden_states @ self.lm_head.weight.T).to(torch.float32)
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the parameters of the same name; every parameter must be found."""
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                     sources: Mapping[str, str] | None = None, config_file: str = "config.json") -> None:
+        """Copy checkpoint tensors into the parameters of the same name, after checking all of them.
+
+        Every parameter must be found, every tensor used, every tensor floating point and shaped as
+        the config says; otherwise ``CheckpointError`` names the tensor, its file (``sources``) and
+        the config fields behind its shape, and no parameter is changed. A tied ``lm_head.weight``
+        is skipped, as vLLM skips it: the embedding is the head.
+        """
         items = dict(weights.items() if isinstance(weights, Mapping) else weights)
         params = dict(self.named_parameters(remove_duplicate=False))
         if self.config.tie_word_embeddings:
-            params.pop("lm_head.weight", None)  # tied: the embedding is loaded once
-        missing = sorted(set(params) - set(items))
-        if missing:
-            raise KvlabValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
+            params.pop("lm_head.weight", None)
+            items.pop("lm_head.weight", None)
+        check_checkpoint_tensors(self.config, {n: tuple(p.shape) for n, p in params.items()}, items,
+                                 sources or {}, config_file)
         with torch.no_grad():
             for name, param in params.items():
-                tensor = items[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise KvlabValueError(
-                        f"{name} has shape {tuple(tensor.shape)} in the checkpoint; "
-                        f"the config implies {tuple(param.shape)}"
-                    )
-                param.copy_(tensor.to(param.dtype))
+                param.copy_(items[name].to(param.dtype))
+
+
+#: parameter name suffix -> the config fields its shape follows from, dimension by dimension.
+_SHAPE_FIELDS = (
+    ("embed_tokens.weight", ("vocab_size", "hidden_size")), ("lm_head.weight", ("vocab_size", "hidden_size")),
+    ("q_proj.weight", ("num_attention_heads x head_dim", "hidden_size")),
+    ("q_proj.bias", ("num_attention_heads x head_dim",)),
+    ("k_proj.weight", ("num_key_value_heads x head_dim", "hidden_size")),
+    ("k_proj.bias", ("num_key_value_heads x head_dim",)),
+    ("v_proj.weight", ("num_key_value_heads x head_dim", "hidden_size")),
+    ("v_proj.bias", ("num_key_value_heads x head_dim",)),
+    ("o_proj.weight", ("hidden_size", "num_attention_heads x head_dim")), ("o_proj.bias", ("hidden_size",)),
+    ("q_norm.weight", ("head_dim",)), ("k_norm.weight", ("head_dim",)),
+    ("gate_proj.weight", ("intermediate_size", "hidden_size")), ("gate_proj.bias", ("intermediate_size",)),
+    ("up_proj.weight", ("intermediate_size", "hidden_size")), ("up_proj.bias", ("intermediate_size",)),
+    ("down_proj.weight", ("hidden_size", "intermediate_size")), ("down_proj.bias", ("hidden_size",)),
+    ("norm.weight", ("hidden_size",)),
+)
+
+
+def check_checkpoint_tensors(config: Any, expected: Mapping[str, tuple[int, ...]],
+                             tensors: Mapping[str, torch.Tensor], sources: Mapping[str, str], config_file: str) -> None:
+    """Refuse, naming file and field, a checkpoint whose tensors disagree with its config (a list of checks).
+
+    ``config`` is a ``DecoderConfig`` or a ``DeepseekConfig``; ``expected`` the model's parameter shapes.
+    """
+    def where(name: str) -> str:
+        return sources.get(name, "the checkpoint")
+
+    parts = [n.split(".") for n in tensors]
+    layers = sorted({int(p[2]) for p in parts if len(p) > 2 and p[:2] == ["model", "layers"] and p[2].isdigit()})
+    if layers and layers != list(range(config.num_hidden_layers)):
+        raise CheckpointError(
+            f"{config_file}: num_hidden_layers is {config.num_hidden_layers}, but the tensors hold layers "
+            f"{_ranges(layers)} ({len(layers)} layers)"
+        )
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks {len(missing)} tensor(s) that {config_file} implies, e.g. {missing[:3]}"
+        )
+    unused = sorted(set(tensors) - set(expected))
+    if unused:
+        raise CheckpointError(
+            f"{where(unused[0])}: {len(unused)} tensor(s) that nothing in the model {config_file} describes would use, "
+            f"e.g. {unused[:3]}: is it another architecture, or are config fields wrong?"
+        )
+    for name, shape in expected.items():
+        tensor = tensors[name]
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{where(name)}: {name} is {tensor.dtype}; weights must be floating point")
+        if tuple(tensor.shape) != shape:
+            fields = next((f for suffix, f in _SHAPE_FIELDS if name.endswith(suffix)), ())
+            if not isinstance(config, DecoderConfig):
+                fields = ()  # these are the Llama's fields; a DeepSeek config names its own
+            raise CheckpointError(
+                f"{where(name)}: {name} has shape {tuple(tensor.shape)}, but {config_file} implies {shape}"
+                f"{f' ({_field_values(config, fields)})' if fields else ''}: one of them is wrong"
+            )
+
+
+def _field_values(config: DecoderConfig, dims: Iterable[str]) -> str:
+    """``"num_key_value_heads x head_dim = 2 x 16, hidden_size = 64"`` for the fields behind a shape."""
+    return ", ".join(f"{d} = {' x '.join(str(getattr(config, n)) for n in d.split(' x '))}" for d in dims)
+
+
+def _ranges(values: list[int]) -> str:
+    return f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else str(values)

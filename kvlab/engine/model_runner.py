@@ -5,7 +5,8 @@ scheduler asked for (copy-on-write), flatten the step's requests into one batch
 (``prepare_inputs``), run the model, compute logits only at each request's last token,
 sample. vLLM keeps a persistent batch on the GPU and updates it incrementally; kvlab
 rebuilds the small tensors every step, which is simpler to read and costs nothing next to
-the model on a CPU.
+the model on a CPU. A request that cannot be sampled (``RequestFailedError``: non-finite
+logits) goes into the output's ``errors``, and the rest of the batch is sampled as usual.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlab import kernels
+from kvlab._validate import positive_int
 from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvlab.core.sequence import BlockCopy, compute_slot_mapping
-from kvlab.engine.attention import AttentionMetadata
+from kvlab.engine.attention import Attention, AttentionMetadata
 from kvlab.engine.model import KVCache, LlamaForCausalLM
 from kvlab.engine.sampler import Sampler
+from kvlab.errors import KvlabValueError, RequestFailedError
 
 
 def prepare_inputs(
@@ -72,10 +76,18 @@ class ModelRunner:
     With ``keep_logits`` it records, per request, the logits row each sampled token came from
     (to compare an FP8 cache with a full-precision one, say), copied to the CPU.
     The step's small tensors are built on the device of ``kv_caches``, where the model runs.
+
+    Two knobs of kvlab's own (vLLM picks both inside its attention backend) steer the kernel, so
+    that a tiny model still exercises its hard paths: ``kernel_config`` fixes the tile sizes of
+    every step (smaller tiles: short contexts span several), and ``decode_kv_splits`` forces the
+    split count of decode-only steps (split-KV, which the automatic choice never uses on a CPU).
+    Both may be set on a running engine (``engine.model_runner.kernel_config = ...``); they are
+    handed to every ``Attention`` layer of the model.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, kernel_config: kernels.KernelConfig | None = None,
+                 decode_kv_splits: int | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
@@ -83,6 +95,36 @@ class ModelRunner:
         self.sampler = Sampler()
         self.keep_logits = keep_logits
         self.logits: dict[str, list[torch.Tensor]] = {}
+        self.kernel_config = kernel_config
+        self.decode_kv_splits = decode_kv_splits
+
+    @property
+    def kernel_config(self) -> kernels.KernelConfig | None:
+        """The tiles every step's attention kernel uses (None: chosen per step by ``kernels.choose_config``)."""
+        return self._kernel_config
+
+    @kernel_config.setter
+    def kernel_config(self, config: kernels.KernelConfig | None) -> None:
+        if config is not None and not isinstance(config, kernels.KernelConfig):
+            raise KvlabValueError(f"kernel_config must be a kvlab.kernels.KernelConfig or None, got {config!r}")
+        self._kernel_config = config
+        for layer in self._attention_layers():
+            layer.kernel_config = config
+
+    @property
+    def decode_kv_splits(self) -> int | None:
+        """The split count forced on decode-only steps (None: chosen, which on a CPU means 1)."""
+        return self._decode_kv_splits
+
+    @decode_kv_splits.setter
+    def decode_kv_splits(self, splits: int | None) -> None:
+        self._decode_kv_splits = None if splits is None else positive_int("decode_kv_splits", splits)
+        for layer in self._attention_layers():
+            layer.decode_kv_splits = self._decode_kv_splits
+
+    def _attention_layers(self) -> list[Attention]:
+        """Every paged attention layer of the model (the knobs above are handed to each)."""
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -95,11 +137,15 @@ class ModelRunner:
         hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden_states[metadata.logits_indices])  # [num_seqs, vocab]
         sampled: dict[str, int] = {}
+        errors: dict[str, BaseException] = {}  # requests that cannot be sampled; the others go on
         for row, s in zip(logits, scheduler_output.scheduled, strict=True):
             if not s.sample:
                 continue  # a prefill chunk that does not reach the prompt's end
             for request_id, params in ((s.request_id, s.sampling_params), *s.forked):
-                sampled[request_id] = self.sampler.sample(row, request_id, params)
+                try:
+                    sampled[request_id] = self.sampler.sample(row, request_id, params)
+                except RequestFailedError as error:
+                    errors[request_id] = error
                 if self.keep_logits:
                     self.logits.setdefault(request_id, []).append(row.to("cpu", copy=True))
-        return ModelRunnerOutput(sampled)
+        return ModelRunnerOutput(sampled, errors)

@@ -6,6 +6,11 @@ per step. Each request owns its generator, seeded from its ``SamplingParams.seed
 draws do not depend on which other requests share the batch: a request gives the same
 tokens alone, in a crowd, or after being preempted and recomputed. The draw runs on the CPU
 (one row of probabilities per request), so a seed gives the same tokens on a GPU machine too.
+
+Logits that hold NaN or infinity raise ``NonFiniteLogitsError`` naming the request, greedy or
+not: ``argmax`` over NaN would silently pick token 0. vLLM 0.33.0 does not check by default; it
+counts NaNs only with ``VLLM_COMPUTE_NANS_IN_LOGITS=1`` (the ``vllm:corrupted_requests`` counter)
+and raises, for the whole step, only with ``VLLM_RAISE_ON_LOGIT_NANS=1``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Iterable
 import torch
 
 from kvlab.core.sched.output import SamplingParams
+from kvlab.errors import NonFiniteLogitsError
 
 
 class Sampler:
@@ -24,8 +30,12 @@ class Sampler:
         self.generators: dict[str, torch.Generator] = {}
 
     def sample(self, logits: torch.Tensor, request_id: str, params: SamplingParams) -> int:
-        """The next token for one request from its logits ``[vocab_size]``."""
-        if params.temperature == 0:
+        """The next token for one request from its logits ``[vocab_size]``; non-finite logits raise."""
+        finite = torch.isfinite(logits)  # [vocab_size]
+        if not bool(finite.all()):
+            num_nan = int(torch.isnan(logits).sum())
+            raise NonFiniteLogitsError(request_id, num_nan, int((~finite).sum()) - num_nan, logits.numel())
+        if params.is_greedy:
             return int(logits.argmax())
         generator = self.generators.get(request_id)
         if generator is None:

@@ -7,6 +7,7 @@ import importlib
 import pkgutil
 
 from kvlab.exercises.core import (
+    DEFAULT_TIME_LIMIT_S,
     EXERCISES,
     QUESTIONS,
     Case,
@@ -14,6 +15,7 @@ from kvlab.exercises.core import (
     Exercise,
     Question,
     SelfTest,
+    ask,
     check,
     describe,
     get_exercise,
@@ -23,12 +25,14 @@ from kvlab.exercises.core import (
     show_solution,
     solution,
 )
+from kvlab.exercises.state import restore_kvlab_state
 
 # Each notebook's exercises live in kvlab/exercises/nbXX.py and register themselves on import.
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("nb")):
     importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = [
+    "DEFAULT_TIME_LIMIT_S",
     "EXERCISES",
     "QUESTIONS",
     "Case",
@@ -36,11 +40,13 @@ __all__ = [
     "Exercise",
     "Question",
     "SelfTest",
+    "ask",
     "check",
     "describe",
     "get_exercise",
     "hint",
     "list_exercises",
+    "restore_kvlab_state",
     "self_test",
     "show_solution",
     "solution",

@@ -1,28 +1,38 @@
-"""The exercise harness: tasks, hints, reference solutions, checkers and self-test questions.
+"""The exercise harness: tasks, hints, reference solutions, the grader and self-test questions.
 
-A learner writes a function in a notebook cell and calls ``check(exercise_id, fn)``.
-The checker runs fixed edge cases, then fresh random cases, against the reference
-solution kept here; it stops at the first disagreement and says, in words, what
-the failing case probes. A stub that still raises ``NotImplementedError`` is
-"not attempted yet", so an untouched notebook runs cleanly under nbval.
+A learner writes a function in a notebook cell and calls ``check(exercise_id, fn)``. The
+grader runs fixed edge cases, then fresh random cases, against the reference solution kept
+here; it stops at the first disagreement and says, in words, what the failing case probes.
+A stub that still raises ``NotImplementedError`` is "not attempted yet", so an untouched
+notebook runs cleanly under nbval.
+
+What the grader cannot be fooled by: each result is compared in its canonical form (exact
+built-in types, numpy and torch values as Python values; ``canonical.py``), so an object
+whose ``__eq__`` always says yes, or raises, is a failed case with its reason; each call of
+the learner's function has a time limit (``limits.py``); and the reference runs on kvlab's
+own module data, whatever the notebook changed (``state.py``), which the message reports.
 """
 
 from __future__ import annotations
 
-import ast
-import copy
 import dataclasses
 import html
 import inspect
 import random
-import reprlib
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any
 
+from kvlab._validate import positive_number
 from kvlab.errors import KvlabValueError, UnknownNameError
+from kvlab.exercises.canonical import type_name
+from kvlab.exercises.grading import CheckResult, copies, failure_lines, judge, state_note
+from kvlab.exercises.limits import call_with_time_limit
+from kvlab.exercises.state import STATE
 
-Status = Literal["pass", "fail", "not attempted"]
+DEFAULT_TIME_LIMIT_S = 10.0  # per call of the learner's function; generous for a laptop
+PREPARED_TIME_LIMIT_S = 60.0  # where `prepare` runs the learner's code in a kernel: its first call compiles it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +48,14 @@ class Case:
 class Exercise:
     """A task with its signature, hints, reference solution and cases.
 
-    ``random_case(rng)`` draws a fresh case; ``compare(expected, actual)`` decides
-    agreement (default ``==``); ``explain(case, expected, actual)`` may return a
-    sharper diagnosis than "the results differ" for a known mistake. ``prepare(fn)``,
-    if set, turns the learner's function and the reference into what the cases call
-    (notebook 05: a Triton kernel launch that calls the learner's ``@triton.jit`` helper).
+    ``random_case(rng)`` draws a fresh case; ``compare(expected, actual)`` decides agreement
+    on canonical values (default: exact types, ``canonical.difference``); ``explain(case,
+    expected, actual)`` may return a sharper diagnosis than "the results differ" for a known
+    mistake. ``prepare(fn)``, if set, turns the learner's function and the reference into what
+    the cases call (notebook 05: a Triton kernel launch that calls the learner's
+    ``@triton.jit`` helper). A ``transfer`` exercise asks for the idea on a case the notebook
+    did not work through (another model, layout or failure). ``time_limit_s`` bounds each call
+    of the learner's function.
     """
 
     id: str
@@ -57,6 +70,8 @@ class Exercise:
     compare: Callable[[Any, Any], bool] | None = None
     explain: Callable[[Case, Any, Any], str | None] | None = None
     prepare: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    transfer: bool = False
+    time_limit_s: float | None = None  # None: DEFAULT_TIME_LIMIT_S, or PREPARED_TIME_LIMIT_S with `prepare`
 
     @property
     def function_name(self) -> str:
@@ -71,169 +86,102 @@ class Exercise:
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    """A self-test question whose answer kvlab computes (``values`` holds the numbers)."""
+    """A self-test question whose answer is written from the numbers kvlab computes (``values``)."""
 
     id: str
     text: str
-    answer: Callable[[], str]
-    values: Callable[[], Mapping[str, Any]] = lambda: {}
+    values: Callable[[], Mapping[str, Any]]
+    write: Callable[[Any], str]
+    transfer: bool = False
+
+    def answer(self) -> str:
+        """The answer as text, from one computation of the values."""
+        return self.write(self.values())
 
 
-EXERCISES: dict[str, Exercise] = {}
-QUESTIONS: dict[str, Question] = {}
+_EXERCISES: dict[str, Exercise] = {}
+_QUESTIONS: dict[str, Question] = {}
+EXERCISES: Mapping[str, Exercise] = MappingProxyType(_EXERCISES)  # read-only: a notebook cannot swap a checker
+QUESTIONS: Mapping[str, Question] = MappingProxyType(_QUESTIONS)
 
 
 def register(exercise: Exercise) -> Exercise:
     """Add an exercise to the catalogue (done once, at import of its ``nbXX`` module)."""
-    if exercise.id in EXERCISES:
+    if exercise.id in _EXERCISES:
         raise KvlabValueError(f"exercise id {exercise.id!r} is registered twice")
-    EXERCISES[exercise.id] = exercise
+    _EXERCISES[exercise.id] = exercise
     return exercise
 
 
 def register_question(question: Question) -> Question:
     """Add a self-test question to the catalogue."""
-    if question.id in QUESTIONS:
+    if question.id in _QUESTIONS:
         raise KvlabValueError(f"question id {question.id!r} is registered twice")
-    QUESTIONS[question.id] = question
+    _QUESTIONS[question.id] = question
     return question
+
+
+def ask(question_id: str, text: str, values: Callable[[], Any], answer: Callable[[Any], str], *,
+        transfer: bool = False) -> Question:
+    """Register a self-test question whose answer ``answer(v)`` is written from ``v = values()``."""
+    return register_question(Question(question_id, text, values, answer, transfer))
 
 
 def get_exercise(exercise_id: str) -> Exercise:
     """The exercise called ``exercise_id``; an unknown id raises and lists the known ones."""
-    if exercise_id not in EXERCISES:
-        raise UnknownNameError("exercise_id", exercise_id, EXERCISES)
-    return EXERCISES[exercise_id]
+    if exercise_id not in _EXERCISES:
+        raise UnknownNameError("exercise_id", exercise_id, _EXERCISES)
+    return _EXERCISES[exercise_id]
 
 
 def list_exercises(notebook: str | None = None) -> list[str]:
     """Exercise ids, optionally only those of one notebook ("01")."""
-    return sorted(e for e in EXERCISES if notebook is None or e.startswith(f"{notebook}."))
+    return sorted(e for e in _EXERCISES if notebook is None or e.startswith(f"{notebook}."))
 
 
-# --------------------------------------------------------------------------- results
-
-_short = reprlib.Repr()
-_short.maxlist = _short.maxtuple = _short.maxdict = _short.maxset = 12
-_short.maxstring = _short.maxother = 160
-_short.maxlevel = 4
-
-
-def short_repr(value: Any) -> str:
-    """A repr small enough to read in a failure message."""
-    return _short.repr(value)
-
-
-@dataclasses.dataclass
-class CheckResult:
-    """What ``check`` found. Shows as a coloured box in JupyterLab and as text elsewhere."""
-
-    exercise_id: str
-    status: Status
-    cases_run: int
-    message: str
-    case: Case | None = None
-    expected: Any = None
-    actual: Any = None
-    seed: int | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.status == "pass"
-
-    def __str__(self) -> str:
-        return self.message
-
-    def __repr__(self) -> str:
-        return self.message
-
-    def _repr_html_(self) -> str:
-        colour = {"pass": "#1b7f3b", "fail": "#b42318", "not attempted": "#6b7280"}[self.status]
-        body = html.escape(self.message)
-        return (
-            f'<div class="kvlab-check kvlab-check-{self.status.replace(" ", "-")}" '
-            f'style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0;'
-            f'font-family:var(--jp-code-font-family,monospace);white-space:pre-wrap">{body}</div>'
-        )
-
-
-def _call(fn: Callable[..., Any], case: Case) -> Any:
-    """Call ``fn`` on a deep copy of the case, so no call can change the case for the next."""
-    return fn(*copy.deepcopy(case.args), **copy.deepcopy(dict(case.kwargs)))
-
-
-def _format_inputs(case: Case, signature: str) -> str:
-    # Parsed, not split on commas: a hint such as dict[str, list[int]] holds commas of its own.
-    args = ast.parse(signature.strip() + "\n    pass").body[0].args  # type: ignore[attr-defined]
-    names = [a.arg for a in args.posonlyargs + args.args]
-    parts = [f"{names[i] if i < len(names) else f'arg{i}'}={short_repr(a)}" for i, a in enumerate(case.args)]
-    parts += [f"{k}={short_repr(v)}" for k, v in case.kwargs.items()]
-    return ", ".join(parts)
-
-
-def check(exercise_id: str, learner_fn: Callable[..., Any], *, seed: int | None = None) -> CheckResult:
+def check(exercise_id: str, learner_fn: Callable[..., Any], *, seed: int | None = None,
+          time_limit: float | None = None) -> CheckResult:
     """Run ``learner_fn`` against the exercise's edge cases and fresh random cases.
 
-    Stops at the first case where it disagrees with the reference (or raises) and
-    reports the inputs, expected and actual results, and the idea the case probes.
-    ``seed`` fixes the random cases; by default each run draws new ones (the seed
-    is reported, so a failure can be replayed).
+    Stops at the first case where it disagrees with the reference (or raises, or runs longer
+    than ``time_limit`` seconds, the exercise's own limit by default) and reports the inputs,
+    expected and actual results, and the idea the case probes. ``seed`` fixes the random cases;
+    by default each run draws new ones (the seed is reported, so a failure can be replayed).
     """
     exercise = get_exercise(exercise_id)
     if not callable(learner_fn):
-        raise KvlabValueError(f"learner_fn must be a function, got {type(learner_fn).__name__}")
+        raise KvlabValueError(f"learner_fn must be a function, got {type_name(learner_fn)}")
+    if time_limit is not None:
+        limit = positive_number("time_limit", time_limit)
+    else:
+        limit = exercise.time_limit_s or (PREPARED_TIME_LIMIT_S if exercise.prepare else DEFAULT_TIME_LIMIT_S)
     seed = random.randrange(2**31) if seed is None else seed
     rng = random.Random(seed)
-    cases = list(exercise.edge_cases)
-    if exercise.random_case is not None:
-        cases += [exercise.random_case(rng) for _ in range(exercise.num_random)]
-    head = f"{exercise_id} ({exercise.title})"
+    cases = list(exercise.edge_cases) + [exercise.random_case(rng) for _ in range(exercise.num_random)
+                                         if exercise.random_case is not None]
     prepare = exercise.prepare or (lambda fn: fn)
     reference, learner = prepare(exercise.reference), prepare(learner_fn)
+    before = STATE.fingerprint()  # to tell the learner's changes from the notebook's
     for number, case in enumerate(cases, start=1):
-        expected = _call(reference, case)
-        try:
-            actual = _call(learner, case)
-        except NotImplementedError:
-            if number == 1:
-                return CheckResult(
-                    exercise_id, "not attempted", 0,
-                    f"… {head}: not attempted yet. Replace the `raise NotImplementedError` "
-                    f"and run the cell again; hint(\"{exercise_id}\") gives a first nudge.",
-                )
-            actual = NotImplementedError("raised NotImplementedError")
-            error: BaseException | None = actual
-        except Exception as exc:  # the learner's bug, reported rather than raised
-            error = exc
-        else:
-            error = None
-        agree = exercise.compare or (lambda e, a: e == a)
-        if error is None and agree(expected, actual):
-            continue
-        where = "edge case" if number <= len(exercise.edge_cases) else f"random case (seed={seed})"
-        lines = [f"✗ {head}: failed on case {number} of {len(cases)} ({where})."]
-        if case.probes:
-            lines.append(f"  This case probes: {case.probes}")
-        lines.append(f"  inputs:   {_format_inputs(case, exercise.signature)}")
-        lines.append(f"  expected: {short_repr(expected)}")
-        if error is not None:
-            lines.append(f"  got:      {type(error).__name__}: {error}")
-        else:
-            lines.append(f"  got:      {short_repr(actual)}")
-            if exercise.explain is not None:
-                diagnosis = exercise.explain(case, expected, actual)
-                if diagnosis:
-                    lines.append(f"  likely:   {diagnosis}")
-        return CheckResult(
-            exercise_id, "fail", number, "\n".join(lines), case, expected,
-            None if error is not None else actual, seed,
-        )
-    return CheckResult(
-        exercise_id, "pass", len(cases),
-        f"✓ {head}: passed all {len(cases)} cases ({len(exercise.edge_cases)} edge, "
-        f"{len(cases) - len(exercise.edge_cases)} random).",
-        seed=seed,
-    )
+        args, kwargs = copies(case)
+        outcome = call_with_time_limit(learner, args, kwargs, limit)
+        if number == 1 and isinstance(outcome.error, NotImplementedError):
+            return CheckResult(exercise_id, "not attempted", 0,
+                               f"… {exercise.id} ({exercise.title}): not attempted yet. Replace the "
+                               f"`raise NotImplementedError` and run the cell again; hint(\"{exercise_id}\") gives "
+                               "a first nudge.")
+        ref_args, ref_kwargs = copies(case)
+        with STATE.own_values():  # the reference reads kvlab's own values, never a patched one
+            expected = reference(*ref_args, **ref_kwargs)
+        verdict = judge(exercise, case, expected, outcome, limit)
+        if verdict.got is not None:
+            lines, actual = failure_lines(exercise, number, cases, seed, expected, verdict)
+            note = state_note(STATE.changed_since(before))
+            return CheckResult(exercise_id, "fail", number, "\n".join(lines + note), case, expected, actual, seed)
+    note = state_note(STATE.changed_since(before))
+    return CheckResult(exercise_id, "pass", len(cases), "\n".join([
+        f"✓ {exercise.id} ({exercise.title}): passed all {len(cases)} cases ({len(exercise.edge_cases)} edge, "
+        f"{len(cases) - len(exercise.edge_cases)} random).", *note]), seed=seed)
 
 
 # --------------------------------------------------------------------------- hints and solutions

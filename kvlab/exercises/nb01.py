@@ -7,7 +7,7 @@ from typing import Any
 
 from kvlab.capacity.models import ModelSpec, get_model
 from kvlab.capacity.sizing import KV_DTYPE_BYTES, blocks_for_tokens, kv_bytes, kv_bytes_per_token, tail_waste
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import KiB, format_bytes
 
 
@@ -45,19 +45,32 @@ def bytes_per_token(config: dict, kv_dtype: str = "bf16") -> int:
     return kv_bytes_per_token(ModelSpec.from_hf_config(config), kv_dtype)
 
 
+def _mistaken_per_token(config: dict, kv_dtype: str, *, f: int | None = None, implied_head_dim: bool = False) -> int:
+    """bytes_per_token with one factor taken the wrong way: f forced, or D = hidden_size // heads."""
+    spec = ModelSpec.from_hf_config(config)
+    head_dim = config["hidden_size"] // config["num_attention_heads"] if implied_head_dim else spec.head_dim
+    return int((f or spec.kv_factor) * spec.num_layers * spec.num_kv_heads * head_dim * KV_DTYPE_BYTES[kv_dtype])
+
+
 def _explain_per_token(case: Case, expected: Any, actual: Any) -> str | None:
-    config = case.args[0]
-    if not isinstance(actual, (int, float)):
+    config, kv_dtype = case.args
+    if type(actual) not in (int, float):
         return "return a number of bytes (an int)"
-    if config.get("kv_lora_rank") and actual == 2 * expected:
+    mla = bool(config.get("kv_lora_rank"))
+    if mla and actual == 2 * expected:
         return "MLA stores one latent per token and layer: f = 1, not 2"
-    if config.get("kv_lora_rank"):
+    if mla:
         return "for MLA, Hkv = 1 and D = kv_lora_rank + qk_rope_head_dim; num_key_value_heads does not apply"
+    if 2 * actual == expected:
+        return "every layer stores a K *and* a V for each KV head: f = 2 (only MLA's single latent has f = 1)"
+    if config.get("head_dim") and actual == _mistaken_per_token(config, kv_dtype, implied_head_dim=True):
+        return (f"this config gives head_dim = {config['head_dim']}, which is not hidden_size // num_attention_heads"
+                f" = {config['hidden_size'] // config['num_attention_heads']}: when head_dim is there, use it")
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     if kv_heads != heads and actual * kv_heads == expected * heads:
         return "use num_key_value_heads (the KV heads), not num_attention_heads"
-    if "num_key_value_heads" not in config and actual != expected:
+    if "num_key_value_heads" not in config:
         return "a config without num_key_value_heads is MHA: one KV head per query head"
     return None
 
@@ -79,6 +92,10 @@ register(Exercise(
         Case((_preset_config("llama-3-70b"), "fp8"), probes="GQA: the KV heads, not the query heads"),
         Case(({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}, "fp16"),
              probes="num_key_value_heads and head_dim absent: MHA with head_dim = hidden_size / heads"),
+        Case((_preset_config("gemma-2-9b"), "bf16"),
+             probes="gemma-2-9b gives head_dim = 256, while hidden_size // num_attention_heads = 224"),
+        Case((_preset_config("gpt-oss-20b"), "fp8"),
+             probes="gpt-oss-20b gives head_dim = 64, while hidden_size // num_attention_heads = 45"),
         Case((_preset_config("deepseek-v3"), "bf16"), probes="MLA: one latent (f = 1, Hkv = 1, D = 512 + 64)"),
         Case((_preset_config("qwen3-8b"), "nvfp4"), probes="nvfp4 costs 0.5625 bytes per element, not 1"),
     ],
@@ -86,11 +103,15 @@ register(Exercise(
                                  probes="a random config and dtype"),
     explain=_explain_per_token,
     hints=[
-        "Start from the tensor shapes: each layer stores K and V of shape [Hkv, D] per token.",
-        "Hkv = config.get('num_key_value_heads') or config['num_attention_heads']; "
-        "D = config.get('head_dim') or config['hidden_size'] // config['num_attention_heads'].",
-        "For MLA (config has kv_lora_rank): f = 1, Hkv = 1, D = kv_lora_rank + qk_rope_head_dim. "
-        "Multiply by KV_DTYPE_BYTES[kv_dtype] and return int(...).",
+        "Start from the tensor shapes: in every layer, each token stores vectors of D values for each of the "
+        "Hkv KV heads. Find f, L, Hkv, D and b one at a time; the answer is their product.",
+        "f counts the tensors per layer: K and V, so 2. Hkv is num_key_value_heads; a config without it is MHA, "
+        "with one KV head per query head.",
+        "D is head_dim when the config gives one. Only when it does not is it hidden_size // num_attention_heads: "
+        "some models (gemma-2-9b, gpt-oss-20b) choose a head_dim of their own.",
+        "A config with kv_lora_rank is MLA: one latent per layer and token, so f = 1, Hkv = 1 and "
+        "D = kv_lora_rank + qk_rope_head_dim.",
+        "b = KV_DTYPE_BYTES[kv_dtype] can be a fraction (nvfp4: 0.5625): multiply first, convert to int last.",
     ],
 ))
 
@@ -137,8 +158,82 @@ register(Exercise(
     hints=[
         "Count, layer by layer, how many tokens the layer keeps; then multiply by the bytes one "
         "token takes in one layer.",
-        "A sliding layer keeps min(tokens, sliding_window) tokens.",
+        "Which layers slide? Those marked 'sliding_attention' in layer_types; a config without layer_types but "
+        "with a sliding_window slides in every layer.",
+        "A sliding layer keeps min(tokens, sliding_window) tokens; a full-attention layer keeps all of them.",
         "Reuse your bytes_per_token: per-layer bytes = bytes_per_token(config, kv_dtype) // num_hidden_layers.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 01.tp_group_bytes (transfer)
+
+
+def tp_group_bytes(config: dict, kv_dtype: str, tp: int) -> int:
+    """Reference: one token's KV summed over all ``tp`` GPUs of a tensor-parallel group."""
+    return tp * kv_bytes_per_token(ModelSpec.from_hf_config(config), kv_dtype, tp)
+
+
+def _explain_group(case: Case, expected: Any, actual: Any) -> str | None:
+    config, kv_dtype, tp = case.args
+    if type(actual) not in (int, float):
+        return "return a number of bytes (an int)"
+    spec = ModelSpec.from_hf_config(config)
+    alone = kv_bytes_per_token(spec, kv_dtype)
+    if actual * tp == expected:
+        return "that is what one GPU holds; the question asks for all tp GPUs together"
+    if spec.attention == "mla" and actual == alone != expected:
+        return ("MLA's latent serves every head, so it cannot be split by heads: each of the tp GPUs keeps "
+                "the whole latent")
+    if actual == alone != expected:
+        return (f"a GPU never holds less than one whole KV head: with tp = {tp} ranks and {spec.num_kv_heads} KV "
+                f"heads each head is stored on {tp // spec.num_kv_heads} GPUs")
+    implied = config["hidden_size"] // config["num_attention_heads"]
+    if config.get("head_dim") and actual * spec.head_dim == expected * implied:
+        return (f"this config gives head_dim = {config['head_dim']}, not hidden_size // num_attention_heads = "
+                f"{implied}: when head_dim is there, use it")
+    return None
+
+
+def _random_group_case(rng: random.Random) -> Case:
+    config = _random_config(rng)
+    kv_heads = 1 if config.get("kv_lora_rank") else config.get("num_key_value_heads", config["num_attention_heads"])
+    tps = [t for t in (1, 2, 4, 8, 16, 32) if kv_heads % t == 0 or t % kv_heads == 0 or config.get("kv_lora_rank")]
+    return Case((config, rng.choice(["bf16", "fp8", "fp32"]), rng.choice(tps)), probes="a random config and TP size")
+
+
+register(Exercise(
+    id="01.tp_group_bytes",
+    title="one token's KV on a whole tensor-parallel group",
+    task=(
+        "A model runs with tensor parallelism over `tp` GPUs. Return the bytes of KV one token costs on all "
+        "`tp` GPUs together (the sum over the ranks). MHA and GQA models split their KV heads across the ranks, "
+        "but a rank never holds less than one whole head; MLA's latent is not split by heads at all. `tp` "
+        "divides num_key_value_heads or is a multiple of it. (Notebook 01 asked what *one* GPU holds; this "
+        "asks what the group pays, which is where tensor parallelism stops saving memory.)"
+    ),
+    signature="def tp_group_bytes(config: dict, kv_dtype: str, tp: int) -> int:",
+    reference=tp_group_bytes,
+    edge_cases=[
+        Case((_preset_config("llama-3-70b"), "bf16", 8),
+             probes="8 KV heads over 8 GPUs: one head each, so the group holds what TP=1 did"),
+        Case((_preset_config("llama-3-70b"), "bf16", 16),
+             probes="16 GPUs for 8 KV heads: every head is stored on two of them"),
+        Case((_preset_config("deepseek-v3"), "bf16", 8), probes="MLA at TP=8: all eight GPUs keep the whole latent"),
+        Case((_preset_config("gemma-2-9b"), "fp8", 4),
+             probes="another model: 8 KV heads of head_dim 256 (not hidden_size // heads) over 4 GPUs"),
+        Case((_preset_config("qwen3-8b"), "nvfp4", 32), probes="32 GPUs, 8 KV heads: each head four times"),
+        Case((_preset_config("llama-2-7b"), "fp16", 2), probes="MHA's 32 KV heads split over 2 GPUs"),
+        Case((_preset_config("gpt-oss-20b"), "bf16", 1), probes="TP=1: the group is one GPU"),
+    ],
+    random_case=_random_group_case,
+    explain=_explain_group,
+    transfer=True,
+    hints=[
+        "Work out one GPU first, then multiply by tp: how many KV heads does each rank keep?",
+        "While tp <= num_key_value_heads, each rank keeps num_key_value_heads // tp heads. Past that, a head "
+        "cannot be cut in pieces: each rank keeps one head, and the heads are copied.",
+        "MLA is the extreme case of the same rule: one latent per layer that every rank needs whole.",
     ],
 ))
 
@@ -153,17 +248,17 @@ def _block_question() -> dict[str, Any]:
             "blocks": blocks_for_tokens(2050, 16), "wasted_slots": tail_waste(2050, 16)}
 
 
-register_question(Question(
-    id="01.q1",
-    text=("Block size 16, Llama-3-70B with TP=8 (bf16 KV): how big is one block on one GPU, how many "
-          "blocks does a 2,050-token request take, and how many slots of its last block stay empty?"),
-    answer=lambda: (lambda v: (
+ask(
+    "01.q1",
+    ("Block size 16, Llama-3-70B with TP=8 (bf16 KV): how big is one block on one GPU, how many "
+     "blocks does a 2,050-token request take, and how many slots of its last block stay empty?"),
+    _block_question,
+    lambda v: (
         f"Each GPU holds 1 of the 8 KV heads: {format_bytes(v['bytes_per_token'])} per token, so a block "
         f"of 16 tokens is {format_bytes(v['block_bytes'])}. 2,050 tokens need ceil(2050/16) = {v['blocks']} "
         f"blocks; the last holds 2 tokens and leaves {v['wasted_slots']} of 16 slots empty. Paging wastes "
-        "at most one partial block per request, never the whole maximum length."))(_block_question()),
-    values=_block_question,
-))
+        "at most one partial block per request, never the whole maximum length."),
+)
 
 
 def _shrink_question() -> dict[str, Any]:
@@ -172,17 +267,17 @@ def _shrink_question() -> dict[str, Any]:
             "gqa_bf16": kv_bytes_per_token(model, "bf16"), "gqa_fp8": kv_bytes_per_token(model, "fp8")}
 
 
-register_question(Question(
-    id="01.q2",
-    text=("Llama-3-70B goes from MHA (64 KV heads) to GQA (8 KV heads), then to an FP8 KV cache. "
-          "How many bytes per token at each step, and which layer of the problem does each step change?"),
-    answer=lambda: (lambda v: (
+ask(
+    "01.q2",
+    ("Llama-3-70B goes from MHA (64 KV heads) to GQA (8 KV heads), then to an FP8 KV cache. "
+     "How many bytes per token at each step, and which layer of the problem does each step change?"),
+    _shrink_question,
+    lambda v: (
         f"MHA bf16: {format_bytes(v['mha_bf16'])} → GQA-8 bf16: {format_bytes(v['gqa_bf16'])} → GQA-8 fp8: "
         f"{format_bytes(v['gqa_fp8'])}, {v['mha_bf16'] // v['gqa_fp8']}× smaller in all. GQA is architecture "
         "(fixed when the model is trained), FP8 is numerics (a serving flag, with an accuracy cost); paging, the "
-        "third layer, changes neither number, only how the bytes are placed and shared."))(_shrink_question()),
-    values=_shrink_question,
-))
+        "third layer, changes neither number, only how the bytes are placed and shared."),
+)
 
 
 def _mla_tp_question() -> dict[str, Any]:
@@ -190,13 +285,38 @@ def _mla_tp_question() -> dict[str, Any]:
     return {"tp1": kv_bytes_per_token(model, "bf16", 1), "tp8": kv_bytes_per_token(model, "bf16", 8)}
 
 
-register_question(Question(
-    id="01.q3",
-    text="DeepSeek-V3 (MLA) moves from TP=1 to TP=8. How much KV does one token take on each GPU?",
-    answer=lambda: (lambda v: (
+ask(
+    "01.q3",
+    "DeepSeek-V3 (MLA) moves from TP=1 to TP=8. How much KV does one token take on each GPU?",
+    _mla_tp_question,
+    lambda v: (
         f"Still {format_bytes(v['tp8'])} on every GPU (TP=1: {format_bytes(v['tp1'])}). MLA's latent cannot "
         "be split by heads, so each rank keeps a full copy; GQA models, by contrast, divide their KV heads "
         f"across ranks (Llama-3-70B: {kv_bytes_per_token(get_model('llama-3-70b'), 'bf16', 8) // KiB} KiB "
-        "per GPU at TP=8)."))(_mla_tp_question()),
-    values=_mla_tp_question,
-))
+        "per GPU at TP=8)."),
+)
+
+
+def _gemma_question() -> dict[str, Any]:
+    gemma = get_model("gemma-2-9b")
+    per_token = kv_bytes_per_token(gemma, "bf16")
+    return {"layers": gemma.num_layers, "sliding_layers": gemma.num_sliding_layers, "window": gemma.sliding_window,
+            "head_dim": gemma.head_dim, "per_token": per_token, "held": kv_bytes(gemma, 32768, "bf16"),
+            "all_full": per_token * 32768}
+
+
+ask(
+    "01.q4",
+    ("Gemma-2-9B (a model this notebook did not work through) serves one request of 32,768 tokens with a bf16 "
+     "cache. Its config says head_dim 256 and gives every other layer a 4,096-token window. How much KV does the "
+     "request hold, and how much would it hold if every layer attended to the whole context?"),
+    _gemma_question,
+    lambda v: (
+        f"{format_bytes(v['per_token'])} per token (head_dim {v['head_dim']}, not hidden_size / heads = 224). The "
+        f"{v['layers'] - v['sliding_layers']} full layers keep all 32,768 tokens; the {v['sliding_layers']} sliding "
+        f"layers keep only the last {v['window']:,}. In all {format_bytes(v['held'])}, against "
+        f"{format_bytes(v['all_full'])} if every layer were full attention: the windows save "
+        f"{100 * (1 - v['held'] / v['all_full']):.0f} %, and the saving grows with the context."
+    ),
+    transfer=True,
+)

@@ -6,9 +6,13 @@ import random
 from typing import Any
 
 from kvlab.core.block_pool import BlockPool
-from kvlab.core.sequence import compute_slot_mapping
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import Request
+from kvlab.core.sequence import Sequence
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.sim.block_scenarios import parallel_sampling, random_workload, record, walk_free_queue
+from kvlab.sim.prefix_sim import admit
+from kvlab.units import cdiv
 
 # ----------------------------------------------------------------- 03.cow_append
 
@@ -26,14 +30,6 @@ def cow_append(
         return table, []
     table[-1] = free[0]  # shared and partly filled: copy it first, then write into the copy
     return table, [(last, free[0])]
-
-
-def _same_append(expected: Any, actual: Any) -> bool:
-    try:
-        table, copies = actual
-        return (list(table), [tuple(c) for c in copies]) == (list(expected[0]), list(expected[1]))
-    except (TypeError, ValueError):
-        return False
 
 
 def _explain_cow(case: Case, expected: Any, actual: Any) -> str | None:
@@ -97,14 +93,15 @@ register(Exercise(
     ],
     random_case=_random_cow_case,
     num_random=20,
-    compare=_same_append,
     explain=_explain_cow,
     hints=[
-        "Three cases, decided by the last block: is there room in it (num_tokens % block_size), and is it "
-        "shared (does another table hold it)?",
-        "No room (or no block yet): append free[0] to the table, no copy. Room, and only this table holds it: "
-        "nothing changes. Room, but shared: replace the last entry with free[0] and report (old, free[0]).",
-        "Count a block's ref_cnt as sum(t.count(block) for t in tables.values()).",
+        "Only the last block of name's table matters. Two questions decide everything: is there room left in it "
+        "(num_tokens % block_size), and does another table hold it too?",
+        "No room, or no block yet: the token needs a fresh block, and fresh blocks come from the head of the free "
+        "queue. Nothing is copied.",
+        "Room, and the block is this sequence's alone: the token is written in place. Room, but shared: the "
+        "table's last entry must move to a fresh block, and the copy is reported as (old block, new block).",
+        "A block's ref_cnt here is the number of times it appears across all the tables.",
     ],
 ))
 
@@ -131,18 +128,26 @@ def free_queue_order(queue: list[int], table: list[int], cached: set[int]) -> li
 
 def _explain_queue(case: Case, expected: Any, actual: Any) -> str | None:
     queue, table, cached = case.args
-    actual = list(actual) if isinstance(actual, (list, tuple)) else actual
-    if not isinstance(actual, list):
+    if type(actual) not in (list, tuple):
         return "return the free queue as a list of block ids, head first"
-    plain = [b for b in reversed(table) if b not in cached]
+    actual = list(actual)
+    plain = [b for b in reversed(table) if b not in cached]    # tail first, as KVCacheManager.free hands them over
     hashed = [b for b in reversed(table) if b in cached]
     if actual == queue + list(reversed(table)) and plain:
         return ("blocks without a hash go to the head of the queue (they are reused first); only cached blocks "
                 "go to the tail")
-    if actual == [b for b in table if b not in cached] + queue + [b for b in table if b in cached]:
-        return "free the request's blocks tail first, reversed(table), as KVCacheManager.free does"
-    if actual == list(reversed(plain)) + queue + hashed:
-        return "prepend_n keeps the order it is given: the freed blocks keep their tail-first order at the head"
+    one_at_a_time = plain[::-1] + queue + hashed                  # freed tail first, each prepended on its own
+    head_first = plain[::-1] + queue + hashed[::-1]               # freed in table order
+    if actual == one_at_a_time == head_first:
+        return ("the blocks without a hash belong at the head last block first: KVCacheManager.free hands the "
+                "blocks over tail first, and prepend_n puts the whole group in front in that order (prepending "
+                "them one at a time would reverse it)")
+    if actual == one_at_a_time:
+        return ("prepend_n puts the blocks without a hash in front as one group, in the order given (tail "
+                "first); prepending them one at a time reverses that order")
+    if actual == head_first:
+        return ("free the request's blocks tail first, reversed(table), as KVCacheManager.free does: the cached "
+                "ones then reach the tail last block first, so the prompt's first block is evicted last")
     return None
 
 
@@ -168,6 +173,8 @@ register(Exercise(
     reference=free_queue_order,
     edge_cases=[
         Case(([3, 4, 5], [0, 1, 2], {0, 1}), probes="walk 2: block 2 to the head; cached 1 then 0 to the tail"),
+        Case(([7], [1, 2, 3, 4], {1, 2}),
+             probes="two blocks of each kind: 4 then 3 to the head, 2 then 1 to the tail"),
         Case(([5, 6], [1, 2, 3], set()), probes="no hashes: every block to the head, the last one first (LIFO)"),
         Case(([5, 6], [1, 2, 3], {1, 2, 3}),
              probes="all cached: to the tail in reverse table order, so the prompt's first block is evicted last"),
@@ -177,11 +184,89 @@ register(Exercise(
     random_case=_random_queue_case,
     explain=_explain_queue,
     hints=[
-        "KVCacheManager.free hands the blocks over tail first: walk reversed(table).",
-        "Each freed block without a hash goes in front of the old head, each cached block after the old tail; "
-        "both groups keep the tail-first order.",
-        "In one line: [b for b in reversed(table) if b not in cached] + queue + "
-        "[b for b in reversed(table) if b in cached].",
+        "KVCacheManager.free hands the request's blocks to the pool tail first: walk reversed(table).",
+        "BlockPool.free_blocks sorts them into two groups: blocks without a hash (worthless to anyone else) and "
+        "cached blocks (a later prefix hit may want them). One group goes to the head, the other to the tail.",
+        "Each group keeps the tail-first order: prepend_n puts its whole group in front at once, it does not "
+        "prepend block by block; append_n adds the other group behind the old tail.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 03.sampling_blocks (transfer)
+
+
+def sampling_blocks(n: int, prompt_tokens: int, new_tokens: int, block_size: int) -> tuple[int, int]:
+    """Reference, run on kvlab's Sequence: fork ``n - 1`` times, then the samples write in turn, a token each."""
+    num_blocks = n * cdiv(prompt_tokens + new_tokens, block_size) + 1
+    pool = BlockPool(num_blocks, reserve_null_block=False)
+    samples = [Sequence(pool, block_size)]
+    samples[0].extend(range(prompt_tokens))
+    samples += [samples[0].fork() for _ in range(n - 1)]
+    copies = 0
+    for token in range(new_tokens):
+        for i, sample in enumerate(samples):
+            copies += len(sample.append(10_000 * (i + 1) + token))
+    return num_blocks - pool.get_num_free_blocks(), copies
+
+
+def _explain_sampling(case: Case, expected: Any, actual: Any) -> str | None:
+    n, prompt, new, block_size = case.args
+    if not (type(actual) in (list, tuple) and len(actual) == 2 and all(type(x) is int for x in actual)):
+        return "return a pair of ints: (physical blocks in use, copies made)"
+    blocks, copies = actual
+    if blocks == n * cdiv(prompt + new, block_size) != expected[0]:
+        return ("forked samples share the prompt's blocks: each full prompt block is held once, by all the samples "
+                "(its ref_cnt is n)")
+    if new and prompt % block_size and n > 1 and copies == n:
+        return ("the last sample to write finds the partly filled block held by itself alone (ref_cnt 1) and "
+                "writes in place: n - 1 copies, not n")
+    if copies and not expected[1] and prompt % block_size == 0:
+        return ("a prompt that fills its last block leaves nothing partly filled to share: the first new token of "
+                "each sample takes a fresh block, and nothing is copied")
+    if copies and not new:
+        return "copy-on-write copies only when a sample writes: right after the fork, everything is shared"
+    if copies > expected[1]:
+        return "only the shared, partly filled block is ever copied, once per sample at most, at its first write"
+    return None
+
+
+def _random_sampling_case(rng: random.Random) -> Case:
+    block_size = rng.choice([2, 4, 8, 16])
+    return Case((rng.randint(1, 6), rng.randint(1, 5 * block_size), rng.choice([0, 1, 2, rng.randint(1, 40)]),
+                 block_size), probes="a random fork: samples, prompt, tokens written and block size")
+
+
+register(Exercise(
+    id="03.sampling_blocks",
+    title="blocks and copies of a parallel-sampling fork",
+    task=(
+        "`n` samples fork from one prompt of `prompt_tokens` tokens, as kvlab's `Sequence.fork` does: the children "
+        "share every block of the parent's table, the partly filled last block included. Then the samples write "
+        "`new_tokens` tokens each, taking turns one token at a time (sample 0, 1, ..., n - 1, then again). Return "
+        "`(physical blocks in use, copies made)` once every sample has written its tokens, with `block_size` "
+        "slots per block. Section 6 worked one case (n = 4, 40 tokens, one token each); answer any."
+    ),
+    signature="def sampling_blocks(n: int, prompt_tokens: int, new_tokens: int, block_size: int) -> tuple[int, int]:",
+    reference=sampling_blocks,
+    edge_cases=[
+        Case((4, 40, 1, 16), probes="section 6's case: 3 prompt blocks, the partly filled one copied by 3 samples"),
+        Case((3, 32, 1, 16), probes="a prompt that fills its last block: nothing partly filled, nothing copied"),
+        Case((4, 40, 0, 16), probes="right after the fork: everything shared, nothing copied"),
+        Case((1, 40, 20, 16), probes="a single sample: no fork, no copy"),
+        Case((5, 30, 40, 8), probes="40 tokens each: only a sample's first write can copy"),
+        Case((2, 1, 3, 4), probes="a one-token prompt: the shared block is almost empty, and still copied once"),
+    ],
+    random_case=_random_sampling_case,
+    explain=_explain_sampling,
+    transfer=True,
+    hints=[
+        "Split the prompt into its full blocks and, if prompt_tokens % block_size, one partly filled block. "
+        "The full blocks are shared by every sample to the end: count them once.",
+        "The partly filled block is copied by a sample that writes into it while others still hold it. Who "
+        "finds it shared, and who is its last holder when it writes?",
+        "After that, every block a sample fills with its own tokens is its own. Count, for one sample, the blocks "
+        "from its first token after the shared full blocks to its last token, and multiply by n.",
     ],
 ))
 
@@ -197,41 +282,50 @@ def _sampling_question() -> dict[str, Any]:
             "copies": sum(len(s.copies) for s in steps)}
 
 
-register_question(Question(
-    id="03.q1",
-    text=("Four samples fork from a 40-token prompt (block size 16), then each writes one token. How many "
-          "physical blocks are in use right after the fork, and after every sample has written its token? "
-          "How many copies did copy-on-write make?"),
-    answer=lambda: (lambda v: (
+ask(
+    "03.q1",
+    ("Four samples fork from a 40-token prompt (block size 16), then each writes one token. How many "
+     "physical blocks are in use right after the fork, and after every sample has written its token? "
+     "How many copies did copy-on-write make?"),
+    _sampling_question,
+    lambda v: (
         f"{v['blocks_after_fork']} blocks after the fork (not {v['blocks_without_sharing']}): all four tables point "
         f"at the same two full blocks and the partly filled third. After one token each: "
         f"{v['blocks_after_one_token_each']} blocks, from {v['copies']} copies. Only the partly filled block is "
         "copied, and only by the first three writers: by the time the fourth writes, it is that block's last "
         "holder (ref_cnt 1) and writes in place. The two full blocks stay shared until the samples finish."
-    ))(_sampling_question()),
-    values=_sampling_question,
-))
+    ),
+)
 
 
-def _slot_question() -> dict[str, Any]:
-    table, block_size, newest = [7, 3, 12], 16, 44
-    return {"logical": newest // block_size, "physical": table[newest // block_size], "offset": newest % block_size,
-            "newest": compute_slot_mapping(table, block_size, [newest])[0],
-            "first_of_block_1": compute_slot_mapping(table, block_size, [block_size])[0]}
+def _v1_sampling_question() -> dict[str, Any]:
+    """n = 4 as vLLM V1 runs it: four requests, sharing only full, hashed blocks through the prefix cache."""
+    manager = KVCacheManager(32, 16, hash_seed="03")
+    prompt = list(range(40))
+    hits = [admit(manager, Request(f"sample{i}", prompt + [1000 * (i + 1)])) for i in range(4)]
+    steps = record(parallel_sampling(n=4, prompt_tokens=40, block_size=16))
+    return {"blocks_v1": manager.block_pool.num_gpu_blocks - 1 - manager.block_pool.get_num_free_blocks(),
+            "hits_v1": hits, "computed_v1": sum(41 - h for h in hits),
+            "blocks_cow": steps[8].snapshot.num_live_blocks, "copies_cow": sum(len(s.copies) for s in steps[:9]),
+            "computed_cow": 40 + 4}
 
 
-register_question(Question(
-    id="03.q2",
-    text=("A request holds 45 tokens in blocks [7, 3, 12] of 16 slots. At which slot of the KV cache does its "
-          "newest token (position 44) live, and where does position 16 live?"),
-    answer=lambda: (lambda v: (
-        f"Position 44 is in logical block 44 // 16 = {v['logical']}, physical block {v['physical']}, at offset "
-        f"44 % 16 = {v['offset']}: slot {v['physical']} × 16 + {v['offset']} = {v['newest']}. Position 16 opens "
-        f"logical block 1, physical block 3: slot {v['first_of_block_1']}. Logically adjacent tokens can live far "
-        "apart; the kernel only ever sees these slot numbers."
-    ))(_slot_question()),
-    values=_slot_question,
-))
+ask(
+    "03.q2",
+    ("vLLM V1 does not fork: it runs n = 4 as four requests that share only full, hashed blocks through the prefix "
+     "cache. Same 40-token prompt, block size 16, one sampled token each: how many blocks are in use, how many "
+     "tokens are computed, and how does that compare with kvlab's fork and copy-on-write?"),
+    _v1_sampling_question,
+    lambda v: (
+        f"{v['blocks_v1']} blocks, the same as the fork ({v['blocks_cow']}): the two full prompt blocks are shared "
+        f"either way (the later requests hit {v['hits_v1'][1]} tokens each), and each sample ends with a third block "
+        f"of its own. The price differs: V1 computes {v['computed_v1']} tokens, because each later request "
+        f"recomputes the 8 prompt tokens of the partly filled block, while the fork computes {v['computed_cow']} "
+        f"and makes {v['copies_cow']} block copies instead. With vLLM's default prefix_match_unit (the block size), "
+        "a partly filled block has no hash, so V1 never shares it."
+    ),
+    transfer=True,
+)
 
 
 def _queue_question() -> dict[str, Any]:
@@ -239,15 +333,15 @@ def _queue_question() -> dict[str, Any]:
     return {"queue": steps[3].snapshot.free_queue_labels, "table_c": list(steps[4].snapshot.tables["C"])}
 
 
-register_question(Question(
-    id="03.q3",
-    text=("Walk 2: request A held blocks [0, 1, 2] (0 and 1 full and cached) and finishes; then C needs 5 blocks "
-          "from a 6-block pool. What is the free queue after A, which blocks does C get, and what is lost?"),
-    answer=lambda: (lambda v: (
+ask(
+    "03.q3",
+    ("Walk 2: request A held blocks [0, 1, 2] (0 and 1 full and cached) and finishes; then C needs 5 blocks "
+     "from a 6-block pool. What is the free queue after A, which blocks does C get, and what is lost?"),
+    _queue_question,
+    lambda v: (
         f"Queue after A, head to tail: {', '.join(v['queue'])} (* = still cached). The partial block goes to the "
         "head (nothing to reuse in it), the cached ones to the tail, 1 before 0 because A is freed tail first. "
         f"C gets {v['table_c']}: reaching block 1 evicts its hash, and only block 0, the start of A's prompt, "
         "survives for a later prefix hit."
-    ))(_queue_question()),
-    values=_queue_question,
-))
+    ),
+)

@@ -10,9 +10,9 @@ from kvlab.capacity.sizing import kv_bytes
 from kvlab.core.hashing import get_request_block_hasher, hash_block_tokens, sha256
 from kvlab.core.kv_cache_manager import KVCacheManager, find_longest_cache_hit
 from kvlab.core.request import Request
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.sim.prefix_sim import admit
-from kvlab.units import format_bytes
+from kvlab.units import cdiv, format_bytes
 
 # ----------------------------------------------------------------- 04.chained_hashes
 
@@ -28,7 +28,7 @@ def _blocks(token_ids: list[int], block_size: int) -> list[list[int]]:
 
 def _explain_chain(case: Case, expected: Any, actual: Any) -> str | None:
     token_ids, block_size, none_hash = case.args
-    if not isinstance(actual, list) or not all(isinstance(h, bytes) for h in actual):
+    if type(actual) not in (list, tuple) or not all(type(h) is bytes for h in actual):
         return "return a list of bytes, one hash per full block (hash_block_tokens returns bytes)"
     if len(actual) > len(expected):
         return "only full blocks are hashed: a trailing partial block has no hash yet (its tokens may still change)"
@@ -67,10 +67,12 @@ register(Exercise(
     random_case=_random_chain_case,
     explain=_explain_chain,
     hints=[
-        "Walk the token list in steps of block_size and stop before a block that would be short.",
-        "Keep a variable `parent`, starting at none_hash; after hashing a block, the block's hash becomes the parent.",
-        "hashes, parent = [], none_hash; for start in range(0, len(token_ids) - block_size + 1, block_size): "
-        "parent = hash_block_tokens(sha256, parent, token_ids[start:start + block_size]); hashes.append(parent)",
+        "Walk the token list in steps of block_size and stop before a block that would be short: how many full "
+        "blocks are there?",
+        "Each block's hash takes two inputs besides the hash function: its parent's hash and its own tokens. The "
+        "first block's parent is the none_hash you are given.",
+        "Keep the last hash you computed in a variable: it is the next block's parent. A block's hash depends on "
+        "every block before it only through that one value.",
     ],
 ))
 
@@ -134,10 +136,96 @@ register(Exercise(
     random_case=_random_prefix_case,
     explain=_explain_prefix,
     hints=[
-        "Count blocks from the start while their hash is in `cached`; break at the first one that is not.",
-        "Only the first (num_tokens - 1) // block_size blocks may be counted at all.",
-        "n = 0; for h in block_hashes[: (num_tokens - 1) // block_size]: if h not in cached: break; n += 1. "
-        "Return n * block_size.",
+        "Count blocks from the start while their hash is in `cached`, and stop at the first one that is not: a "
+        "later block cannot be reused without the ones before it.",
+        "The last token must be computed to get the next token's logits, so at most num_tokens - 1 tokens may "
+        "hit. How many whole blocks fit in num_tokens - 1 tokens?",
+        "The answer is in tokens, and hits come in whole blocks.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 04.chat_turn_hits (transfer)
+
+
+def chat_turn_hits(cached_tokens: list[int], prompt: list[int], block_size: int) -> int:
+    """Reference, run on kvlab's KVCacheManager: one request finishes, the next is looked up."""
+    manager = KVCacheManager(cdiv(len(cached_tokens), block_size) + cdiv(len(prompt), block_size) + 1, block_size,
+                             hash_seed="04")
+    earlier = Request("earlier turn", cached_tokens)
+    admit(manager, earlier)
+    manager.free(earlier)  # it finished: its full blocks keep their hashes in the free queue
+    return admit(manager, Request("next turn", prompt))
+
+
+def _explain_chat(case: Case, expected: Any, actual: Any) -> str | None:
+    cached, prompt, block_size = case.args
+    if type(actual) is not int:
+        return "return a number of tokens (an int)"
+    common = next((i for i, (a, b) in enumerate(zip(cached, prompt, strict=False)) if a != b), min(len(cached),
+                                                                                                   len(prompt)))
+    if actual == common != expected and actual % block_size:
+        return ("a block that matches only in part is not a hit: compare whole blocks, and stop at the first "
+                "that differs")
+    if actual % block_size:
+        return "hits come in whole blocks: the answer is a multiple of block_size"
+    if actual > len(prompt) - 1:
+        return ("at most len(prompt) - 1 tokens may hit: the last token must be computed to sample the next one, "
+                "so a prompt that is all cached recomputes its last block")
+    if actual > len(cached) // block_size * block_size:
+        return ("only the earlier request's *full* blocks were cached: its last, partly filled block never got a "
+                "hash")
+    if actual > expected:
+        return "stop at the first block whose tokens differ: every later hash chains through it"
+    return None
+
+
+def _random_chat_case(rng: random.Random) -> Case:
+    block_size = rng.choice([4, 8, 16])
+    cached = [rng.randrange(100) for _ in range(rng.randint(1, 8 * block_size))]
+    prompt = cached[:rng.randint(0, len(cached))] + [rng.randrange(100) for _ in range(rng.randint(0, 3 * block_size))]
+    if rng.random() < 0.3 and prompt:
+        prompt[rng.randrange(len(prompt))] = 999                  # an edit somewhere in the history
+    return Case((cached, prompt or [1], block_size), probes="a random earlier turn and next prompt")
+
+
+_TURN_1 = list(range(100, 140)) + list(range(500, 521))             # a 40-token prompt and its 21-token reply
+_QUESTION = list(range(900, 930))
+
+register(Exercise(
+    id="04.chat_turn_hits",
+    title="prefix hits of a chat's next turn",
+    task=(
+        "A chat service sends every turn as one prompt: the conversation so far, then the new message. The previous "
+        "request finished holding `cached_tokens` (its prompt and its reply), and its full blocks are still in the "
+        "prefix cache. Return how many tokens of `prompt`, the next request, hit the cache, with `block_size` "
+        "tokens per block and the rules of this notebook. Nothing else is cached. The cases include what goes wrong "
+        "in practice: a template that puts the date first, an edited history, a re-tokenized reply."
+    ),
+    signature="def chat_turn_hits(cached_tokens: list[int], prompt: list[int], block_size: int) -> int:",
+    reference=chat_turn_hits,
+    edge_cases=[
+        Case((_TURN_1, _TURN_1 + _QUESTION, 16),
+             probes="turn 2 repeats turn 1 and its reply: turn 1's three full blocks hit, its partial block does not"),
+        Case((_TURN_1, [7] + _TURN_1[1:] + _QUESTION, 16), probes="a template that changes the first token: nothing"),
+        Case((_TURN_1, _TURN_1[:20] + [999] + _TURN_1[21:] + _QUESTION, 16),
+             probes="an edit at token 20: only the block before it hits"),
+        Case((_TURN_1[:48], _TURN_1[:48], 16),
+             probes="the same 48 tokens again: the last token is computed, so the last block is recomputed"),
+        Case((_TURN_1, _TURN_1[:40] + [520, 519] + _QUESTION, 16),
+             probes="the reply tokenized differently the second time: the hits stop inside the reply"),
+        Case((_TURN_1, _TURN_1 + _QUESTION, 4), probes="block size 4: more, smaller blocks hit"),
+        Case(([1, 2, 3], [1, 2, 3, 4, 5], 4), probes="an earlier request shorter than one block cached nothing"),
+    ],
+    random_case=_random_chat_case,
+    explain=_explain_chat,
+    transfer=True,
+    hints=[
+        "A block of the new prompt can hit only if the earlier request had the same tokens in the same block, and "
+        "in every block before it (the hashes are chained).",
+        "The earlier request cached only its full blocks; the new request may hit at most len(prompt) - 1 tokens.",
+        "Compare block by block from the start and stop at the first block that differs, is not full in the earlier "
+        "request, or would reach the new prompt's last token.",
     ],
 ))
 
@@ -159,17 +247,17 @@ def _chain_question() -> dict[str, Any]:
             "blocks": len(original.block_hashes)}
 
 
-register_question(Question(
-    id="04.q1",
-    text="Why is the prefix cache keyed by a chained hash rather than by a hash of the block's own 16 tokens?",
-    answer=lambda: (lambda v: (
+ask(
+    "04.q1",
+    "Why is the prefix cache keyed by a chained hash rather than by a hash of the block's own 16 tokens?",
+    _chain_question,
+    lambda v: (
         "A token's K and V depend on every token before it, so the same 16 tokens after a different prefix are a "
         f"different block. The chain hash(parent hash, tokens, extra keys) folds the whole prefix in: the same block "
         f"at another position gets another hash (equal? {v['same_tokens_same_hash']}), and changing the first token "
         f"changes all {v['hashes_changed_by_first_token']} of {v['blocks']} hashes. Extra keys add what the tokens "
-        "do not say: LoRA adapter, images, cache salt."))(_chain_question()),
-    values=_chain_question,
-))
+        "do not say: LoRA adapter, images, cache salt."),
+)
 
 
 def _system_prompt_question() -> dict[str, Any]:
@@ -186,18 +274,18 @@ def _system_prompt_question() -> dict[str, Any]:
             "shared_bytes": kv_bytes(get_model("llama-3-70b"), out[2000]["hit_blocks"] * 16)}
 
 
-register_question(Question(
-    id="04.q2",
-    text=("Block size 16: a 2,000-token system prompt plus a 50-token question. How many blocks does a second "
-          "request with the same system prompt hit, how many tokens does it prefill, and what changes at 2,005?"),
-    answer=lambda: (lambda v: (
+ask(
+    "04.q2",
+    ("Block size 16: a 2,000-token system prompt plus a 50-token question. How many blocks does a second "
+     "request with the same system prompt hit, how many tokens does it prefill, and what changes at 2,005?"),
+    _system_prompt_question,
+    lambda v: (
         f"2,000 / 16 = {v['hit_blocks']} full blocks hit, so only the {v['prefill_tokens']} question tokens are "
         f"prefilled; for Llama-3-70B those blocks are {format_bytes(v['shared_bytes'])} of KV held once. With 2,005 "
         f"tokens the last 5 share the 126th block with the first question's tokens: still "
         f"{v['hit_blocks_2005']} blocks hit and {v['prefill_tokens_2005']} tokens are prefilled. Reuse comes in "
-        "whole blocks."))(_system_prompt_question()),
-    values=_system_prompt_question,
-))
+        "whole blocks."),
+)
 
 
 def _freed_question() -> dict[str, Any]:
@@ -220,17 +308,17 @@ def _freed_question() -> dict[str, Any]:
     return out
 
 
-register_question(Question(
-    id="04.q3",
-    text="Two requests share a cached block. When is that block really freed, and when does its content go?",
-    answer=lambda: (lambda v: (
+ask(
+    "04.q3",
+    "Two requests share a cached block. When is that block really freed, and when does its content go?",
+    _freed_question,
+    lambda v: (
         f"Its ref_cnt is {v['ref_cnt_both']} while both run, {v['ref_cnt_after_one']} after one finishes (it stays "
         f"out of the free queue), {v['ref_cnt_after_both']} after both. Only then does it enter the free queue, at "
         f"the tail and still cached (cached: {v['still_cached']}), where a later request can hit it again. Its "
         "content goes only when allocation reaches it at the head and evicts its hash (still cached after another "
-        f"request filled the pool: {v['cached_after_pool_filled']})."))(_freed_question()),
-    values=_freed_question,
-))
+        f"request filled the pool: {v['cached_after_pool_filled']})."),
+)
 
 
 def _timestamp_question() -> dict[str, Any]:
@@ -248,13 +336,45 @@ def _timestamp_question() -> dict[str, Any]:
             "instruction_tokens": len(rules)}
 
 
-register_question(Question(
-    id="04.q4",
-    text=("A system prompt starts with the current time, then 480 tokens of fixed rules. How much does the next "
-          "second's request hit, and what would you change?"),
-    answer=lambda: (lambda v: (
+ask(
+    "04.q4",
+    ("A system prompt starts with the current time, then 480 tokens of fixed rules. How much does the next "
+     "second's request hit, and what would you change?"),
+    _timestamp_question,
+    lambda v: (
         f"{v['hit_tokens_timestamp_first']} tokens: the first block differs, and the chain carries that into every "
         f"later hash. Move the time after the rules and all {v['hit_tokens_timestamp_after']} rule tokens hit. Put "
-        "what is fixed first and what varies last."))(_timestamp_question()),
-    values=_timestamp_question,
-))
+        "what is fixed first and what varies last."),
+)
+
+
+def _rotation_question() -> dict[str, Any]:
+    prompts = {name: [base + i for i in range(640)] for name, base in (("A", 0), ("B", 10_000), ("C", 20_000))}
+    out: dict[str, Any] = {}
+    for usable in (81, 100, 130):
+        manager = KVCacheManager(usable + 1, 16, hash_seed="quiz")
+        hits = []
+        for k in range(12):
+            request = Request(f"r{k}", prompts["ABC"[k % 3]] + [50_000 + 16 * k + i for i in range(16)])
+            hits.append(admit(manager, request))
+            manager.free(request)
+        out[usable] = hits[3:]  # after each prompt was seen once
+    return {"hits_81": out[81], "hits_100": out[100], "hits_130": out[130], "request_blocks": (640 + 16) // 16}
+
+
+ask(
+    "04.q5",
+    ("Three system prompts of 640 tokens take turns, A, B, C, A, B, C, ..., each request adding 16 tokens of its "
+     "own (41 blocks of 16 per request); each request finishes before the next arrives. The pool has 100 usable "
+     "blocks, too few to keep all three. Does LRU eviction thrash to zero hits? And with 81 or 130 blocks?"),
+    _rotation_question,
+    lambda v: (
+        f"No: with 100 blocks every request after the first round still hits {v['hits_100'][0]} tokens "
+        f"({v['hits_100'][0] // 16} blocks). KVCacheManager frees a request's blocks tail first, so the pool evicts "
+        "each prompt's *end* first and keeps its start, which is the part a later prefix hit needs. With 130 blocks "
+        f"every prompt stays whole ({v['hits_130'][0]} tokens hit); with 81, fewer than two requests' "
+        f"{2 * v['request_blocks']} blocks, each request evicts what the next one needs and nothing hits "
+        f"({v['hits_81'][0]})."
+    ),
+    transfer=True,
+)

@@ -8,9 +8,10 @@ from typing import Any
 from kvlab.core.cache_stats import interpret_hit_rate
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
+from kvlab.core.sched.loop import NoComputeExecutor, run_until_done, step
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
-from kvlab.core.sched.scheduler import NoComputeExecutor, Scheduler, run_until_done, step
-from kvlab.exercises.core import Case, Exercise, Question, register, register_question
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import cdiv
 
 # ----------------------------------------------------------------- 06.preemption_victim
@@ -32,8 +33,9 @@ def preemption_victims(running: list[str], blocks_held: dict[str, int], request_
 
 def _explain_victims(case: Case, expected: Any, actual: Any) -> str | None:
     running, request_id = case.args[0], case.args[2]
-    if not isinstance(actual, list):
+    if type(actual) not in (list, tuple):
         return "return the list of preempted request ids, in the order they are preempted"
+    actual = list(actual)
     if request_id in expected and request_id not in actual:
         return ("when the request that needs blocks is itself the most recently admitted, it is the victim: "
                 "vLLM preempts it and stops")
@@ -79,9 +81,10 @@ register(Exercise(
     random_case=_random_victims_case,
     explain=_explain_victims,
     hints=[
-        "Work on a copy of `running`; the victim is always its last element.",
-        "Loop while free_blocks < blocks_needed: pop the last id, record it, add its blocks to free_blocks.",
-        "Break out of the loop right after you pop `request_id` itself.",
+        "Work on a copy of `running`: the next victim is always the most recently admitted request still running, "
+        "the last one.",
+        "Keep going while the free blocks do not cover the need; each victim's blocks become free.",
+        "One victim is special: the request that needs the blocks. Once it is preempted, nothing is left to do.",
     ],
 ))
 
@@ -103,7 +106,7 @@ def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bo
     if evict:  # another request takes the partial block and then `evict` cached blocks from the queue's head
         manager.allocate_slots(Request("other", [7] * ((num_partial + evict) * block_size)),
                                (num_partial + evict) * block_size)
-    _, num_hit_tokens = manager.get_computed_blocks(victim)
+    _, num_hit_tokens, _ = manager.get_computed_blocks(victim)
     return num_tokens - num_hit_tokens
 
 
@@ -151,10 +154,119 @@ register(Exercise(
     random_case=_random_recompute_case,
     explain=_explain_recompute,
     hints=[
-        "Without prefix caching the answer is num_tokens.",
-        "With it, the full blocks are num_tokens // block_size; the evictions remove that many from the end.",
-        "Hits are whole blocks and cover at most num_tokens - 1 tokens: hits = min(surviving, (num_tokens - 1) "
-        "// block_size) blocks. The answer is num_tokens - hits * block_size.",
+        "Without prefix caching nothing survives a preemption: every token is computed again.",
+        "With it, only full blocks kept their hashes. The evictions take the request's *last* full blocks first "
+        "(its blocks were freed tail first).",
+        "Hits are whole blocks from the start and may cover at most num_tokens - 1 tokens: the last token is "
+        "always computed, to sample the next one.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 06.first_token_steps (transfer)
+
+
+def first_token_steps(prompt_lens: list[int], max_tokens: int, max_num_batched_tokens: int) -> list[int]:
+    """Reference, run on kvlab's Scheduler: the step (from 1) in which each request samples its first token."""
+    num_blocks = sum(cdiv(p + max_tokens, 16) for p in prompt_lens) + 1       # room for everyone: no preemption
+    scheduler = Scheduler(KVCacheManager(num_blocks, 16, enable_caching=False),
+                          max_num_batched_tokens=max_num_batched_tokens)
+    for i, length in enumerate(prompt_lens):
+        scheduler.add_request(GenerationRequest(f"r{i}", [1000 * (i + 1) + t for t in range(length)],
+                                                SamplingParams(max_tokens=max_tokens)))
+    executor, first, number = NoComputeExecutor(), {}, 0
+    while scheduler.has_unfinished_requests():
+        number += 1
+        for out in step(scheduler, executor)[1]:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, number)
+    return [first[f"r{i}"] for i in range(len(prompt_lens))]
+
+
+def _steps_if(prompt_lens: list[int], max_tokens: int, budget: int, *, running_first: bool = True,
+              decodes_cost: bool = True) -> list[int]:
+    """The same schedule worked by hand with one rule changed (for the diagnoses)."""
+    n = len(prompt_lens)
+    computed, generated, first = [0] * n, [0] * n, [0] * n
+    waiting, running, number = list(range(n)), [], 0
+    while waiting or running:
+        number, left, chosen = number + 1, budget, {}
+        groups = (running, waiting) if running_first else (waiting, running)
+        for group in groups:
+            for r in list(group):
+                need = prompt_lens[r] + generated[r] - computed[r]
+                take = min(need, left) if (decodes_cost or need > 1 or r in waiting) else 1
+                if take <= 0:
+                    break
+                chosen[r] = take
+                left -= take if (decodes_cost or need > 1) else 0
+                if r in waiting:
+                    waiting.remove(r)
+                    running.append(r)
+        for r, take in chosen.items():
+            computed[r] += take
+            if computed[r] == prompt_lens[r] + generated[r]:
+                generated[r] += 1
+                first[r] = first[r] or number
+                if generated[r] == max_tokens:
+                    running.remove(r)
+    return first
+
+
+def _explain_first_token(case: Case, expected: Any, actual: Any) -> str | None:
+    prompt_lens, max_tokens, budget = case.args
+    if not (type(actual) in (list, tuple) and all(type(x) is int for x in actual)):
+        return "return a list of step numbers (ints, counting from 1), one per request, in the order given"
+    actual = list(actual)
+    if actual == _steps_if(prompt_lens, max_tokens, budget, decodes_cost=False) != expected:
+        return ("a running request's decode token takes one token of the step's budget too: a new prompt gets only "
+                "what the running requests leave")
+    if actual == _steps_if(prompt_lens, max_tokens, budget, running_first=False) != expected:
+        return ("every step serves the RUNNING requests first (their decode token, or their prompt's next chunk), "
+                "then admits WAITING ones in arrival order with what is left")
+    if len(actual) == len(expected) and any(a < e for a, e in zip(actual, expected, strict=True)):
+        return ("a request samples its first token only in the step that computes its prompt's last token; a "
+                "chunk that stops short samples nothing")
+    return None
+
+
+def _random_first_token_case(rng: random.Random) -> Case:
+    return Case(([rng.randint(1, 300) for _ in range(rng.randint(1, 5))], rng.randint(1, 10),
+                 rng.choice([16, 32, 64, 128, 256])), probes="random prompts, output lengths and token budget")
+
+
+register(Exercise(
+    id="06.first_token_steps",
+    title="when each request gets its first token, under a token budget",
+    task=(
+        "Requests with prompts of `prompt_lens` tokens arrive together, in that order, at an idle engine; each "
+        "generates `max_tokens` tokens. The scheduler has a budget of `max_num_batched_tokens` tokens per step and "
+        "works as section 4 showed (chunked prefill, vLLM V1's order, FCFS); the pool is large enough that nothing "
+        "is preempted and no prefix is shared. Return, for each request, the step (counting from 1) in which it "
+        "samples its first token."
+    ),
+    signature=("def first_token_steps(prompt_lens: list[int], max_tokens: int, max_num_batched_tokens: int) "
+               "-> list[int]:"),
+    reference=first_token_steps,
+    edge_cases=[
+        Case(([100, 300, 50], 5, 128),
+             probes="the 300-token prompt is cut into chunks; the short one behind it waits for its turn"),
+        Case(([1000], 3, 256), probes="one prompt four times the budget: four chunks, the token after the last"),
+        Case(([10] * 5, 20, 12), probes="five short prompts: each new one gets only what the running requests leave"),
+        Case(([2048, 16], 1, 2048), probes="a prompt that fills the whole budget leaves nothing for the next one"),
+        Case(([64, 64, 64], 8, 64), probes="decode tokens of the requests already running delay a prompt's last chunk"),
+        Case(([500, 500], 100, 512), probes="the second prompt starts in the first step with 12 tokens"),
+    ],
+    random_case=_random_first_token_case,
+    num_random=15,
+    explain=_explain_first_token,
+    transfer=True,
+    hints=[
+        "Simulate step by step. In a step, which requests are served first, and how many tokens does each take?",
+        "Running requests first: a decode takes 1 token, a prompt still being prefilled takes the rest of its prompt "
+        "or whatever budget is left. Then waiting requests, in order, while budget is left, each taking what it can.",
+        "A request samples a token in the step that computes the last token it has so far; from then on it decodes "
+        "one token per step until it has max_tokens.",
     ],
 ))
 
@@ -178,34 +290,33 @@ def _fork_question() -> dict[str, Any]:
             "copied_block_position": tables[0].index(copies[0][0]), "samples": len(tables)}
 
 
-register_question(Question(
-    id="06.q1",
-    text=("Parallel sampling, n = 4, from a 40-token prompt with block size 16: how many KV blocks hold the prompt "
-          "right after the fork, and how many block copies are made when each sample writes its first token?"),
-    answer=lambda: (lambda v: (
+ask(
+    "06.q1",
+    ("Parallel sampling, n = 4, from a 40-token prompt with block size 16: how many KV blocks hold the prompt "
+     "right after the fork, and how many block copies are made when each sample writes its first token?"),
+    _fork_question,
+    lambda v: (
         f"{v['shared_blocks']} blocks, shared by all {v['samples']} samples (instead of {v['unshared_blocks']} "
         f"for four private copies). The first two are full and stay shared to the end; the third holds 8 of 16 "
         f"slots, so the first write into it copies it: {v['copies']} copies, because the last sample to write "
-        "finds the block no longer shared and writes in place."))(_fork_question()),
-    values=_fork_question,
-))
+        "finds the block no longer shared and writes in place."),
+)
 
 
 def _recompute_question() -> dict[str, Any]:
     return {"with_caching": recompute_tokens(2050, 16, True), "without": recompute_tokens(2050, 16, False)}
 
 
-register_question(Question(
-    id="06.q2",
-    text=("A request with a 2,000-token prompt has generated 50 tokens when it is preempted (block size 16). "
-          "How many tokens does it recompute when it returns, with and without prefix caching?"),
-    answer=lambda: (lambda v: (
+ask(
+    "06.q2",
+    ("A request with a 2,000-token prompt has generated 50 tokens when it is preempted (block size 16). "
+     "How many tokens does it recompute when it returns, with and without prefix caching?"),
+    _recompute_question,
+    lambda v: (
         f"With prefix caching {v['with_caching']} (its 128 full blocks kept their hashes and hit, only the 2 "
         f"tokens of its partial block are recomputed); without it {v['without']:,}. That is why vLLM V1 preempts "
-        "by recompute rather than swapping KV out: with the prefix cache, recompute is usually cheap."))(
-        _recompute_question()),
-    values=_recompute_question,
-))
+        "by recompute rather than swapping KV out: with the prefix cache, recompute is usually cheap."),
+)
 
 
 def _hit_rate_question() -> dict[str, Any]:
@@ -219,13 +330,34 @@ def _hit_rate_question() -> dict[str, Any]:
             "reading": interpret_hit_rate(stats.hit_rate, workload_shares_prefixes=True)}
 
 
-register_question(Question(
-    id="06.q3",
-    text=("Ten requests, one after another, each a 64-token system prompt plus an 8-token question (block size 16). "
-          "What do vllm:prefix_cache_queries and vllm:prefix_cache_hits count, and what hit rate do they give?"),
-    answer=lambda: (lambda v: (
+ask(
+    "06.q3",
+    ("Ten requests, one after another, each a 64-token system prompt plus an 8-token question (block size 16). "
+     "What do vllm:prefix_cache_queries and vllm:prefix_cache_hits count, and what hit rate do they give?"),
+    _hit_rate_question,
+    lambda v: (
         f"Both count tokens: {v['queries']} queried (72 per request), {v['hits']} hit (64 for each request after "
         f"the first), a hit rate of {v['hit_rate']:.0%}: {v['reading']}. A dashboard computes it as "
-        "rate(vllm:prefix_cache_hits_total[5m]) / rate(vllm:prefix_cache_queries_total[5m])."))(_hit_rate_question()),
-    values=_hit_rate_question,
-))
+        "rate(vllm:prefix_cache_hits_total[5m]) / rate(vllm:prefix_cache_queries_total[5m])."),
+)
+
+
+def _aligned_question() -> dict[str, Any]:
+    return {"no_eviction": recompute_tokens(2048, 16, True), "two_evicted": recompute_tokens(2048, 16, True, 2),
+            "unaligned": recompute_tokens(2050, 16, True)}
+
+
+ask(
+    "06.q4",
+    ("Question 2's request had 2,050 tokens. A request of exactly 2,048 tokens (block size 16) is preempted instead, "
+     "and while it waits two of its cached blocks are evicted. How many tokens does it recompute, and how many "
+     "would it have without the evictions?"),
+    _aligned_question,
+    lambda v: (
+        f"{v['two_evicted']} tokens, and {v['no_eviction']} without the evictions (against {v['unaligned']} for "
+        "2,050 tokens). All 128 blocks are full and hashed, but the last token must be computed again to sample the "
+        "next one, and hits come in whole blocks: the whole last block is recomputed. Its blocks were freed tail "
+        "first, so the evictions took its last two full blocks, one of which it recomputes anyway."
+    ),
+    transfer=True,
+)

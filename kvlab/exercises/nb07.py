@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -10,10 +11,9 @@ from kvlab.capacity.cost_model import CostModel, cost_model
 from kvlab.capacity.hardware import GB
 from kvlab.capacity.playbook import Deployment, Workload, rank_levers
 from kvlab.capacity.source_deployments import reproduce
-from kvlab.core.kv_cache_metrics import nearest_rank
+from kvlab.core.kv_cache_metrics import STEPS_BUCKETS, Histogram, nearest_rank
 from kvlab.core.kv_cache_metrics import pool_too_small as _pool_too_small
-from kvlab.exercises.core import Case, Exercise, register
-from kvlab.exercises.nb02 import _ask  # notebook 02's helper: a question answered from the numbers it computes
+from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.sim.serving_sim import ChatWorkload, simulate_chat
 from kvlab.units import GiB
 
@@ -31,7 +31,7 @@ def _mean(values: list[float]) -> float:
 
 def _explain_pool(case: Case, expected: Any, actual: Any) -> str | None:
     gaps, idle = case.args
-    if not isinstance(actual, bool):
+    if type(actual) is not bool:
         return "return True or False"
     if not gaps or not idle:
         return "with no reuse gaps or no evictions there is nothing to compare: answer False"
@@ -105,6 +105,8 @@ def _explain_swap(case: Case, expected: Any, actual: Any) -> str | None:
     model, computed, hits = case.args
     if actual not in ("swap", "recompute"):
         return 'return the string "swap" or "recompute"'
+    if actual == "swap" and model.swap_seconds(computed, hits) == model.recompute_seconds(computed, hits):
+        return "a tie goes to recompute, vLLM V1's way: swap only when it is strictly cheaper"
     one_way = model.copy_seconds(computed)
     if actual == ("swap" if one_way < model.recompute_seconds(computed, hits) else "recompute"):
         return "swap pays twice: every block goes out to the CPU, then the blocks not cached on the GPU come back"
@@ -133,7 +135,7 @@ register(Exercise(
         "the cached ones: `model.prefill_seconds(computed_tokens - hit_tokens, hit_tokens)`. Resuming by *swap* "
         "copied all of its KV to the CPU at preemption and copies back what the GPU no longer holds, each copy "
         "costing `model.copy_seconds(num_tokens)`. Return \"swap\" if swapping takes less modelled time, else "
-        "\"recompute\" (vLLM V1's way wins ties)."
+        "\"recompute\" (vLLM V1's way wins ties). `computed_tokens` may be 0."
     ),
     signature="def swap_or_recompute(model: CostModel, computed_tokens: int, hit_tokens: int) -> str:",
     reference=swap_or_recompute,
@@ -148,14 +150,124 @@ register(Exercise(
         Case((_MODELS["llama-2-7b (MHA) on A100, PCIe 4"](), 8000, 6640),
              probes="83 % cached: an MHA model's KV is 4 x as large, so recompute wins earlier"),
         Case((_MODELS["llama-3-70b on 4 x H100"](), 32000, 31600), probes="a 70B model's prefill is dear"),
+        Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 0, 0),
+             probes="preempted before any token was computed: both ways take 0 s, and a tie goes to recompute"),
     ],
     random_case=_random_swap_case,
     num_random=15,
     explain=_explain_swap,
     hints=[
-        "Recompute: one call, model.prefill_seconds(computed_tokens - hit_tokens, hit_tokens).",
-        "Swap: model.copy_seconds(computed_tokens) out, plus model.copy_seconds(computed_tokens - hit_tokens) back.",
-        'return "swap" if swap_time < recompute_time else "recompute"',
+        "Price each way separately, in modelled seconds, then compare.",
+        "Recompute prefills the tokens the GPU no longer holds, and those tokens attend to the cached ones: "
+        "prefill_seconds takes both counts.",
+        "Swap pays twice: every token's KV went out to the CPU at preemption, and the tokens not cached on the GPU "
+        "come back. A tie is not a win for swap.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 07.pool_too_small_from_buckets (transfer)
+
+
+def _histogram(bounds: list[float], cumulative_counts: list[int]) -> Histogram:
+    """A kvlab Histogram whose buckets hold exactly ``cumulative_counts`` (each value on its bucket's upper bound)."""
+    histogram = Histogram("scraped", "rebuilt from its buckets", bounds)
+    below = 0
+    for upper, count in zip([*bounds, bounds[-1] + 1], cumulative_counts, strict=True):
+        for _ in range(count - below):
+            histogram.observe(upper)
+        below = count
+    return histogram
+
+
+def pool_too_small_from_buckets(bounds: list[float], reuse_gap_counts: list[int], idle_counts: list[int]) -> bool:
+    """Reference: the rule of 07.pool_too_small on two scraped Prometheus histograms (histogram_quantile)."""
+    gaps, idle = _histogram(bounds, reuse_gap_counts), _histogram(bounds, idle_counts)
+    if not gaps.count or not idle.count:
+        return False
+    return gaps.histogram_quantile(0.9) > idle.histogram_quantile(0.5)
+
+
+def _upper_bound_quantile(bounds: list[float], counts: list[int], q: float) -> float:
+    rank = q * counts[-1]
+    return next((b for b, c in zip(bounds, counts, strict=False) if c >= rank), bounds[-1])
+
+
+def _explain_buckets(case: Case, expected: Any, actual: Any) -> str | None:
+    bounds, gaps, idle = case.args
+    if type(actual) is not bool:
+        return "return True or False"
+    if not gaps[-1] or not idle[-1]:
+        return "with no reuse gaps or no evictions (a total count of 0) there is nothing to compare: answer False"
+    if gaps[-1] and idle[-1] and actual == (_upper_bound_quantile(bounds, gaps, 0.9) > _upper_bound_quantile(
+            bounds, idle, 0.5)):
+        return ("histogram_quantile does not answer a bucket's upper bound: it interpolates linearly inside the "
+                "bucket that holds rank q x total, from the bucket's lower bound (the previous le, or 0)")
+    running = [list(itertools.accumulate(counts)) for counts in (gaps, idle)]
+    if actual == pool_too_small_from_buckets(bounds, [*running[0][:-1], running[0][-2]],
+                                             [*running[1][:-1], running[1][-2]]):
+        return ("the bucket counts are cumulative, as Prometheus exports them: le=\"5\" counts every value up to 5, "
+                "and le=\"+Inf\" is the total")
+    return None
+
+
+def _random_buckets_case(rng: random.Random) -> Case:
+    bounds = list(STEPS_BUCKETS[:rng.randint(4, len(STEPS_BUCKETS))])
+    while True:
+        gaps = [rng.lognormvariate(rng.uniform(0, 5), 1) for _ in range(rng.randint(0, 40))]
+        idle = [rng.lognormvariate(rng.uniform(0, 5), 1) for _ in range(rng.randint(0, 40))]
+        counts = []
+        for values in (gaps, idle):
+            histogram = Histogram("random", "", bounds)
+            for value in values:
+                histogram.observe(value)
+            counts.append(histogram.cumulative_counts())
+        p90, p50 = (_histogram(bounds, c).histogram_quantile(q) for c, q in zip(counts, (0.9, 0.5), strict=True))
+        if p90 is None or p50 is None or abs(p90 - p50) > 1e-6 * max(p50, 1):  # no near-ties: float order
+            return Case((bounds, counts[0], counts[1]), probes="random histograms on vLLM-style 1-2-5 buckets")
+
+
+_BOUNDS = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
+
+register(Exercise(
+    id="07.pool_too_small_from_buckets",
+    title="Is the pool too small? From a dashboard's buckets",
+    task=(
+        "A dashboard has no raw values, only the histograms vLLM exports: for each bucket bound `le` in `bounds` "
+        "(ascending), how many values were at most `le`, then the total (the `+Inf` bucket). `reuse_gap_counts` "
+        "and `idle_counts` are those cumulative counts, len(bounds) + 1 of each, for the reuse gaps and the idle "
+        "times before eviction. Apply 07.pool_too_small's rule (p90 of the gaps > p50 of the idle times; False when "
+        "either histogram is empty) with Prometheus' `histogram_quantile`: take the first bucket whose cumulative "
+        "count reaches q x total and interpolate linearly inside it, from its lower bound (the previous `le`, or 0) "
+        "to its `le`; if that bucket is `+Inf`, the answer is the largest finite bound."
+    ),
+    signature=("def pool_too_small_from_buckets(bounds: list[float], reuse_gap_counts: list[int], "
+               "idle_counts: list[int]) -> bool:"),
+    reference=pool_too_small_from_buckets,
+    edge_cases=[
+        Case((_BOUNDS, [0, 0, 0, 10, 10, 10, 10], [0, 0, 0, 10, 10, 10, 10]),
+             probes="both in the bucket (5, 10]: interpolation decides, p90 = 9.5 against p50 = 7.5"),
+        Case((_BOUNDS, [5, 9, 10, 10, 10, 10, 10], [0, 0, 1, 4, 10, 10, 10]),
+             probes="short gaps, long idle times: p90 = 2 against p50 = 11.7"),
+        Case((_BOUNDS, [0, 0, 0, 0, 0, 0, 8], [0, 2, 4, 6, 6, 6, 6]),
+             probes="every gap beyond the last bound: the +Inf bucket answers the largest finite bound, 50"),
+        Case((_BOUNDS, [0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7]),
+             probes="no block was hit twice: nothing to judge"),
+        Case((_BOUNDS, [3, 3, 3, 3, 3, 3, 3], [0, 0, 0, 0, 0, 0, 0]), probes="no block was evicted yet"),
+        Case((_BOUNDS, [0, 1, 1, 1, 1, 2, 2], [2, 2, 2, 2, 2, 2, 2]),
+             probes="two gaps, one of them long; two idle times of at most 1 step"),
+    ],
+    random_case=_random_buckets_case,
+    num_random=20,
+    explain=_explain_buckets,
+    transfer=True,
+    hints=[
+        "Write one function, the quantile of one histogram, and call it twice: q = 0.9 for the gaps, 0.5 for the "
+        "idle times. The total is the last count.",
+        "The rank is q x total. Walk the buckets until the cumulative count reaches it; the values below that bucket "
+        "are the previous bucket's count.",
+        "Inside the bucket, go the fraction (rank - count below) / (count inside) of the way from the lower bound "
+        "to the upper one. The +Inf bucket has no upper bound: answer the largest finite one.",
     ],
 ))
 
@@ -170,10 +282,10 @@ def _deployment_c() -> dict[str, Any]:
             "per_token": plan.kv_bytes_per_token * r["source"].deployment.tp, "log": r["exact"].startup_log}
 
 
-_ask(
+ask(
     "07.q1",
-    "Deployment (c), a 32B model on 2 x A100 80GB at 131,072 tokens: the source's arithmetic gives 3.8x. What does "
-    "vLLM really log for Qwen2.5-32B-Instruct, and where does the difference come from?",
+    ("Deployment (c), a 32B model on 2 x A100 80GB at 131,072 tokens: the source's arithmetic gives 3.8x. What does "
+     "vLLM really log for Qwen2.5-32B-Instruct, and where does the difference come from?"),
     _deployment_c,
     lambda v: (
         f"{v['log'][2]}, against the source's {v['source']:.2f}x. The source assumes 160 KB of KV per token; the real "
@@ -192,10 +304,10 @@ def _lower_max_model_len() -> dict[str, Any]:
             "new_len": lever.deployment.max_model_len}
 
 
-_ask(
+ask(
     "07.q2",
-    "Deployment (a), chat on one L40S: halve max_model_len. The logged concurrency doubles. How many more chat "
-    "requests run at once?",
+    ("Deployment (a), chat on one L40S: halve max_model_len. The logged concurrency doubles. How many more chat "
+     "requests run at once?"),
     _lower_max_model_len,
     lambda v: (
         f"None ({v['gain_typical']:+d}). The log goes from {v['before']:.2f}x to {v['after']:.2f}x because it divides "
@@ -213,10 +325,10 @@ def _crossover() -> dict[str, Any]:
             "prefill_us": fast.prefill_seconds(8000) / 8000 * 1e6, "copy_us": fast.copy_seconds(8000) / 8000 * 1e6}
 
 
-_ask(
+ask(
     "07.q3",
-    "Llama-3-8B on an H100, a preempted request with 8,000 computed tokens. From what prefix-hit rate on resume is "
-    "recompute (modelled) no slower than swap over PCIe 5? And over PCIe 4?",
+    ("Llama-3-8B on an H100, a preempted request with 8,000 computed tokens. From what prefix-hit rate on resume is "
+     "recompute (modelled) no slower than swap over PCIe 5? And over PCIe 4?"),
     _crossover,
     lambda v: (
         f"From {100 * v['fast']:.1f} % over PCIe 5 and {100 * v['slow']:.1f} % over PCIe 4 (modelled: "
@@ -241,10 +353,10 @@ def _l4_levers() -> dict[str, Any]:
                                           "too_small": run.diagnose().too_small} for name, run in runs.items()}}
 
 
-_ask(
+ask(
     "07.q4",
-    "Llama-3-8B on an L4 serves the chat of section 7 from 76 blocks, and the lifetime diagnostic says the pool is "
-    "too small. Which of FP8 KV cache and gpu_memory_utilization 0.95 clears it, and what happens to the hit rate?",
+    ("Llama-3-8B on an L4 serves the chat of section 7 from 76 blocks, and the lifetime diagnostic says the pool is "
+     "too small. Which of FP8 KV cache and gpu_memory_utilization 0.95 clears it, and what happens to the hit rate?"),
     _l4_levers,
     lambda v: (
         f"Only the higher utilization. FP8 doubles the pool to {v['FP8 KV cache']['blocks']} blocks and lifts the hit "
@@ -255,4 +367,29 @@ _ask(
         f"{100 * v['Higher gpu_memory_utilization']['hit_rate']:.0f} %. On a 24 GB card a few hundredths of "
         "utilization are worth more than halving every block's bytes, because the weights already take most of it."
     ),
+)
+
+
+def _cpu_tier_ttft() -> dict[str, Any]:
+    model, llama = cost_model("qwen2.5-32b-instruct", "L40S", tp=2), cost_model("llama-3-8b", "H100-SXM-80GB")
+    prompt, reused = 16384, 15360
+    times = {where: model.ttft(prompt, reused, where) for where in ("recompute", "cpu", "gpu")}
+    return {"link": model.link.name, **times, "copy": model.copy_seconds(reused),
+            "llama_speedup": llama.ttft(prompt, reused, "recompute") / llama.ttft(prompt, reused, "cpu")}
+
+
+ask(
+    "07.q5",
+    ("Section 10 modelled Llama-3-8B on an H100. Take Qwen2.5-32B on two L40S instead (TP=2, each behind its own "
+     "PCIe 4.0 link): a 16,384-token prompt whose first 15,360 tokens were computed before. What is the modelled "
+     "time to first token if those tokens are recomputed, copied back from the CPU tier, or still on the GPU?"),
+    _cpu_tier_ttft,
+    lambda v: (
+        f"Recompute {v['recompute']:.2f} s, CPU tier {v['cpu']:.2f} s, GPU hit {v['gpu']:.2f} s (modelled). The CPU "
+        f"tier costs only the copy over {v['link']}, {v['copy']:.2f} s, on top of prefilling the last 1,024 tokens: "
+        f"about {v['recompute'] / v['cpu']:.0f}x faster than recomputing (Llama-3-8B on an H100 over PCIe 5: "
+        f"{v['llama_speedup']:.0f}x). A larger model makes every recomputed token dearer, while its KV per token "
+        "(8 KV heads, split over the 2 GPUs) stays small, and a slower GPU makes prefill dearer still."
+    ),
+    transfer=True,
 )

@@ -2,7 +2,7 @@
 
 A prefix-cache hit trusts the hash: equal hashes are taken to mean equal prefixes, and the
 request reads the cached block's K and V. With a 16-bit hash, two different blocks share a
-hash after a few hundred random tries (the birthday bound, about sqrt(pi/2 x 2^16) = 321);
+hash after a few hundred random tries (the birthday bound, ``birthday_bound(16)`` = sqrt(pi/2 x 2^16) = 321);
 with SHA-256 no collision has ever been found. xxh3-128 is wide enough that random collisions
 are negligible, but it is not cryptographic: someone who chooses the tokens can build one.
 """
@@ -10,12 +10,18 @@ are negligible, but it is not cryptographic: someone who chooses the tokens can 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Iterable
 
 from kvlab._validate import positive_int
 from kvlab.core.hashing import BlockHash, HashFn, get_hash_fn_by_name, hash_block_tokens
 from kvlab.errors import KvlabError, KvlabValueError
+
+
+def birthday_bound(bits: int) -> float:
+    """Expected random draws until two of them share a ``bits``-bit hash: ``sqrt(pi / 2 x 2**bits)``."""
+    return math.sqrt(math.pi / 2 * 2 ** positive_int("bits", bits))
 
 
 def truncated_hash(hash_fn_name: str = "sha256", bits: int = 16) -> HashFn:

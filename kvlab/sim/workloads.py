@@ -37,6 +37,11 @@ def workload_stats(name: str) -> dict[str, float]:
     return dict(workloads[one_of("name", name, workloads)])
 
 
+def paper_results() -> dict[str, Any]:
+    """The paper's measured figures the notebooks compare with: KV states per system, memory saved by sharing."""
+    return json.loads(json.dumps(_stats()["results"]))  # a deep copy: the cached file stays as read
+
+
 def length_filter() -> dict[str, int]:
     """The filter every generated pair passes (vLLM's benchmark rule): min/max prompt, min output, max total."""
     return {k: v for k, v in _stats()["filter"].items() if k != "source"}

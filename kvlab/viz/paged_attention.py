@@ -16,6 +16,7 @@ import torch
 from kvlab.kernels import KernelConfig, check_attention, plan_launch
 from kvlab.kernels.grid import LaunchPlan, ProgramReads, program_reads
 from kvlab.kernels.layouts import flash_offsets, legacy_key_offsets, legacy_value_offsets
+from kvlab.viz.canvas import log_axis
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 
 SEQ_COLOURS = ["#2563eb", "#f59e0b", "#10b981", "#db2777", "#7c3aed", "#0891b2", "#b45309", "#4b5563"]
@@ -27,7 +28,7 @@ def reads_table(reads: Sequence[ProgramReads], seq_names: Sequence[str] | None =
         "program (b, h, s)": r.program, "sequence": seq_names[r.seq] if seq_names else r.seq, "query block": r.q_block,
         "query tokens": f"{r.query_tokens[0]}..{r.query_tokens[-1]}",
         "tiles": f"{r.tile_range[0]}..{r.tile_range[1] - 1}" if r.tiles else "none",
-        "blocks in order": r.blocks_in_order(),
+        "keys read": r.keys_read(), "blocks in order": r.blocks_in_order(),
     } for r in reads]
 
 
@@ -88,11 +89,11 @@ def figure_layout_offsets(block_size: int, head_size: int, x: int, num_kv_heads:
     """Where each (token, dimension) of one head's block lives, in three layouts: colour = address order."""
     from plotly.subplots import make_subplots
 
-    panels = [("flash K and V [bs, H, D]<br>one token's head is contiguous",
+    panels = [("flash K and V [bs, H, D]<br>one token's head<br>is contiguous",
                flash_offsets(block_size, num_kv_heads, head_size)),
-              (f"old K [H, D/x, bs, x], x = {x}<br>x dims of each token in turn, chunk by chunk",
+              (f"old K [H, D/x, bs, x], x = {x}<br>x dims of each token in turn,<br>chunk by chunk",
                legacy_key_offsets(block_size, head_size, x)),
-              ("old V [H, D, bs]<br>one dimension's tokens are contiguous",
+              ("old V [H, D, bs]<br>one dimension's tokens<br>are contiguous",
                legacy_value_offsets(block_size, head_size))]
     fig = make_subplots(rows=1, cols=3, subplot_titles=[p[0] for p in panels], horizontal_spacing=0.06)
     for col, (_, offsets) in enumerate(panels, start=1):
@@ -101,7 +102,7 @@ def figure_layout_offsets(block_size: int, head_size: int, x: int, num_kv_heads:
                         hovertemplate="token %{y}, dim %{x}: element #%{z} in memory<extra></extra>")
         fig.update_xaxes(title_text="head dimension d", row=1, col=col)
         fig.update_yaxes(title_text="token in block" if col == 1 else None, autorange="reversed", row=1, col=col)
-    fig.update_layout(height=400, margin=dict(t=110), title="Memory order inside one block, one KV head "
+    fig.update_layout(height=430, margin=dict(t=140), title="Memory order inside one block, one KV head "
                       "(dark = low address, bright = high)")
     return fig
 
@@ -116,8 +117,9 @@ def figure_fp8_error(rows: Sequence[dict[str, float]]) -> go.Figure:
                     name="calibrated: amax/200 (K), amax/100 (V)", line=dict(color="#1b7f3b"))
     fig.update_layout(
         title="FP8 (e4m3) KV cache: attention error against a bf16 cache",
-        xaxis=dict(title="activation magnitude (multiplies every K and V value)", type="log"),
-        yaxis=dict(title="‖out_fp8 − out_bf16‖ / ‖out_bf16‖", type="log"), height=400,
+        xaxis=log_axis(x, "activation magnitude (multiplies every K and V value)"),
+        yaxis=log_axis([r[k] for r in rows for k in ("error scale 1.0", "error calibrated")],
+                       "‖out_fp8 − out_bf16‖ / ‖out_bf16‖"), height=400,
     )
     return fig
 
@@ -130,7 +132,8 @@ def figure_gpu_bench(results: dict[str, Any], title: str) -> go.Figure:
     fig = go.Figure()
     for block_size, color in ((16, "#1f77b4"), (64, "#ff7f0e")):
         mine = [r for r in rows if r["block_size"] == block_size]
-        fig.add_bar(x=[f"b{r['batch']} × {r['context'] // 1024}K" for r in mine],
+        fig.add_bar(x=[f"b{r['batch']} × {r['context'] // 1024}K"
+                       + (f", window {r['sliding_window'] // 1024}K" if r.get("sliding_window") else "") for r in mine],
                     y=[r["copy_fraction"] for r in mine], name=f"block size {block_size}", marker_color=color,
                     customdata=[[r.get("speedup_vs_sdpa", float("nan")), r["kernel_us"]] for r in mine],
                     hovertemplate="%{x}: %{y:.0%} of copy bandwidth, %{customdata[1]:.1f} µs, "
@@ -138,6 +141,53 @@ def figure_gpu_bench(results: dict[str, Any], title: str) -> go.Figure:
     fig.add_hline(y=GOAL_COPY_FRACTION, line_dash="dash", annotation_text=f"goal {GOAL_COPY_FRACTION:.0%} (b64 × 8K)")
     fig.update_layout(title=title, barmode="group", height=420, yaxis=dict(title="share of copy bandwidth",
                       tickformat=".0%"), xaxis=dict(title="decode: batch × context"))
+    return fig
+
+
+def figure_window_reads(rows: Sequence[dict[str, Any]]) -> go.Figure:
+    """Keys one decode program reads against the context length, with and without a sliding window."""
+    fig = go.Figure()
+    windows = list(dict.fromkeys(r["window"] for r in rows))            # in the rows' order
+    for window in windows:
+        mine = [r for r in rows if r["window"] == window]
+        fig.add_bar(x=[str(r["context"]) for r in mine], y=[r["keys read"] for r in mine],
+                    name="full attention" if window == "none" else f"sliding window {window}",
+                    marker_color="#9ca3af" if window == "none" else "#2563eb", text=[r["keys read"] for r in mine],
+                    textposition="outside")
+    fig.update_layout(title="Keys a decode reads: the context, or only the window", barmode="group", height=380,
+                      xaxis=dict(title="context length (tokens)"), yaxis=dict(title="keys read (kernel trace)"))
+    return fig
+
+
+def figure_kernel_errors(report: Any, batch: str | None = None, cap: float = 1e3) -> go.Figure:
+    """``check_kernel``'s error map for one batch: largest |out − ref| per query token (rows) and head (columns).
+
+    ``batch`` names the batch (default: the first that failed, else the first). Colour is log10 of
+    the error; NaN or infinite outputs are drawn at ``cap`` and say so on hover. Lines separate sequences.
+    """
+    result = next((r for r in report.results if r.name == batch), None) if batch else \
+        next((r for r in report.results if not r.passed), report.results[0])
+    if result is None:
+        raise KeyError(f"no batch named {batch!r} in the report; batches: {[r.name for r in report.results]}")
+    fig = go.Figure()
+    if result.errors is None:
+        fig.add_annotation(text=f"{result.name}: the function raised<br>{result.exception}", showarrow=False,
+                           x=0.5, y=0.5, xref="paper", yref="paper")
+        return fig.update_layout(height=240, title=f"check_kernel: {result.name}")
+    errors = result.errors.clamp(max=cap)                                   # [num_tokens, num_q_heads]
+    z = torch.log10(errors.clamp(min=1e-12)).tolist()
+    labels = [f"seq {s} · q {t}" for s, t in zip(result.token_seq, result.token_pos, strict=True)]
+    text = [["NaN or inf" if e >= cap else f"{e:.2e}" for e in row] for row in result.errors.tolist()]
+    fig.add_heatmap(z=z, x=[f"head {h}" for h in range(errors.shape[1])], y=labels, text=text, zmin=-8, zmax=3,
+                    colorscale="Inferno", colorbar=dict(title="log10 |error|"),
+                    hovertemplate="%{y}, %{x}: |error| %{text}<extra></extra>")
+    for i in range(1, len(labels)):
+        if result.token_seq[i] != result.token_seq[i - 1]:
+            fig.add_hline(y=i - 0.5, line_color="white", line_width=2)
+    verdict = "passes" if result.passed else f"fails: relative error {result.relative_error:.3g}"
+    fig.update_layout(title=f"check_kernel · {report.function}<br>{result.name} {verdict}",  # two lines: it fits
+                      yaxis=dict(autorange="reversed", title="query token"), xaxis=dict(title="query head"),
+                      height=min(660, 200 + 14 * len(labels)), margin=dict(l=120, t=90))
     return fig
 
 

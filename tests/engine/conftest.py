@@ -25,3 +25,19 @@ def hf_model(tiny_llama_dir):
 def hf_greedy(hf_model):
     """``hf_greedy(prompt, max_tokens)``: transformers' own greedy generate, with its regular contiguous cache."""
     return functools.partial(evaluation.hf_greedy, hf_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory):
+    """A 2-layer DeepSeek-V3-style checkpoint (MLA, one dense and one MoE layer) written by save_pretrained."""
+    from kvlab.engine.toy_mla import save_tiny_deepseek
+
+    return save_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"))
+
+
+@pytest.fixture(scope="session")
+def hf_deepseek(tiny_deepseek_dir):
+    """The same checkpoint loaded by transformers' DeepseekV3ForCausalLM: the reference for the MLA tests."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_deepseek_dir).eval()

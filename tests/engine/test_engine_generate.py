@@ -14,7 +14,7 @@ import torch
 from kvlab.kernels import TRITON_CUDA, backend, default_device
 
 from kvlab.core.sched.output import SamplingParams, ScheduledRequest, SchedulerOutput
-from kvlab.engine import LLMEngine, llm_engine, model_runner
+from kvlab.engine import LLMEngine, kv_pool, llm_engine, model_runner
 from kvlab.engine.evaluation import relative_error
 from kvlab.engine.model_runner import copy_blocks, prepare_inputs
 from kvlab.engine.toy import random_token_ids
@@ -88,9 +88,11 @@ def test_every_request_and_sample_is_timed_once_per_token(tiny_llama_dir):
         eng.step()
     h = eng.latency.histograms
     assert h["vllm:time_to_first_token_seconds"].count == 3 + 2          # every request, each sample
-    assert h["vllm:time_per_output_token_seconds"].count == 3 * 3 + 2 * 2  # every later token
+    assert h["vllm:inter_token_latency_seconds"].count == 3 * 3 + 2 * 2   # every later token
+    assert h["vllm:request_time_per_output_token_seconds"].count == 5     # one mean per finished request
     assert h["vllm:e2e_request_latency_seconds"].count == 5
     assert all(v > 0 for hist in h.values() for v in hist.values)         # seconds on this machine's clock
+    assert "vllm:time_per_output_token_seconds" not in eng.metrics_text()  # 0.33.0 dropped it
     eng.add_request([5, 6, 7], request_id="x", n=2, temperature=1.0)     # its second sample will be "x#1"
     with pytest.raises(RequestStateError, match="already being timed"):   # refused before the scheduler sees it
         eng.add_request([5, 6, 7], request_id="x#1")
@@ -220,7 +222,7 @@ def test_the_pool_is_sized_from_memory_as_vllm_sizes_it(tiny_llama_dir):
 def test_a_default_pool_holds_max_num_seqs_full_requests_within_a_memory_cap(tiny_llama_dir, monkeypatch):
     roomy = LLMEngine(tiny_llama_dir, max_num_seqs=4, block_size=16)
     assert roomy.num_gpu_blocks == 1 + 4 * cdiv(512, 16)  # the config's 512 positions
-    monkeypatch.setattr(llm_engine, "DEFAULT_KV_CACHE_MEMORY_GIB", 1 / 1024)  # 1 MiB
+    monkeypatch.setattr(kv_pool, "DEFAULT_KV_CACHE_MEMORY_GIB", 1 / 1024)  # 1 MiB
     capped = LLMEngine(tiny_llama_dir, max_num_seqs=4, block_size=16)
     assert capped.num_gpu_blocks == 2**20 // capped.plan.bytes_per_block == 128
 

@@ -44,13 +44,50 @@ def window_everywhere(config, tokens, kv_dtype="bf16"):
     return _right_per_token(config, kv_dtype) * held
 
 
+def forgets_v(config, kv_dtype="bf16"):
+    """Counts the keys only: f = 1 for every model."""
+    return _right_per_token(config, kv_dtype) // (1 if config.get("kv_lora_rank") else 2)
+
+
+def implied_head_dim(config, kv_dtype="bf16"):
+    """Always derives D from hidden_size, even where the config gives its own head_dim."""
+    if config.get("kv_lora_rank"):
+        return _right_per_token(config, kv_dtype)
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    return int(2 * config["num_hidden_layers"] * heads * dim * KV_DTYPE_BYTES[kv_dtype])
+
+
+def _kv_heads_on_one_gpu(config, tp):
+    if config.get("kv_lora_rank"):
+        return 1
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return max(heads // tp, 1)
+
+
+def splits_everything(config, kv_dtype, tp):
+    """Assumes tensor parallelism always splits the KV: the group holds what one GPU held at TP=1."""
+    return _right_per_token(config, kv_dtype)
+
+
+def one_gpu_only(config, kv_dtype, tp):
+    """Answers for one GPU of the group, not for all of them."""
+    return _right_per_token(config, kv_dtype) * _kv_heads_on_one_gpu(config, tp) // _kv_heads_on_one_gpu(config, 1)
+
+
 WRONG = {
     "01.bytes_per_token": [
         (mla_as_gqa, "MLA"),
         (query_heads, "use num_key_value_heads"),
+        (forgets_v, "a K *and* a V"),
+        (implied_head_dim, "this config gives head_dim = 256"),
     ],
     "01.request_bytes": [
         (ignores_window, "sliding-window layers keep only the last sliding_window tokens"),
         (window_everywhere, "half the layers slide"),
+    ],
+    "01.tp_group_bytes": [
+        (splits_everything, "a GPU never holds less than one whole KV head"),
+        (one_gpu_only, "that is what one GPU holds"),
     ],
 }

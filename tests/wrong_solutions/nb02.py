@@ -1,5 +1,7 @@
 """Plausible wrong answers to notebook 02's exercises, each failing for a reason the checker names."""
 
+import math
+
 
 def _ceil_div(a, b):
     return -(-a // b)
@@ -27,6 +29,33 @@ def divides_tokens(num_blocks, block_size, concurrency):
     return (num_blocks - 1) * block_size // concurrency
 
 
+def _per_gpu_token_bytes(config, kv_dtype, tp, split_latent=False):
+    width = {"bf16": 2, "fp8": 1}[kv_dtype]
+    if config.get("kv_lora_rank"):
+        whole = config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * width
+        return whole // tp if split_latent else whole
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * max(heads // tp, 1) * dim * width
+
+
+def _logged(gpu_memory_gib, weights_on_one_gpu_gib, per_token, block_size, max_model_len):
+    available = math.ceil(gpu_memory_gib * 2**30 * 0.92) - round(weights_on_one_gpu_gib * 2**30)
+    blocks = max(available, 0) // (per_token * block_size)
+    return blocks // _ceil_div(max_model_len, block_size)
+
+
+def whole_weights_on_every_gpu(config, gpu_memory_gib, weights_gib, tp, kv_dtype, block_size, max_model_len):
+    """Splits the KV heads but forgets that each GPU holds only 1/tp of the weights."""
+    return _logged(gpu_memory_gib, weights_gib, _per_gpu_token_bytes(config, kv_dtype, tp), block_size, max_model_len)
+
+
+def splits_the_latent(config, gpu_memory_gib, weights_gib, tp, kv_dtype, block_size, max_model_len):
+    """Divides every model's KV by tp, MLA's latent included."""
+    per_token = _per_gpu_token_bytes(config, kv_dtype, tp, split_latent=True)
+    return _logged(gpu_memory_gib, weights_gib / tp, per_token, block_size, max_model_len)
+
+
 WRONG = {
     "02.num_blocks": [
         (minus_null_block, "count the null block"),
@@ -35,5 +64,9 @@ WRONG = {
     "02.max_model_len_for": [
         (counts_the_null_block, "null block"),
         (divides_tokens, "multiple of block_size"),
+    ],
+    "02.tp_concurrency": [
+        (whole_weights_on_every_gpu, "each GPU holds 1/tp of the weights"),
+        (splits_the_latent, "MLA's latent is not split"),
     ],
 }

@@ -33,6 +33,35 @@ def frees_in_table_order(queue, table, cached):
     return [b for b in table if b not in cached] + queue + [b for b in table if b in cached]
 
 
+def prepends_one_at_a_time(queue, table, cached):
+    """Frees tail first, but puts each block without a hash in front of the queue on its own."""
+    queue = list(queue)
+    for block in reversed(table):
+        if block in cached:
+            queue.append(block)
+        else:
+            queue.insert(0, block)
+    return queue
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def no_sharing(n, prompt_tokens, new_tokens, block_size):
+    """Counts every sample's blocks as if forks copied the prompt."""
+    copies = n - 1 if new_tokens and prompt_tokens % block_size and n > 1 else 0
+    return n * _cdiv(prompt_tokens + new_tokens, block_size), copies
+
+
+def every_sample_copies(n, prompt_tokens, new_tokens, block_size):
+    """Lets every sample copy the shared partial block, the last holder included."""
+    full = prompt_tokens // block_size
+    blocks = full + n * (_cdiv(prompt_tokens + new_tokens, block_size) - full) if new_tokens else _cdiv(
+        prompt_tokens, block_size)
+    return blocks, n if new_tokens and prompt_tokens % block_size else 0
+
+
 WRONG = {
     "03.cow_append": [
         (writes_into_shared_block, "Copy it first"),
@@ -41,5 +70,10 @@ WRONG = {
     "03.free_queue_order": [
         (everything_to_the_tail, "blocks without a hash go to the head"),
         (frees_in_table_order, "tail first"),
+        (prepends_one_at_a_time, "one at a time"),
+    ],
+    "03.sampling_blocks": [
+        (no_sharing, "forked samples share the prompt's blocks"),
+        (every_sample_copies, "n - 1 copies, not n"),
     ],
 }

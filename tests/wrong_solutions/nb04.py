@@ -36,6 +36,25 @@ def does_not_stop_at_miss(block_hashes, cached, num_tokens, block_size):
     return sum(h in cached for h in block_hashes[: (num_tokens - 1) // block_size]) * block_size
 
 
+def common_prefix_in_tokens(cached_tokens, prompt, block_size):
+    """Counts matching tokens one by one, as if a cache hit could end inside a block."""
+    n = 0
+    for a, b in zip(cached_tokens, prompt, strict=False):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(prompt) - 1)
+
+
+def every_matching_block(cached_tokens, prompt, block_size):
+    """Compares whole full blocks, but forgets that the prompt's last token must be computed."""
+    n = 0
+    while (n + 1) * block_size <= min(len(cached_tokens), len(prompt)) and (
+            cached_tokens[n * block_size:(n + 1) * block_size] == prompt[n * block_size:(n + 1) * block_size]):
+        n += 1
+    return n * block_size
+
+
 WRONG = {
     "04.chained_hashes": [
         (unchained, "must chain from the previous block's hash"),
@@ -44,5 +63,9 @@ WRONG = {
     "04.longest_cached_prefix": [
         (no_last_token_rule, "at most num_tokens - 1 tokens may hit"),
         (does_not_stop_at_miss, "stop at the first miss"),
+    ],
+    "04.chat_turn_hits": [
+        (common_prefix_in_tokens, "a block that matches only in part is not a hit"),
+        (every_matching_block, "at most len(prompt) - 1 tokens may hit"),
     ],
 }

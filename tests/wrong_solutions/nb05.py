@@ -32,6 +32,20 @@ def slots_in_blocks(block_tables, seq_lens, query_lens, block_size):
             for t, s, q in zip(block_tables, seq_lens, query_lens, strict=True) for p in range(s - q, s)]
 
 
+def flash_layout(slot, kv_head, dim, num_kv_heads, head_size, block_size, dtype):
+    """Indexes both caches as vLLM V1's flash layout, [num_blocks, block_size, num_kv_heads, head_size]."""
+    index = (slot * num_kv_heads + kv_head) * head_size + dim
+    return index, index
+
+
+def x_always_8(slot, kv_head, dim, num_kv_heads, head_size, block_size, dtype):
+    """Cuts K into pieces of 8 elements whatever the dtype (right for fp16 and bf16 only)."""
+    x = 8
+    block, t = divmod(slot, block_size)
+    base = (block * num_kv_heads + kv_head) * head_size * block_size
+    return base + (dim // x) * block_size * x + t * x + dim % x, base + dim * block_size + t
+
+
 WRONG = {
     "05.online_softmax": [
         (no_rescale, "rescale what was summed before"),
@@ -40,5 +54,9 @@ WRONG = {
     "05.slot_mapping": [
         (slots_from_zero, "positions run from seq_len - query_len"),
         (slots_in_blocks, "slot = block_id * block_size + offset"),
+    ],
+    "05.legacy_offsets": [
+        (flash_layout, "that is the flash layout's index"),
+        (x_always_8, "x is 16 bytes divided by the element size"),
     ],
 }

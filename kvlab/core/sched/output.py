@@ -10,6 +10,7 @@ from whatever runs the model: ``kvlab.engine.ModelRunner`` or ``NoComputeExecuto
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -19,6 +20,16 @@ from kvlab.core.request import Request, RequestStatus
 from kvlab.core.sequence import BlockCopy
 from kvlab.errors import KvlabValueError
 
+#: vLLM's ``_SAMPLING_EPS`` (``vllm/sampling_params.py``): a temperature below it means greedy.
+SAMPLING_EPS = 1e-5
+#: vLLM's ``_MAX_TEMP``: a temperature in (0, 0.01) is raised to 0.01, because dividing logits by a
+#: tinier one overflows float32 to inf and softmax then gives NaN. (Only exactly 0 stays greedy.)
+MIN_SAMPLING_TEMPERATURE = 1e-2
+#: vLLM refuses temperatures above 2.
+MAX_TEMPERATURE = 2.0
+#: torch generators take 64-bit seeds, and sample ``i`` of ``n`` is seeded with ``seed + i``.
+MAX_SEED = 2**64 - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +38,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy; above 0, tokens are drawn from ``softmax(logits / T)`` with a
     generator seeded by ``seed`` (so a run can be repeated). With ``n > 1`` sample ``i`` uses
     ``seed + i``: a forked sample and an independent request with that seed draw the same tokens.
+    As in vLLM 0.33.0, ``temperature`` must be finite and in [0, 2], and one in (0, 0.01) is raised
+    to 0.01 with a warning (``MIN_SAMPLING_TEMPERATURE``); ``seed + n - 1`` must fit 64 bits. Every
+    check runs here, when the request is made, so a bad value never reaches a step.
     """
 
     max_tokens: int = 16
@@ -38,14 +52,41 @@ class SamplingParams:
     def __post_init__(self) -> None:
         positive_int("max_tokens", self.max_tokens)
         positive_int("n", self.n)
-        non_negative_number("temperature", self.temperature)
+        temperature = non_negative_number("temperature", self.temperature)
+        if temperature > MAX_TEMPERATURE:
+            raise KvlabValueError(f"temperature must be in [0, {MAX_TEMPERATURE}] (as in vLLM), got {temperature!r}")
+        if 0 < temperature < MIN_SAMPLING_TEMPERATURE:
+            warnings.warn(
+                f"temperature {temperature!r} is below {MIN_SAMPLING_TEMPERATURE}, where logits / T overflow to inf "
+                f"and softmax gives NaN; raised to {MIN_SAMPLING_TEMPERATURE}, as vLLM does (use 0 for greedy)",
+                stacklevel=3,
+            )
+            temperature = MIN_SAMPLING_TEMPERATURE
+        object.__setattr__(self, "temperature", temperature)
         if self.seed is not None:
-            non_negative_int("seed", self.seed)
+            seed = non_negative_int("seed", self.seed)
+            if seed + self.n - 1 > MAX_SEED:
+                raise KvlabValueError(
+                    f"seed must be an integer in [0, 2**64 - n] = [0, {MAX_SEED - self.n + 1}] (torch generators "
+                    f"take 64-bit seeds, and sample i of the n={self.n} uses seed + i), got {self.seed!r}"
+                )
+        if not isinstance(self.ignore_eos, bool):
+            raise KvlabValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy decoding: vLLM's ``SamplingType.GREEDY``, a temperature below ``SAMPLING_EPS``."""
+        return self.temperature < SAMPLING_EPS
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of parallel sample ``index`` (0 is the parent): ``n = 1``, seed ``seed + index``."""
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+#: finished status -> vLLM's finish reason (``vllm/v1/request.py``'s ``_FINISHED_REASON_MAP``).
+FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
 class GenerationRequest(Request):
@@ -79,9 +120,8 @@ class GenerationRequest(Request):
         return self.sampling_params.max_tokens
 
     def get_finished_reason(self) -> str | None:
-        """"stop" (an end-of-sequence token), "length" (max_tokens or max_model_len), or None."""
-        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self.status)
+        """"stop" (an end-of-sequence token), "length" (max_tokens or max_model_len), "abort", "error", or None."""
+        return FINISH_REASONS.get(self.status)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,19 +184,28 @@ class SchedulerOutput:
 
 @dataclasses.dataclass(frozen=True)
 class ModelRunnerOutput:
-    """The tokens an executor sampled, by request id (prefill chunks that do not finish sample none)."""
+    """The tokens an executor sampled, by request id (prefill chunks that do not finish sample none).
+
+    ``errors`` is kvlab's addition: requests the executor could not sample (non-finite logits, say),
+    with the exception that says why. Each finishes with ``FINISHED_ERROR``; the others go on.
+    """
 
     sampled_token_ids: dict[str, int]
+    errors: dict[str, BaseException] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request: its new token, and whether (and why) it finished."""
+    """What one step produced for one request: its new token, and whether (and why) it finished.
+
+    A request that finished with ``FINISHED_ERROR`` (finish reason ``"error"``) carries the exception.
+    """
 
     request_id: str
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None
+    error: BaseException | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,21 +32,26 @@ which V1 dropped: a preempted request's KV is copied to the CPU tier and copied 
 resumes, instead of recomputed. ``num_recomputed_tokens`` counts what preemption cost.
 
 The scheduler never touches tensors: an executor turns each ``SchedulerOutput`` into sampled
-tokens. ``NoComputeExecutor`` invents tokens without a model, for simulations; the real one
-is ``kvlab.engine.ModelRunner``.
+tokens, and ``kvlab.core.sched.loop.step`` drives the two (``NoComputeExecutor`` there invents
+tokens without a model, for simulations; the real executor is ``kvlab.engine.ModelRunner``).
+A step that fails strands no request: see ``update_from_output`` and ``fail_step``.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
-from kvlab._validate import one_of, positive_int
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.request import Request, RequestStatus
+from kvlab.core.request import RequestStatus
+from kvlab.core.sched.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    SchedulerConfig,
+    check_request_fits,
+)
 from kvlab.core.sched.output import (
-    Executor,
     GenerationRequest,
     ModelRunnerOutput,
     RequestOutput,
@@ -57,12 +62,7 @@ from kvlab.core.sched.output import (
     child_request_id,
 )
 from kvlab.core.sequence import BlockCopy
-from kvlab.errors import KvlabValueError, RequestStateError, RequestTooLongError
-from kvlab.units import cdiv
-
-#: vLLM's defaults for ``max_num_seqs``; kvlab's CPU engine uses a smaller token budget.
-DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+from kvlab.errors import KvlabValueError, RequestFailedError, RequestStateError
 
 
 class Scheduler:
@@ -80,16 +80,14 @@ class Scheduler:
     ) -> None:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise KvlabValueError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode)
+        self.scheduler_config = config
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
-        self.max_num_running_reqs = positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_scheduled_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        pool = kv_cache_manager.block_pool
-        self.num_usable_blocks = pool.num_gpu_blocks - (1 if pool.null_block is not None else 0)
-        self.max_model_len = (
-            self.num_usable_blocks * self.block_size if max_model_len is None
-            else positive_int("max_model_len", max_model_len)
-        )
+        self.max_num_running_reqs = config.max_num_seqs
+        self.max_num_scheduled_tokens = config.max_num_batched_tokens
+        self.num_usable_blocks = kv_cache_manager.block_pool.num_usable_blocks
+        self.max_model_len = config.max_model_len or self.num_usable_blocks * self.block_size
         self.requests: dict[str, GenerationRequest] = {}
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[GenerationRequest] = []
@@ -99,8 +97,8 @@ class Scheduler:
         self._pending_copies: dict[str, list[BlockCopy]] = {}  # copy-on-write copies not yet executed
         self._last_step: SchedulerOutput | None = None
         # kvlab.core.kv_offload: the CPU tier (vLLM's KV connector) and how a preempted request is resumed.
-        self.preemption_mode = one_of("preemption_mode", preemption_mode, ("recompute", "swap"))
-        if preemption_mode == "swap" and connector is None:
+        self.preemption_mode = config.preemption_mode
+        if config.needs_cpu_tier and connector is None:
             raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: pass a connector")
         self.connector = connector
         self.num_recomputed_tokens = 0  # tokens computed again after a preemption
@@ -167,13 +165,19 @@ class Scheduler:
             request = self.waiting[0]
             if self._num_seq_slots_used() + request.num_pending_forks + 1 > self.max_num_running_reqs:
                 break
-            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_external_tokens = (0 if self.connector is None
-                                   else self.connector.get_num_new_matched_tokens(request, num_hit_tokens))
+            hit_blocks, num_hit_tokens, _ = self.kv_cache_manager.get_computed_blocks(request)
+            num_external_tokens = 0
+            if self.connector is not None:  # as vLLM: the connector sees a block-aligned hit, and may supersede
+                partial_tail = num_hit_tokens % self.block_size  # a partial tail only by loading strictly more
+                num_external_tokens = self.connector.get_num_new_matched_tokens(request, num_hit_tokens - partial_tail)
+                if partial_tail and num_external_tokens > partial_tail:
+                    hit_blocks, num_hit_tokens = hit_blocks[:-1], num_hit_tokens - partial_tail
+                elif partial_tail:
+                    num_external_tokens = 0
             num_computed_tokens = num_hit_tokens + num_external_tokens
             num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens + num_external_tokens, num_hit_tokens, hit_blocks)
+                request, num_new_tokens, num_hit_tokens, hit_blocks, num_external_computed_tokens=num_external_tokens)
             if new_blocks is None:
                 break  # the pool is full: the queue waits, in order
             if self.connector is not None:
@@ -190,8 +194,12 @@ class Scheduler:
             token_budget -= num_new_tokens
 
         assert token_budget >= 0 and len(self.running) <= self.max_num_running_reqs
+        # Partial prefix hits' copies (vLLM 0.33.0's copy-on-write): the executor makes them before the forward,
+        # and nothing allocates before then, so their retained blocks can go back at once (vLLM's sync path).
+        hit_copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
+        self.kv_cache_manager.block_pool.free_blocks(retained)
         output = self._make_output(scheduled_running + admitted, num_new_tokens_of,
-                                   scheduled_new, scheduled_resumed, scheduled_running, preempted)
+                                   scheduled_new, scheduled_resumed, scheduled_running, preempted, hit_copies)
         self.num_steps += 1
         self.num_preemptions += len(preempted)
         self._last_step = output
@@ -233,6 +241,7 @@ class Scheduler:
         scheduled_resumed: list[GenerationRequest],
         scheduled_running: list[GenerationRequest],
         preempted: list[GenerationRequest],
+        hit_copies: list[BlockCopy],
     ) -> SchedulerOutput:
         """Advance ``num_computed_tokens`` (as vLLM does at schedule time), fork, and describe the step."""
         scheduled, copies = [], []
@@ -261,7 +270,7 @@ class Scheduler:
             scheduled_running_req_ids=[r.request_id for r in scheduled_running],
             preempted_req_ids=[r.request_id for r in preempted],
             finished_req_ids=finished,
-            blocks_to_copy=copies,
+            blocks_to_copy=copies + hit_copies,
             kv_connector_metadata=None if self.connector is None else self.connector.build_connector_meta(),
         )
 
@@ -276,6 +285,7 @@ class Scheduler:
                 eos_token_id=parent.eos_token_id, cache_salt=parent.cache_salt, lora_name=parent.lora_name,
             )
             child.parent_id = parent.request_id
+            child.lora_path = parent.lora_path  # the adapter's path enters the block hash, as its name does
             self.kv_cache_manager.fork(parent, child)
             child.status = RequestStatus.RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
@@ -288,20 +298,85 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        """Append each sampled token, stop requests that are done, and free their blocks."""
+        """Append each sampled token, stop requests that are done, and free their blocks.
+
+        Every request this step samples must get one token id. One the executor could not sample
+        (``model_runner_output.errors``), gave a bad token, or left out finishes with ``FINISHED_ERROR``
+        and frees its blocks: since ``num_computed_tokens`` advanced at schedule time (as in vLLM),
+        a request left without its token would never be scheduled again. A token for a request
+        that finished meanwhile (aborted during the step) is dropped, as vLLM drops it.
+        """
         if self.connector is not None:
             self.connector.complete_step()  # the executor made this step's CPU-tier copies
+        expected = dict.fromkeys(i for s in scheduler_output.scheduled if s.sample
+                                 for i in (s.request_id, *(child for child, _ in s.forked)))
+        sampled = model_runner_output.sampled_token_ids
+        errors = dict(model_runner_output.errors)
         outputs = []
-        for request_id, token_id in model_runner_output.sampled_token_ids.items():
+        for request_id, token_id in sampled.items():
             request = self.requests.get(request_id)
-            if request is None or request.is_finished():
+            if request is None or request.is_finished() or request_id in errors:
+                continue
+            problem = _token_problem(token_id, request_id in expected)
+            if problem:
+                errors[request_id] = RequestFailedError(request_id, f"the executor {problem}")
                 continue
             request.append_output_token_ids(token_id)
             stopped = self._check_stop(request)
             if stopped:
                 self._free_request(request)
             outputs.append(RequestOutput(request_id, (token_id,), stopped, request.get_finished_reason()))
+        for request_id in [i for i in expected if i not in sampled and i not in errors]:
+            errors[request_id] = RequestFailedError(request_id, "the executor returned no token for it in a step "
+                                                                "that samples it")
+        for request_id, error in errors.items():
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished():
+                outputs += self._finish(request, RequestStatus.FINISHED_ERROR, error)
         return outputs
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> ModelRunnerOutput:
+        """The executor raised: every request of the step, forked samples included, fails with ``error``.
+
+        The culprit is unknown and a retry would likely raise again, so none is retried (vLLM goes
+        further: the engine dies, with every request). The step may have stopped before writing
+        its KV, so the blocks it was to fill first leave the prefix cache (``evict_blocks``);
+        blocks of earlier steps stay cached. Returns the output ``update_from_output`` finishes them with.
+        """
+        untrusted: set[int] = set()
+        failed: dict[str, BaseException] = {}
+        for s in scheduler_output.scheduled:
+            untrusted.update(s.block_ids[s.num_computed_tokens // self.block_size:])
+            failed.update(dict.fromkeys((s.request_id, *(child for child, _ in s.forked)), error))
+        self.kv_cache_manager.block_pool.evict_blocks(untrusted, notify=False)
+        self.finished_req_ids |= scheduler_output.finished_req_ids  # the executor may not have seen them
+        return ModelRunnerOutput({}, failed)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[RequestOutput]:
+        """Finish requests from outside a step (vLLM's ``finish_requests``: an abort), freeing their blocks.
+
+        Unknown or finished ids are ignored, as in vLLM; a parent takes its samples not yet forked
+        along. Returns one output per request finished (vLLM returns the requests).
+        """
+        if not isinstance(finished_status, RequestStatus) or not RequestStatus.is_finished(finished_status):
+            raise KvlabValueError(f"finished_status must be a finished RequestStatus, got {finished_status!r}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for request_id in dict.fromkeys(ids):
+            request = self.requests.get(request_id) if isinstance(request_id, str) else None
+            if request is not None and not request.is_finished():
+                outputs += self._finish(request, finished_status)
+        return outputs
+
+    def _finish(self, request: GenerationRequest, status: RequestStatus, error: BaseException | None = None
+                ) -> list[RequestOutput]:
+        """Finish a running or waiting request with ``status``; its samples not yet forked finish with it."""
+        request.status = status
+        self._free_request(request)
+        n, pending = request.sampling_params.n, request.num_pending_forks
+        request.num_pending_forks = 0
+        ids = [request.request_id, *(child_request_id(request.request_id, k) for k in range(n - pending, n))]
+        return [RequestOutput(i, (), True, request.get_finished_reason(), error) for i in ids]
 
     def _check_stop(self, request: GenerationRequest) -> bool:
         """vLLM's ``check_stop``: an end-of-sequence token, else ``max_tokens`` or ``max_model_len``."""
@@ -315,8 +390,14 @@ class Scheduler:
         return False
 
     def _free_request(self, request: GenerationRequest) -> None:
-        self.running.remove(request)
+        """Take a finished request out of its queue and free everything it holds."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self.kv_cache_manager.free(request)
+        self._pending_copies.pop(request.request_id, None)
+        self._computed_before_preemption.pop(request.request_id, None)
         if self.connector is not None:
             self.connector.request_finished(request)
         self.finished_req_ids.add(request.request_id)
@@ -341,68 +422,10 @@ class Scheduler:
         )
 
 
-def check_request_fits(request: Request, max_model_len: int, num_usable_blocks: int, block_size: int) -> None:
-    """Refuse a request whose prompt passes ``max_model_len``, or whose KV could never fit the whole pool.
-
-    A request that needs more blocks than the pool has would, once alone, preempt itself
-    forever; vLLM prevents it at start-up by checking ``max_model_len`` against the pool, and
-    kvlab checks each request, so a tiny teaching pool can still serve the requests that fit.
-    The last sampled token needs no slot: it is never fed back.
-    """
-    if request.num_prompt_tokens >= max_model_len:
-        raise RequestTooLongError(
-            f"request {request.request_id!r}: its prompt has {request.num_prompt_tokens} tokens, but max_model_len "
-            f"is {max_model_len} (prompt plus output must stay within it)"
-        )
-    max_tokens = getattr(request, "max_tokens", 1)
-    tokens_with_kv = min(request.num_prompt_tokens + max_tokens, max_model_len) - 1
-    needed = cdiv(tokens_with_kv, block_size)
-    if needed > num_usable_blocks:
-        raise RequestTooLongError(
-            f"request {request.request_id!r} needs {needed} blocks of {block_size} tokens for its "
-            f"{request.num_prompt_tokens} prompt tokens and up to {max_tokens} output tokens, but the pool has only "
-            f"{num_usable_blocks} usable blocks: it could never run. Shorten it, lower max_tokens, or give the "
-            "engine more blocks"
-        )
-
-
-class NoComputeExecutor:
-    """An executor without a model: it samples a made-up token for every request that asks for one.
-
-    The token depends only on the request id and the position (a CRC, not Python's salted
-    ``hash``), so a run repeats exactly and a preempted request regenerates the same tokens.
-    Use it to simulate scheduling and the KV pool at scales a CPU model could not run.
-    """
-
-    def __init__(self, vocab_size: int = 32000) -> None:
-        self.vocab_size = positive_int("vocab_size", vocab_size)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        sampled = {}
-        for s in scheduler_output.scheduled:
-            if not s.sample:
-                continue
-            position = s.num_computed_tokens + s.num_tokens
-            for request_id, _params in ((s.request_id, s.sampling_params), *s.forked):
-                sampled[request_id] = zlib.crc32(f"{request_id}:{position}".encode()) % self.vocab_size
-        return ModelRunnerOutput(sampled)
-
-
-def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
-    """One engine step, as vLLM's ``EngineCore.step``: schedule, execute, update."""
-    scheduler_output = scheduler.schedule()
-    model_runner_output = executor.execute_model(scheduler_output)
-    outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
-    return scheduler_output, outputs, scheduler.make_stats()
-
-
-def run_until_done(scheduler: Scheduler, executor: Executor | None = None, max_steps: int = 100_000
-                   ) -> list[SchedulerStats]:
-    """Step until every request finished; return one ``SchedulerStats`` per step (a simulation's history)."""
-    executor = executor or NoComputeExecutor()
-    history = []
-    while scheduler.has_unfinished_requests():
-        if len(history) >= positive_int("max_steps", max_steps):
-            raise RequestStateError(f"requests were still unfinished after max_steps={max_steps} steps")
-        history.append(step(scheduler, executor)[2])
-    return history
+def _token_problem(token_id: object, expected: bool) -> str | None:
+    """Why an executor's token cannot be appended to a request, or None if it can."""
+    if not expected:
+        return f"returned token {token_id!r} for it, but it does not sample in this step"
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        return f"returned {token_id!r}, which is not a token id (a non-negative integer)"
+    return None

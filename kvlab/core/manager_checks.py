@@ -1,0 +1,212 @@
+"""The checks ``KVCacheManager`` runs before it changes anything: a linear list, kept apart from the logic.
+
+vLLM trusts its scheduler and asserts; kvlab is called from notebooks, so every call is
+checked completely first, once per call (never per token or per block when a cheaper whole
+check exists), and a bad call raises a kvlab error naming the parameter, with nothing changed.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvlab._validate import non_negative_int, positive_int
+from kvlab.core.hashing import generate_block_hash_extra_keys
+from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.request import FINISHED, Request
+from kvlab.errors import KvlabValueError, RequestStateError
+from kvlab.units import cdiv
+
+if TYPE_CHECKING:
+    from kvlab.core.block_pool import BlockPool
+
+
+class AllocationChecks:
+    """Argument and state checks of the manager's public calls (a mixin of ``KVCacheManager``)."""
+
+    block_size: int
+    hash_block_size: int
+    enable_caching: bool
+    block_pool: BlockPool
+    req_to_blocks: dict[str, list[KVCacheBlock]]
+    _requests: dict[str, Request]
+    _pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]]
+    _block_content: dict[int, tuple[tuple[int, ...], Any]]
+    num_rejected_hits: int
+    _request_block_hasher: Any
+
+    def _check_hash_block_size(self, hash_block_size: int | None, verify_hits: bool) -> int:
+        if hash_block_size is None:
+            return self.block_size
+        hash_block_size = positive_int("hash_block_size", hash_block_size)
+        if self.block_size % hash_block_size:
+            raise KvlabValueError(f"hash_block_size={hash_block_size} must divide block_size={self.block_size}")
+        if verify_hits and hash_block_size != self.block_size:
+            raise KvlabValueError("verify_hits compares whole blocks: it needs hash_block_size == block_size")
+        return hash_block_size
+
+    @staticmethod
+    def _check_watermark(watermark: float, num_blocks: int) -> int:
+        if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real) or not 0 <= watermark < 1:
+            raise KvlabValueError(f"watermark must be a share of the blocks in [0, 1), got {watermark!r}")
+        return int(watermark * positive_int("num_blocks", num_blocks))
+
+    def _check_request(self, request: Request) -> None:
+        if type(request) is not Request and not isinstance(request, Request):
+            raise KvlabValueError(f"request must be a kvlab Request, got {type(request).__name__}")
+        if request.status in FINISHED:
+            raise RequestStateError(
+                f"request {request.request_id!r} is {request.status.value}; a finished request gets no blocks"
+            )
+        self._check_same_object(request)
+
+    def _check_same_object(self, request: Request) -> None:
+        live = self._requests.get(request.request_id)
+        if live is not None and live is not request:
+            raise RequestStateError(
+                f"another request with id {request.request_id!r} holds blocks; request ids must be unique"
+            )
+
+    def _is_retained(self, block: KVCacheBlock) -> bool:
+        """True for a partial hit's copy still waiting for ``take_kv_cache_block_copies`` (its extra reference)."""
+        return any(copy is block for _, copy in self._pending_cow_copies)
+
+    def _verified(self, request: Request, hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Cut ``hits`` at the first block whose recorded tokens or extra keys differ from the request's."""
+        for i, block in enumerate(hits):
+            if self._block_content.get(block.block_id) != self._content(request, i):
+                self.num_rejected_hits += 1
+                return hits[:i]
+        return hits
+
+    def _content(self, request: Request, block_index: int) -> tuple[tuple[int, ...], Any]:
+        start, end = block_index * self.block_size, (block_index + 1) * self.block_size
+        return request.token_ids(start, end), generate_block_hash_extra_keys(request, start, end)[0]
+
+    def _ensure_block_hashes(self, request: Request) -> None:
+        """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
+        if request._hasher_owner is None:
+            request._hasher_owner = self
+            request._block_hasher = self._request_block_hasher
+            request.block_hashes.extend(self._request_block_hasher(request))
+        elif request._hasher_owner is not self:
+            raise RequestStateError(
+                f"request {request.request_id!r} was hashed by another KVCacheManager (its own hash seed and "
+                "function); create a new Request for this manager"
+            )
+
+    def _check_fork(self, parent: Request, child: Request) -> None:
+        self._check_request(parent)
+        self._check_request(child)
+        if parent.request_id not in self.req_to_blocks:
+            raise RequestStateError(f"request {parent.request_id!r} holds no blocks: there is nothing to fork")
+        if child.request_id in self.req_to_blocks or child.num_computed_tokens:
+            raise RequestStateError(f"request {child.request_id!r} already holds blocks; fork into a new request")
+        if child._hasher_owner not in (None, self):
+            raise RequestStateError(f"request {child.request_id!r} was hashed by another KVCacheManager")
+        computed = parent.num_computed_tokens
+        if child.num_tokens < computed or child.token_ids(0, computed) != parent.token_ids(0, computed):
+            raise KvlabValueError(
+                f"child {child.request_id!r} must start with the {computed} tokens that parent "
+                f"{parent.request_id!r} has computed"
+            )
+
+    def _check_allocation(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        num_encoder_tokens: int,
+        reserved_blocks: int,
+        skip_zeroing_group_ids: tuple[int, ...],
+    ) -> tuple[list[KVCacheBlock], int]:
+        """Validate an ``allocate_slots`` call completely before anything changes.
+
+        Returns the hit blocks and 1 if the hit ends inside its last block (a partial hit to
+        copy), else 0.
+        """
+        self._check_request(request)
+        num_new_tokens = _count("num_new_tokens", num_new_tokens)
+        num_new_computed_tokens = _count("num_new_computed_tokens", num_new_computed_tokens)
+        _count("num_lookahead_tokens", num_lookahead_tokens)
+        num_external = _count("num_external_computed_tokens", num_external_computed_tokens)
+        _count("reserved_blocks", reserved_blocks)
+        if _count("num_encoder_tokens", num_encoder_tokens):
+            raise KvlabValueError("num_encoder_tokens must be 0: kvlab models no cross-attention (decoder-only)")
+        if skip_zeroing_group_ids != () and tuple(skip_zeroing_group_ids):
+            raise KvlabValueError("skip_zeroing_group_ids must be empty: kvlab's worker zeroes no blocks")
+        if num_new_tokens == 0 and num_external == 0 and num_new_computed_tokens == 0:
+            raise KvlabValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
+        held = self.req_to_blocks.get(request.request_id)
+        if held is None and request.num_computed_tokens > 0:
+            raise RequestStateError(
+                f"request {request.request_id!r} holds no blocks but has num_computed_tokens="
+                f"{request.num_computed_tokens}: it was freed. A preempted request restarts from "
+                "num_computed_tokens = 0"
+            )
+        computed = list(new_computed_blocks) if new_computed_blocks else []
+        if held is not None and (computed or num_new_computed_tokens or num_external):
+            raise RequestStateError(
+                f"request {request.request_id!r} already holds blocks; prefix hits and external tokens are taken "
+                "only at admission"
+            )
+        partial = self._check_hits(request, computed, num_new_computed_tokens)
+        total = request.num_computed_tokens + num_new_computed_tokens + num_external + num_new_tokens
+        if total > request.num_tokens:
+            raise KvlabValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens; computing {num_new_tokens} new "
+                f"after {total - num_new_tokens} computed would pass its end "
+                "(reserve slots for future tokens with num_lookahead_tokens)"
+            )
+        if held is not None:
+            self._check_not_writing_shared(request, held)
+        return computed, partial
+
+    def _check_hits(self, request: Request, computed: list[KVCacheBlock], num_tokens: int) -> int:
+        """The hits must be exactly what ``get_computed_blocks`` returned for this request."""
+        if cdiv(num_tokens, self.block_size) != len(computed) or num_tokens % self.hash_block_size:
+            raise KvlabValueError(
+                f"num_new_computed_tokens={num_tokens} does not fit len(new_computed_blocks)={len(computed)} blocks of "
+                f"{self.block_size} tokens (hits end on a multiple of hash_block_size={self.hash_block_size}); pass "
+                "exactly what get_computed_blocks returned"
+            )
+        if not computed:
+            return 0
+        if not self.enable_caching:
+            raise KvlabValueError("new_computed_blocks must be empty when prefix caching is disabled")
+        if request._hasher_owner is not self:
+            raise KvlabValueError(f"request {request.request_id!r} was not looked up by this manager: pass the blocks "
+                                  "get_computed_blocks returned for it")
+        scale = self.block_size // self.hash_block_size
+        index = self.block_pool.cached_block_hash_to_block
+        for i, block in enumerate(computed):
+            fine = min((i + 1) * scale, num_tokens // self.hash_block_size) - 1
+            if not (isinstance(block, KVCacheBlock) and block._pool is self.block_pool
+                    and fine < len(request.block_hashes) and index.contain(request.block_hashes[fine], block.block_id)):
+                raise KvlabValueError(
+                    f"new_computed_blocks[{i}] ({block!r}) is not a cached block of this pool for the request's "
+                    f"block {i}; pass exactly what get_computed_blocks returned"
+                )
+        if len({b.block_id for b in computed}) != len(computed):
+            raise KvlabValueError("new_computed_blocks lists a block twice; pass what get_computed_blocks returned")
+        return int(num_tokens % self.block_size != 0)
+
+    def _check_not_writing_shared(self, request: Request, held: list[KVCacheBlock]) -> None:
+        """A running request writes its next token in place: that block must be its own (fork: copy first)."""
+        index, offset = divmod(request.num_computed_tokens, self.block_size)
+        if offset and index < len(held) and held[index].ref_cnt > 1 and not self._is_retained(held[index]):
+            raise RequestStateError(
+                f"request {request.request_id!r} would write into block {held[index].block_id}, which "
+                f"{held[index].ref_cnt} holders share; call copy_on_write(request) first"
+            )
+
+
+def _count(name: str, value: object) -> int:
+    """``non_negative_int`` with a fast path for the plain ints a scheduler passes (checked once per call)."""
+    if type(value) is int and value >= 0:
+        return value
+    return non_negative_int(name, value)

@@ -1,0 +1,76 @@
+"""One engine step over a scheduler and an executor, and a loop to the end: vLLM's ``EngineCore.step``.
+
+Mirrors the loop of ``vllm/v1/engine/core.py``: ``schedule``, ``execute_model``, ``update_from_output``.
+kvlab differs where a step fails: vLLM treats an exception from ``execute_model`` as fatal (the
+engine core logs it, tells its clients the engine is dead and shuts down, failing every request);
+kvlab fails only the requests of that step (``Scheduler.fail_step``) and serves the rest, so a
+learner's loop ``while scheduler.has_unfinished_requests(): step(...)`` always ends.
+
+``NoComputeExecutor`` stands in for a model, for simulations at scales a CPU model could not run.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from kvlab._validate import positive_int
+from kvlab.core.sched.output import Executor, ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
+from kvlab.core.sched.scheduler import Scheduler
+from kvlab.errors import RequestStateError
+
+
+class NoComputeExecutor:
+    """An executor without a model: it samples a made-up token for every request that asks for one.
+
+    The token depends only on the request id and the position (a CRC, not Python's salted
+    ``hash``), so a run repeats exactly and a preempted request regenerates the same tokens.
+    Use it to simulate scheduling and the KV pool at scales a CPU model could not run.
+    """
+
+    def __init__(self, vocab_size: int = 32000) -> None:
+        self.vocab_size = positive_int("vocab_size", vocab_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        sampled = {}
+        for s in scheduler_output.scheduled:
+            if not s.sample:
+                continue
+            position = s.num_computed_tokens + s.num_tokens
+            for request_id, _params in ((s.request_id, s.sampling_params), *s.forked):
+                sampled[request_id] = zlib.crc32(f"{request_id}:{position}".encode()) % self.vocab_size
+        return ModelRunnerOutput(sampled)
+
+
+def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
+    """One engine step, as vLLM's ``EngineCore.step``: schedule, execute, update.
+
+    An exception from the executor (an interrupt included) does not escape: it fails the step's
+    requests (``Scheduler.fail_step``), whose outputs carry it, and the scheduler serves the rest.
+    ``LLMEngine.step`` raises it again once its bookkeeping is done.
+    """
+    scheduler_output = scheduler.schedule()
+    try:
+        model_runner_output = executor.execute_model(scheduler_output)
+    except BaseException as error:  # noqa: BLE001 - nothing may strand the step's requests; re-raised by callers
+        model_runner_output = scheduler.fail_step(scheduler_output, error)
+    outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+    return scheduler_output, outputs, scheduler.make_stats()
+
+
+def run_until_done(scheduler: Scheduler, executor: Executor | None = None, max_steps: int = 100_000
+                   ) -> list[SchedulerStats]:
+    """Step until every request finished; return one ``SchedulerStats`` per step (a simulation's history).
+
+    An interrupt (Ctrl-C) inside the executor fails that step's requests and then stops the loop.
+    """
+    executor = executor or NoComputeExecutor()
+    history = []
+    while scheduler.has_unfinished_requests():
+        if len(history) >= positive_int("max_steps", max_steps):
+            raise RequestStateError(f"requests were still unfinished after max_steps={max_steps} steps")
+        _, outputs, stats = step(scheduler, executor)
+        history.append(stats)
+        for out in outputs:
+            if out.error is not None and not isinstance(out.error, Exception):
+                raise out.error
+    return history

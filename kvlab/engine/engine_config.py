@@ -1,0 +1,156 @@
+"""``EngineConfig``: every knob of an ``LLMEngine``, checked once, before a single weight is read.
+
+vLLM 0.33.0 turns ``EngineArgs`` into one ``VllmConfig`` made of ``ModelConfig``, ``CacheConfig``,
+``SchedulerConfig`` and more (``vllm/config/``), each validated when it is built. kvlab keeps one
+flat dataclass whose fields are ``LLMEngine``'s keywords (the comment beside each names the vLLM
+field it plays), and builds from it the two configs the layers below check themselves: the
+checkpoint's ``DecoderConfig`` (its ``config.json``) and the scheduler's ``SchedulerConfig``.
+``max_model_len`` is checked against the checkpoint as vLLM's ``_get_and_verify_max_len``
+(``vllm/config/model.py``) checks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlab import kernels
+from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
+from kvlab.core.sched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
+from kvlab.engine.config import DecoderConfig
+from kvlab.errors import KvlabValueError, UnknownNameError
+
+#: kv_cache_dtype -> torch dtype of the cache tensors (None: the model's own dtype).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn,
+                                                   "fp8_e4m3": torch.float8_e4m3fn}
+#: The longest sequence when ``config.json`` names none (vLLM's fallback too).
+DEFAULT_MAX_MODEL_LEN = 2048
+#: Rotary variants whose ``max_position_embeddings`` already counts the scaling, so vLLM does not
+#: multiply it by ``factor`` (``_get_and_verify_max_len``); for any other type it does.
+PRESCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def engine_device(device: str | torch.device | None = None) -> torch.device:
+    """The device an engine runs on: ``device``, or by default where the kernels run (``kernels.default_device()``).
+
+    Checked before anything is loaded: native Triton kernels need CUDA tensors, so on the
+    ``triton-cuda`` backend a CPU engine is refused, and ``cuda`` needs a device torch can see.
+    """
+    try:
+        chosen = torch.device(kernels.default_device() if device is None else device)
+    except (RuntimeError, TypeError) as error:
+        raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from error
+    if chosen.type not in ("cpu", "cuda"):
+        raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise KvlabValueError(f"device={device!r} needs a CUDA device, and torch sees none here: use 'cpu'")
+    kernels.check_kernel_device(kernels.backend(), chosen)
+    return chosen
+
+
+def derived_max_model_len(model_config: DecoderConfig) -> int | None:
+    """The longest sequence the checkpoint supports: ``max_position_embeddings``, times the rotary scaling
+    ``factor`` where vLLM applies it (not for ``PRESCALED_ROPE_TYPES``); None if the config names no length."""
+    if model_config.max_position_embeddings is None:
+        return None
+    rope = model_config.rope
+    factor = 1.0 if rope.rope_type in PRESCALED_ROPE_TYPES else rope.factor
+    return int(model_config.max_position_embeddings * factor)
+
+
+def verify_max_model_len(max_model_len: int | None, model_config: DecoderConfig) -> int:
+    """``max_model_len``, by default the checkpoint's own length; one past what the checkpoint supports is refused.
+
+    Positions past the trained range give rotary angles the model never saw, so its output would
+    be noise. vLLM refuses the same length unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``; kvlab has no override.
+    """
+    derived = derived_max_model_len(model_config)
+    if max_model_len is None:
+        return derived or DEFAULT_MAX_MODEL_LEN
+    max_model_len = positive_int("max_model_len", max_model_len)
+    if derived is not None and max_model_len > derived:
+        rope = model_config.rope
+        raise KvlabValueError(
+            f"max_model_len={max_model_len} is longer than the checkpoint supports: config.json has "
+            f"max_position_embeddings={model_config.max_position_embeddings} and rope_type={rope.rope_type!r}"
+            f"{'' if rope.rope_type == 'default' else f' (factor {rope.factor})'}, so at most {derived} tokens. "
+            "Lower max_model_len, or use a checkpoint whose rope scaling extends its context"
+        )
+    return max_model_len
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise KvlabValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What an ``LLMEngine`` is built from, validated when it is created (``EngineConfig.create``).
+
+    Give ``num_gpu_blocks`` or ``kv_cache_memory_gib``, not both; with neither the pool holds
+    ``max_num_seqs`` requests of ``max_model_len`` tokens, capped by memory (``LLMEngine``).
+    After validation ``device`` is a ``torch.device``, ``max_model_len`` an int, and
+    ``model_config`` / ``scheduler_config`` hold the checkpoint's and the scheduler's configs.
+    """
+
+    model_dir: Path                                 # ModelConfig.model
+    num_gpu_blocks: int | None = None               # CacheConfig.num_gpu_blocks_override
+    kv_cache_memory_gib: float | None = None        # CacheConfig.kv_cache_memory_bytes, in GiB
+    block_size: int = 16                            # CacheConfig.block_size
+    enable_prefix_caching: bool = True              # CacheConfig.enable_prefix_caching
+    kv_cache_dtype: str = "auto"                    # CacheConfig.cache_dtype
+    max_model_len: int | None = None                # ModelConfig.max_model_len
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS        # SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # SchedulerConfig.max_num_batched_tokens
+    preemption_mode: str = "recompute"              # kvlab: "swap" is what V1 dropped
+    cpu_offload_blocks: int = 0                     # the CPU tier; vLLM sizes it in GiB (kv_offloading_size)
+    kv_cache_metrics: bool = False                  # ObservabilityConfig.kv_cache_metrics
+    kv_cache_metrics_sample: float = 1.0            # ObservabilityConfig.kv_cache_metrics_sample
+    keep_logits: bool = False                       # kvlab: keep each sampled row of logits
+    device: Any = None                              # DeviceConfig.device: "cpu", "cuda", or where the kernels run
+    model_config: DecoderConfig = dataclasses.field(init=False, repr=False)
+    scheduler_config: SchedulerConfig = dataclasses.field(init=False, repr=False)
+
+    @classmethod
+    def create(cls, model_dir: str | os.PathLike, **engine_args: Any) -> EngineConfig:
+        """``EngineConfig(model_dir, **engine_args)``, refusing an unknown keyword by name."""
+        known = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "model_dir"]
+        for name in engine_args:
+            if name not in known:
+                raise UnknownNameError("LLMEngine keyword", name, known)
+        return cls(model_dir, **engine_args)
+
+    def __post_init__(self) -> None:
+        self._check_arguments()
+        set_ = object.__setattr__  # frozen: the checks store what they resolved, as vLLM's configs do
+        set_(self, "device", engine_device(self.device))
+        set_(self, "model_config", DecoderConfig.from_pretrained(self.model_dir))
+        set_(self, "max_model_len", verify_max_model_len(self.max_model_len, self.model_config))
+        set_(self, "scheduler_config", SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
+                                                       self.max_model_len, self.preemption_mode))
+        if self.scheduler_config.needs_cpu_tier and not self.cpu_offload_blocks:
+            raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: set cpu_offload_blocks")
+
+    def _check_arguments(self) -> None:
+        """The checks that need no file: types, ranges, and arguments that exclude each other."""
+        if not isinstance(self.model_dir, (str, os.PathLike)):
+            raise KvlabValueError(f"model_dir must be a path to a checkpoint folder, got {self.model_dir!r}")
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        positive_int("block_size", self.block_size)
+        if self.num_gpu_blocks is not None and self.kv_cache_memory_gib is not None:
+            raise KvlabValueError("give num_gpu_blocks or kv_cache_memory_gib, not both")
+        if self.num_gpu_blocks is not None:
+            positive_int("num_gpu_blocks", self.num_gpu_blocks)
+        if self.kv_cache_memory_gib is not None:
+            positive_number("kv_cache_memory_gib", self.kv_cache_memory_gib)
+        non_negative_int("cpu_offload_blocks", self.cpu_offload_blocks)
+        fraction_in_unit_interval("kv_cache_metrics_sample", self.kv_cache_metrics_sample)
+        for name in ("enable_prefix_caching", "kv_cache_metrics", "keep_logits"):
+            _flag(name, getattr(self, name))

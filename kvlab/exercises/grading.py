@@ -1,0 +1,154 @@
+"""How ``check`` judges one case and words what it found: the result box, failure lines, state notes.
+
+``judge`` compares one outcome of the learner's function with the expected value and turns every
+problem on the way (an exception, a time-out, a value that is not plain data, a comparison that
+raises) into a failed case with its reason; ``failure_lines`` and ``state_note`` write the message.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import html
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvlab.exercises.canonical import NotComparable, canonical, difference, short_repr, type_name
+from kvlab.exercises.limits import Outcome, call_with_time_limit
+from kvlab.exercises.state import STATE
+
+if TYPE_CHECKING:
+    from kvlab.exercises.core import Case, Exercise
+
+Status = Literal["pass", "fail", "not attempted"]
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """What ``check`` found. Shows as a coloured box in JupyterLab and as text elsewhere."""
+
+    exercise_id: str
+    status: Status
+    cases_run: int
+    message: str
+    case: Case | None = None
+    expected: Any = None
+    actual: Any = None
+    seed: int | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return self.message
+
+    def _repr_html_(self) -> str:
+        colour = {"pass": "#1b7f3b", "fail": "#b42318", "not attempted": "#6b7280"}[self.status]
+        body = html.escape(self.message)
+        return (
+            f'<div class="kvlab-check kvlab-check-{self.status.replace(" ", "-")}" '
+            f'style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0;'
+            f'font-family:var(--jp-code-font-family,monospace);white-space:pre-wrap">{body}</div>'
+        )
+
+
+def copies(case: Case) -> tuple[tuple, dict[str, Any]]:
+    """Deep copies of a case's inputs, so no call can change the case for the next."""
+    return copy.deepcopy(case.args), copy.deepcopy(dict(case.kwargs))
+
+
+def format_inputs(case: Case, signature: str) -> str:
+    # Parsed, not split on commas: a hint such as dict[str, list[int]] holds commas of its own.
+    args = ast.parse(signature.strip() + "\n    pass").body[0].args  # type: ignore[attr-defined]
+    names = [a.arg for a in args.posonlyargs + args.args]
+    parts = [f"{names[i] if i < len(names) else f'arg{i}'}={short_repr(a)}" for i, a in enumerate(case.args)]
+    parts += [f"{k}={short_repr(v)}" for k, v in case.kwargs.items()]
+    return ", ".join(parts)
+
+
+@dataclasses.dataclass
+class _Verdict:
+    """How one case went: None in ``got`` means it agreed."""
+
+    got: str | None = None
+    where: str | None = None
+    likely: str | None = None
+    actual: Any = None
+
+
+def _is_tensor(value: Any) -> bool:
+    return type_name(value) in ("Tensor", "Parameter") and type(value).__module__.startswith("torch")
+
+
+def _is_exercise_output(expected: Any, value: Any) -> bool:
+    """A result type an exercise module defines itself (05's ``TileOutput``), compared by that exercise's ``compare``.
+
+    Such a value is built by the exercise's own ``prepare`` wrapper around the learner's code, and
+    its exact type (not a subclass) holds only tensors, so it needs no canonical form.
+    """
+    kind = type(expected)
+    return type(value) is kind and kind.__module__.startswith("kvlab.exercises.nb")
+
+
+def judge(exercise: Exercise, case: Case, expected: Any, outcome: Outcome, limit: float) -> _Verdict:
+    """Compare one learner outcome with the expected value; every exception on the way is a failed case."""
+    if outcome.timed_out:
+        left = " It is still running in the background (stuck in C code): restart the kernel." * outcome.still_running
+        return _Verdict(f"no answer within {limit:g} s: stopped by the time limit per case (an endless loop?).{left}")
+    if outcome.error is not None:
+        said = call_with_time_limit(str, (outcome.error,), seconds=1.0)  # the learner's own __str__ may misbehave
+        text = said.value if type(said.value) is str else "(its message could not be read)"
+        return _Verdict(f"{type_name(outcome.error)}: {text[:300]}")
+    try:
+        actual = (outcome.value if _is_exercise_output(expected, outcome.value)
+                  else canonical(outcome.value, keep_tensors=_is_tensor(expected)))
+    except NotComparable as why:
+        return _Verdict(f"<{type_name(outcome.value)}>", where=str(why))
+    try:
+        if exercise.compare is not None:
+            where = None if exercise.compare(expected, actual) else ""
+        else:
+            where = difference(expected, actual)
+    except Exception as exc:  # a checker must never crash on what a learner returns
+        return _Verdict(short_repr(actual), where=f"comparing it raised {type_name(exc)}: {exc}")
+    if where is None:
+        return _Verdict()
+    verdict = _Verdict(short_repr(actual), where=where or None, actual=actual)
+    if exercise.explain is not None:
+        try:
+            verdict.likely = exercise.explain(case, expected, actual)
+        except Exception:  # no diagnosis is better than a crash
+            verdict.likely = None
+    return verdict
+
+
+def state_note(during: list[tuple[str, str]]) -> list[str]:
+    """Lines saying that kvlab's module data differs from its own, and whether the learner's function did it."""
+    now = STATE.changes()
+    if not now:
+        return []
+    by_function = [c for c in now if c in during]
+    said = ("your function changed kvlab's state while check() ran: " if by_function else
+            "kvlab's state differs from its own (changed by the notebook): ")
+    return ["  note:     " + said + "; ".join(STATE.describe(by_function or now)),
+            "            Expected values come from kvlab's own values; your function ran with the notebook's. "
+            "restore_kvlab_state() puts kvlab's back (or restart the kernel)."]
+
+
+def failure_lines(exercise: Exercise, number: int, cases: list[Case], seed: int, expected: Any,
+             verdict: _Verdict) -> tuple[list[str], Any]:
+    case = cases[number - 1]
+    where = "edge case" if number <= len(exercise.edge_cases) else f"random case (seed={seed})"
+    lines = [f"✗ {exercise.id} ({exercise.title}): failed on case {number} of {len(cases)} ({where})."]
+    if case.probes:
+        lines.append(f"  This case probes: {case.probes}")
+    lines.append(f"  inputs:   {format_inputs(case, exercise.signature)}")
+    lines.append(f"  expected: {short_repr(expected)}")
+    lines.append(f"  got:      {verdict.got}")
+    lines += [f"  {label:<9} {text}" for label, text in (("where:", verdict.where), ("likely:", verdict.likely))
+              if text]
+    return lines, verdict.actual

@@ -1,0 +1,197 @@
+"""The grader cannot be fooled: each reproducer of issue 14's "The grader" section, as a test.
+
+* an object whose ``__eq__`` always says yes (or raises) fails every exercise, with its reason;
+* ``np.array(correct)`` passes (numpy values are compared as the Python values they hold);
+* ``while True: pass`` is stopped by the per-case time limit, in the main thread and in another;
+* patching kvlab's module data cannot move the expected values, and the message says what changed.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvlab.capacity.sizing as sizing
+import kvlab.exercises as ex
+from kvlab.exercises.canonical import NotComparable, canonical, difference, short_repr
+from kvlab.exercises.core import Case, Exercise
+from kvlab.exercises.grading import judge
+from kvlab.exercises.limits import Outcome, call_with_time_limit
+
+IDS = ex.list_exercises()
+PLAIN = [i for i in IDS if ex.get_exercise(i).prepare is None]  # the learner's function returns the answer itself
+
+
+class AlwaysEqual:
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = object.__hash__
+
+
+class EqualRaises:
+    def __eq__(self, other):
+        raise RuntimeError("no comparing me")
+
+    __hash__ = object.__hash__
+
+
+class SneakyInt(int):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_an_object_that_equals_everything_fails_every_exercise(exercise_id):
+    result = ex.check(exercise_id, lambda *a, **k: AlwaysEqual(), seed=5)
+    assert result.status == "fail", result.message
+    if exercise_id in PLAIN:
+        assert "AlwaysEqual" in result.message and "not a plain Python value" in result.message
+
+
+@pytest.mark.parametrize("exercise_id", PLAIN)
+def test_an_object_whose_eq_raises_is_a_failed_case_not_a_crash(exercise_id):
+    result = ex.check(exercise_id, lambda *a, **k: EqualRaises(), seed=5)
+    assert result.status == "fail" and "EqualRaises" in result.message
+
+
+def test_a_subclass_of_int_is_refused_even_when_its_value_is_right():
+    reference = ex.solution("02.max_model_len_for")
+    result = ex.check("02.max_model_len_for", lambda *a: SneakyInt(reference(*a)), seed=1)
+    assert result.status == "fail" and "SneakyInt" in result.message
+
+
+def _as_numpy(reference):
+    def learner(*args, **kwargs):
+        return np.array(reference(*args, **kwargs))
+    return learner
+
+
+@pytest.mark.parametrize("exercise_id", [i for i in PLAIN if i not in ("03.cow_append", "04.chained_hashes")])
+def test_numpy_arrays_and_scalars_of_the_right_values_pass(exercise_id):
+    result = ex.check(exercise_id, _as_numpy(ex.solution(exercise_id)), seed=3)
+    assert result.passed, result.message
+
+
+def test_a_ragged_numpy_answer_is_refused_with_numpys_own_reason():
+    # (table, copies) has parts of different shapes: numpy itself refuses to build the array.
+    result = ex.check("03.cow_append", _as_numpy(ex.solution("03.cow_append")), seed=3)
+    assert result.status == "fail" and "ValueError" in result.message and "inhomogeneous" in result.message
+
+
+def test_numpy_scalars_become_python_values_but_a_float_is_not_an_int():
+    assert type(canonical(np.int64(7))) is int and type(canonical(np.bool_(True))) is bool
+    assert canonical(np.array([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+    assert difference(7, canonical(np.float64(7.0))) == "the result is a float (7.0), expected an int; return int(...)"
+    assert difference(7, True).startswith("the result is a bool")
+    assert difference([1, (2, 3)], ((1, [2, 3]))) is None            # lists and tuples are both sequences
+    assert difference({"a": [1, 2]}, {"a": [1, 3]}) == "the result['a'][1] is 3, expected 2"
+    assert difference(0.1 + 0.2, 0.3) is None and difference(float("nan"), float("nan")) is None
+
+
+def test_what_the_grader_cannot_compare_is_named():
+    with pytest.raises(NotComparable, match="generator"):
+        canonical(x for x in [1])
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(NotComparable, match="contains itself"):
+        canonical(loop)
+    with pytest.raises(NotComparable, match=r"the result\[1\] is a AlwaysEqual"):
+        canonical([1, AlwaysEqual()])
+
+
+def test_hashes_are_shown_as_short_hex():
+    digest = bytes(range(32))
+    assert short_repr([digest]) == "[<hash 00010203…>]" and short_repr(b"seed") == "b'seed'"
+    result = ex.check("04.chained_hashes", lambda t, b, n: [b"\x00" * 32], seed=1)
+    assert "<hash " in result.message and "\\x" not in result.message.split("got:")[1]
+
+
+def test_a_comparison_that_raises_is_a_failed_case_with_its_reason():
+    def fussy(expected, actual):
+        raise ZeroDivisionError("compare broke")
+
+    exercise = Exercise("99.x", "t", "t", "def f():", lambda: 1, [Case()], ["h"], compare=fussy)
+    verdict = judge(exercise, Case(), 1, Outcome(value=1), 1.0)
+    assert verdict.got is not None and "ZeroDivisionError: compare broke" in verdict.where
+
+
+def _endless(*args, **kwargs):
+    while True:
+        pass
+
+
+def _endless_and_stubborn(*args, **kwargs):
+    while True:
+        try:
+            while True:
+                pass
+        except Exception:  # a learner's catch-all does not swallow the time limit
+            pass
+
+
+@pytest.mark.parametrize("learner", [_endless, _endless_and_stubborn])
+def test_an_endless_loop_is_stopped_and_the_case_named(learner):
+    result = ex.check("02.max_model_len_for", learner, seed=1, time_limit=0.3)
+    assert result.status == "fail" and result.cases_run == 1
+    assert "failed on case 1 of" in result.message and "no answer within 0.3 s" in result.message
+    # the timer is disarmed afterwards: the next check runs normally
+    assert ex.check("02.max_model_len_for", ex.solution("02.max_model_len_for"), seed=1).passed
+
+
+def test_the_time_limit_holds_off_the_main_thread_too():
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(r=ex.check("02.max_model_len_for", _endless, time_limit=0.3)))
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive() and "no answer within 0.3 s" in box["r"].message
+
+
+def test_a_call_within_its_time_returns_its_value_and_its_errors():
+    assert call_with_time_limit(lambda x: x + 1, (1,), seconds=5).value == 2
+    assert isinstance(call_with_time_limit(lambda: 1 / 0, seconds=5).error, ZeroDivisionError)
+    assert call_with_time_limit(_endless, seconds=0.2).timed_out
+
+
+def _bytes_with_the_table(config, kv_dtype="bf16"):
+    """A correct solution that reads KV_DTYPE_BYTES when it runs."""
+    ref = ex.solution("01.bytes_per_token")
+    return int(ref(config, "fp32") // 4 * sizing.KV_DTYPE_BYTES[kv_dtype])
+
+
+@pytest.fixture
+def restore():
+    yield
+    ex.restore_kvlab_state()
+
+
+def test_patching_kvlab_does_not_move_the_expected_values_and_is_reported(restore):
+    expected = ex.check("01.bytes_per_token", lambda *a: -1, seed=1).expected
+    sizing.KV_DTYPE_BYTES["bf16"] = 1                   # what a learner might try in a cell
+    result = ex.check("01.bytes_per_token", _bytes_with_the_table, seed=1)
+    assert result.status == "fail" and result.expected == expected
+    assert "KV_DTYPE_BYTES['bf16'] is 1, kvlab's own value is Fraction(2, 1)" in result.message
+    assert "restore_kvlab_state()" in result.message
+    assert sizing.KV_DTYPE_BYTES["bf16"] == 1           # the notebook's change is left as the notebook made it
+    assert ex.restore_kvlab_state() and sizing.KV_DTYPE_BYTES["bf16"] == 2
+    assert ex.check("01.bytes_per_token", _bytes_with_the_table, seed=1).passed
+
+
+def test_a_half_answer_cannot_pass_by_halving_kvlab(restore):
+    def halves(config, kv_dtype="bf16"):
+        sizing.KV_DTYPE_BYTES.update({k: v / 2 for k, v in sizing.KV_DTYPE_BYTES.items()})
+        return ex.solution("01.bytes_per_token")(config, kv_dtype) // 2
+
+    result = ex.check("01.bytes_per_token", halves, seed=1)
+    assert result.status == "fail" and "changed kvlab's state while check() ran" in result.message
+
+
+def test_rebinding_a_module_constant_is_seen_too(restore):
+    sizing.KV_DTYPE_BYTES = {**sizing.KV_DTYPE_BYTES, "bf16": 3}
+    result = ex.check("01.bytes_per_token", ex.solution("01.bytes_per_token"), seed=1)
+    assert result.expected == 524288 and "KV_DTYPE_BYTES['bf16'] is 3" in result.message
