@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
 from kvlab.core.block_pool import BlockPool, BlockPoolObserver
 from kvlab.core.cache_stats import CachingMetrics, EvictionCounter, PrefixCacheStats
 from kvlab.core.hashing import (
@@ -49,6 +49,7 @@ from kvlab.units import cdiv
 __all__ = ["KVCacheManager", "Request", "RequestStatus", "find_longest_cache_hit"]
 
 
+@checked
 def find_longest_cache_hit(
     block_hashes: Sequence[BlockHash],
     max_cache_hit_length: int,
@@ -70,6 +71,7 @@ def find_longest_cache_hit(
     return hits
 
 
+@checked(at_most={"num_blocks": MAX_OBJECTS})
 class KVCacheManager(ForkMixin, AllocationChecks):
     """Allocates a pool's blocks to requests and finds their cached prefixes, as vLLM V1's manager does.
 
@@ -150,11 +152,13 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """Evicted blocks a later request asked for again, and recomputed (kvlab's counter)."""
         return self._eviction_counter.num_blocks_evicted_before_reuse
 
+    @checked
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The stats gathered since the previous call (then reset), as vLLM's scheduler takes them each step."""
         stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
         return stats
 
+    @checked
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The blocks of a live request, in logical order (its block table)."""
         if request_id not in self.req_to_blocks:
@@ -163,10 +167,12 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             )
         return list(self.req_to_blocks[request_id])
 
+    @checked
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block ids of a live request: the row of the block table the attention kernel reads."""
         return [block.block_id for block in self.get_blocks(request_id)]
 
+    @checked
     def full_block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's hashes at block granularity: each block is named by the hash at its last boundary."""
         hashes = request.block_hashes
@@ -174,6 +180,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
 
     # ----------------------------------------------------------------- prefix-cache lookup
 
+    @checked
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[list[KVCacheBlock], int, int]:
@@ -211,6 +218,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
 
     # ----------------------------------------------------------------- allocation
 
+    @checked
     def allocate_slots(
         self,
         request: Request,
@@ -324,6 +332,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         copy.ref_cnt += 1
         self._pending_cow_copies.append((source, copy))
 
+    @checked
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """The copies queued since the last call, and the blocks they retain (vLLM's name).
 
@@ -334,6 +343,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         copies = [KVCacheBlockCopy(source.block_id, copy.block_id) for source, copy in pending]
         return copies, [block for pair in pending for block in pair]
 
+    @checked
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash and index the request's full blocks among its first ``num_tokens`` tokens (and its partial tail)."""
         if not self.enable_caching:
@@ -376,6 +386,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
 
     # ----------------------------------------------------------------- freeing
 
+    @checked
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first, so its prompt's start is evicted last.
 
@@ -392,6 +403,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self.num_cached_block.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
 
+    @checked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update, say); refused (False) while any block is in use."""
         if not self.block_pool.reset_prefix_cache():
