@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from kvlab._validate import checked, positive_int
+
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 
 
+@checked(signed=("num_bytes",), at_most={"digits": 20})
 def format_bytes(num_bytes: float, digits: int = 3) -> str:
     """``format_bytes(327680) == '320 KiB'``: the largest binary unit that keeps the value >= 1."""
     value = float(num_bytes)
@@ -16,6 +19,7 @@ def format_bytes(num_bytes: float, digits: int = 3) -> str:
     return f"{value:g} B"
 
 
+@checked(signed=("a",))
 def cdiv(a: int, b: int) -> int:
     """Ceiling division, as vLLM's ``cdiv``: the blocks needed for ``a`` tokens in blocks of ``b``."""
-    return -(-a // b)
+    return -(-a // positive_int("b", b))

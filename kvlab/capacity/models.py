@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.data import DATA_DIR
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
@@ -38,6 +38,7 @@ _TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 MODELS_DIR = DATA_DIR / "models"
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """The shape of a decoder's attention, as far as the KV cache is concerned.
@@ -69,6 +70,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
             positive_int(field, getattr(self, field))
+        if self.weights_dtype not in WEIGHT_DTYPE_BYTES:
+            raise UnknownNameError("weights_dtype", self.weights_dtype, WEIGHT_DTYPE_BYTES)
         if self.attention not in ("mha", "gqa", "mqa", "mla"):
             raise UnknownNameError("attention", self.attention, ["mha", "gqa", "mqa", "mla"])
         if not self.layer_types:
@@ -95,6 +98,7 @@ class ModelSpec:
         """Layers that keep every token of the context."""
         return self.num_layers - self.num_sliding_layers
 
+    @checked
     def mha_equivalent(self) -> ModelSpec:
         """The same model with one K/V head per query head (for MLA: heads x ``v_head_dim``)."""
         return dataclasses.replace(
@@ -108,6 +112,7 @@ class ModelSpec:
         )
 
     @classmethod
+    @checked
     def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike, name: str | None = None) -> ModelSpec:
         """Build a spec from a Hugging Face ``config.json`` given as a dict or a path.
 
@@ -218,6 +223,7 @@ def _weights_dtype(cfg: Mapping[str, Any]) -> str:
     return _TORCH_DTYPES.get(str(dtype), "bf16")
 
 
+@checked
 def count_parameters(cfg: Mapping[str, Any]) -> int | None:
     """Count a decoder's parameters from its config (embeddings, attention, MLP/MoE, norms).
 
@@ -263,6 +269,7 @@ def count_parameters(cfg: Mapping[str, Any]) -> int | None:
     return None
 
 
+@checked
 def params_bytes(num_params: float, weights_dtype: str) -> int:
     """Bytes of ``num_params`` parameters stored as ``weights_dtype``: how a "70B in bf16 is 130 GiB" is counted.
 
@@ -276,6 +283,7 @@ def params_bytes(num_params: float, weights_dtype: str) -> int:
     return round(num_params * WEIGHT_DTYPE_BYTES[weights_dtype])
 
 
+@checked
 def weights_bytes(model: ModelSpec, weights_dtype: str | None = None) -> int:
     """Estimated bytes of the weights: ``num_params`` (counted from the config) x bytes of the weight dtype."""
     dtype = weights_dtype or model.weights_dtype
@@ -289,11 +297,13 @@ def weights_bytes(model: ModelSpec, weights_dtype: str | None = None) -> int:
     return params_bytes(model.num_params, dtype)
 
 
+@checked
 def list_models() -> list[str]:
     """The names of the presets shipped in ``data/models/``."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
 
 
+@checked
 @functools.cache
 def get_model(name: str) -> ModelSpec:
     """The preset ``name`` (see ``list_models()``), built from its real ``config.json``."""
@@ -301,3 +311,14 @@ def get_model(name: str) -> ModelSpec:
     if name not in known:
         raise UnknownNameError("name", name, known)
     return ModelSpec.from_hf_config(MODELS_DIR / f"{name}.json", name=name)
+
+
+@checked
+def resolve_model(model: ModelSpec | str, parameter: str = "model") -> ModelSpec:
+    """``model`` itself, or the preset it names; an error names ``parameter``, the caller's argument."""
+    if isinstance(model, ModelSpec):
+        return model
+    known = list_models()
+    if not isinstance(model, str) or model not in known:
+        raise UnknownNameError(parameter, model, known)
+    return get_model(model)
