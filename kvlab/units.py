@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
+
 from kvlab._validate import checked, positive_int
+from kvlab.errors import KvlabValueError
 
 KiB = 1024
 MiB = 1024**2
@@ -19,7 +22,13 @@ def format_bytes(num_bytes: float, digits: int = 3) -> str:
     return f"{value:g} B"
 
 
-@checked(signed=("a",))
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division, as vLLM's ``cdiv``: the blocks needed for ``a`` tokens in blocks of ``b``."""
-    return -(-a // positive_int("b", b))
+    """Ceiling division, as vLLM's ``cdiv``: the blocks needed for ``a`` tokens in blocks of ``b``.
+
+    Checked inline, not with ``@checked``: the allocator calls it on every step.
+    """
+    if type(a) is not int and (isinstance(a, bool) or not isinstance(a, numbers.Integral)):
+        raise KvlabValueError(f"a must be an integer, got {a!r}")
+    if type(b) is not int or b < 1:
+        b = positive_int("b", b)
+    return -(-a // b)

@@ -19,8 +19,9 @@ import pytest
 
 RESULT = "an output record kvlab builds and returns; learners read it, never construct it"
 LIVE = ("takes blocks, requests or step outputs that must come from the same live object (a pool's own blocks, "
-        "an allocated request, a scheduled step): swept by the state machines in test_block_pool_state_machine.py, "
-        "test_manager_state_machine.py and test_failing_calls_state_machine.py")
+        "an allocated request, a scheduled step; an observer's callbacks, which the pool calls; the pool's own free "
+        "queue, hash index and block records, which only the pool drives): swept by the state machines in "
+        "test_block_pool_state_machine.py, test_manager_state_machine.py and test_failing_calls_state_machine.py")
 INSIDE = ("built by KVCacheManager from its KV cache groups, as in vLLM; swept through KVCacheManager and "
           "driven by test_hybrid_manager_state_machine.py")
 SKIP: dict[str, str] = {
@@ -62,6 +63,11 @@ SKIP: dict[str, str] = {
         "kvlab.core.block_pool.BlockPool.cache_full_blocks", "kvlab.core.block_pool.BlockPool.cache_partial_block",
         "kvlab.core.block_pool.BlockPool.copy_on_write", "kvlab.core.block_pool.BlockPool.free_blocks",
         "kvlab.core.block_pool.BlockPool.touch", "kvlab.core.block_pool.BlockPool.touch_and_get_new_blocks",
+        *(f"kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.{m}" for m in (
+            "popleft", "popleft_n", "peek_n", "get_all_free_blocks")),
+        *(f"kvlab.core.block_pool.BlockHashToBlockMap.{m}" for m in (
+            "get_one_block", "contain", "insert", "pop", "block_ids", "items", "values", "clear")),
+        "kvlab.core.kv_cache_utils.KVCacheBlock.set_block_hash", "kvlab.core.kv_cache_utils.KVCacheBlock.reset_hash",
         "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.append",
         "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.append_n",
         "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.prepend_n",
@@ -79,6 +85,10 @@ SKIP: dict[str, str] = {
         "kvlab.core.sched.scheduler.Scheduler.update_from_output",
         "kvlab.sim.block_scenarios.describe", "kvlab.sim.block_scenarios.pool_snapshot",
         "kvlab.sim.block_scenarios.snapshot",
+        *(f"kvlab.core.{owner}.on_block_{event}"
+          for owner in ("cache_stats.EvictionCounter", "kv_cache_metrics.KVCacheMetricsCollector",
+                        "kv_offload.OffloadingConnector")
+          for event in ("accessed", "allocated", "evicted")),
     )},
     "kvlab.kv_cache_interface.KVCacheSpec.max_memory_usage_bytes": "abstract: each spec kind defines it (swept there)",
     "kvlab.kv_cache_interface.KVCacheSpec.max_num_blocks_per_request": "abstract: each spec kind defines it",
@@ -117,9 +127,6 @@ def _overrides() -> dict[str, Any]:
     def init_fields(obj: Any) -> dict[str, Any]:
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
 
-    def block() -> dict[str, Any]:
-        return {"block": KVCacheBlock(1)}
-
     return {
         "kvlab.capacity.hardware.GPUSpec": lambda: init_fields(get_gpu("H100-SXM-80GB")),
         "kvlab.capacity.hybrid.describe_groups": lambda: {"plan": plan_hybrid_kv_cache(
@@ -152,10 +159,6 @@ def _overrides() -> dict[str, Any]:
         "kvlab.core.block_pool.BlockHashToBlockMap.insert": lambda: {"key": none, "block": KVCacheBlock(1)},
         "kvlab.core.block_pool.BlockPool.add_observer": lambda: {"observer": KVCacheMetricsCollector()},
         "kvlab.core.cache_stats.CachingMetrics.observe": lambda: {"stats": PrefixCacheStats()},
-        **{f"kvlab.core.{owner}.on_block_{event}": block
-           for owner in ("cache_stats.EvictionCounter", "kv_cache_metrics.KVCacheMetricsCollector",
-                         "kv_offload.OffloadingConnector")
-           for event in ("accessed", "allocated", "evicted")},
         "kvlab.core.kv_offload.OffloadingConnector.get_num_new_matched_tokens": lambda: {
             "request": Request("r0", list(range(10))), "num_computed_tokens": 0},
         "kvlab.core.kv_offload.OffloadingConnector.update_state_after_alloc": lambda: {

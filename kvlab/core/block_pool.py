@@ -49,23 +49,19 @@ class BlockHashToBlockMap:
     def __init__(self) -> None:
         self._cache: dict[BlockHash, dict[int, KVCacheBlock]] = {}
 
-    @checked
     def get_one_block(self, key: BlockHash) -> KVCacheBlock | None:
         """Any block cached under ``key`` (the first inserted), or None."""
         blocks = self._cache.get(key)
         return next(iter(blocks.values())) if blocks else None
 
-    @checked
     def contain(self, key: BlockHash, block_id: int) -> bool:
         """True if ``key`` maps to block ``block_id``."""
         blocks = self._cache.get(key)
         return blocks is not None and block_id in blocks
 
-    @checked
     def insert(self, key: BlockHash, block: KVCacheBlock) -> None:
         self._cache.setdefault(key, {})[block.block_id] = block
 
-    @checked
     def pop(self, key: BlockHash, block_id: int) -> KVCacheBlock | None:
         """Remove block ``block_id`` from ``key``; the key goes when no block is left."""
         blocks = self._cache.get(key)
@@ -76,22 +72,18 @@ class BlockHashToBlockMap:
             del self._cache[key]
         return block
 
-    @checked
     def block_ids(self, key: BlockHash) -> list[int]:
         """The ids of the blocks cached under ``key``, first-inserted first."""
         return list(self._cache.get(key, ()))
 
-    @checked
     def items(self) -> Iterator[tuple[BlockHash, dict[int, KVCacheBlock]]]:
         """``(hash, {block_id: block})`` for every cached hash (copies: reading never changes the index)."""
         return ((key, dict(blocks)) for key, blocks in self._cache.items())
 
-    @checked
     def values(self) -> Iterator[dict[int, KVCacheBlock]]:
         """``{block_id: block}`` for every cached hash (copies)."""
         return (dict(blocks) for blocks in self._cache.values())
 
-    @checked
     def clear(self) -> None:
         self._cache.clear()
 

@@ -119,17 +119,14 @@ class EvictionCounter:
         self.staged: list[tuple[Hashable, bool]] = []  # (hash, no other block holds it)
         pool.add_observer(self)
 
-    @checked
     def on_block_evicted(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             ids = self.pool.cached_block_hash_to_block.block_ids(block.block_hash)
             self.staged.append((block.block_hash, ids == [block.block_id]))
 
-    @checked
     def on_block_allocated(self, block: KVCacheBlock) -> None:
         pass
 
-    @checked
     def on_block_accessed(self, block: KVCacheBlock) -> None:
         pass
 

@@ -38,25 +38,21 @@ HashFn = Callable[[Any], bytes]
 # ----------------------------------------------------------------- the hash functions
 
 
-@checked
 def sha256(input: Any) -> bytes:
     """Pickle, then SHA-256: vLLM's default. Stable for one Python version; collision-resistant."""
     return hashlib.sha256(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-@checked
 def sha256_cbor(input: Any) -> bytes:
     """Canonical CBOR, then SHA-256: the same bytes from any language, process or Python version."""
     return hashlib.sha256(cbor2.dumps(input, canonical=True)).digest()
 
 
-@checked
 def xxhash(input: Any) -> bytes:
     """Pickle, then xxh3-128: several times faster, but anyone can construct collisions."""
     return _xxhash.xxh3_128_digest(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-@checked
 def xxhash_cbor(input: Any) -> bytes:
     """Canonical CBOR, then xxh3-128: portable and fast, not collision-resistant."""
     return _xxhash.xxh3_128_digest(cbor2.dumps(input, canonical=True))

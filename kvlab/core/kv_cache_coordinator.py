@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kvlab._validate import checked
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.hashing import BlockHash
 from kvlab.core.kv_cache_utils import KVCacheBlock
@@ -45,7 +44,6 @@ __all__ = ["HybridKVCacheCoordinator", "KVCacheCoordinator", "KVCacheCoordinator
 GroupBlocks = tuple[list[KVCacheBlock], ...]  # one list per KV cache group (vLLM's KVCacheBlocks.blocks)
 
 
-@checked
 class KVCacheCoordinator:
     """The managers of every KV cache group over one ``BlockPool`` (vLLM's ``KVCacheCoordinator``)."""
 
@@ -68,13 +66,11 @@ class KVCacheCoordinator:
     def num_groups(self) -> int:
         return len(self.single_type_managers)
 
-    @checked
     def empty(self) -> GroupBlocks:
         return tuple([] for _ in self.single_type_managers)
 
     # ----------------------------------------------------------------- counting and allocating
 
-    @checked
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: GroupBlocks,
                                    total_computed_tokens: int, num_local_computed_tokens: int,
                                    apply_admission_cap: bool = False) -> int:
@@ -84,7 +80,6 @@ class KVCacheCoordinator:
                                                       apply_admission_cap)
                    for i, manager in enumerate(self.single_type_managers))
 
-    @checked
     def plan_allocation(self, request_id: str, new_computed_blocks: GroupBlocks, num_local_computed_tokens: int,
                         num_external_computed_tokens: int, num_tokens: int) -> list[AllocationPlan]:
         """Each group's share of the allocation, decided before anything changes."""
@@ -92,7 +87,6 @@ class KVCacheCoordinator:
                                         num_external_computed_tokens, num_tokens)
                 for i, manager in enumerate(self.single_type_managers)]
 
-    @checked
     def allocate_new_blocks(self, request_id: str, plans: list[AllocationPlan],
                             new_computed_blocks: GroupBlocks) -> GroupBlocks:
         """Touch every group's hits and take every group's new blocks in one pool call, then fill the tables.
@@ -114,7 +108,6 @@ class KVCacheCoordinator:
             out.append(manager.apply_allocation(request_id, plan, new_computed_blocks[i], ext, mine))
         return tuple(out)
 
-    @checked
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> list[tuple[int, range]]:
         """Cache every group's full blocks among the first ``num_computed_tokens``; return (group, indices cached)."""
         if not self.enable_caching:
@@ -122,49 +115,40 @@ class KVCacheCoordinator:
         return [(i, manager.cache_blocks(request, num_computed_tokens))
                 for i, manager in enumerate(self.single_type_managers)]
 
-    @checked
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Free, in every group, the blocks no longer reachable once ``num_computed_tokens`` are computed."""
         return [b for manager in self.single_type_managers
                 for b in manager.remove_skipped_blocks(request_id, num_computed_tokens)]
 
-    @checked
     def free(self, request_id: str) -> None:
         """Free the request's blocks group by group, each group's last block first (vLLM's order)."""
         for manager in self.single_type_managers:
             manager.free(request_id)
 
-    @checked
     def get_blocks(self, request_id: str) -> GroupBlocks:
         """The request's block table in every group (empty where it holds none)."""
         return tuple(list(manager.req_to_blocks.get(request_id, ())) for manager in self.single_type_managers)
 
-    @checked
     def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         return [pair for manager in self.single_type_managers for pair in manager.take_pending_cow_copies()]
 
-    @checked
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[GroupBlocks, int, int]:
         """Each group's hit blocks, the hit's tokens, and the tokens some group cached beyond it (0 unless hybrid)."""
         raise NotImplementedError
 
 
-@checked
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Prefix caching off: nothing is ever a hit (vLLM's ``KVCacheCoordinatorNoPrefixCache``)."""
 
-    @checked
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[GroupBlocks, int, int]:
         return self.empty(), 0, 0
 
 
-@checked
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """One KV cache group (vLLM's ``UnitaryKVCacheCoordinator``): its manager's hit is the hit, keyed by bare hashes."""
 
-    @checked
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[GroupBlocks, int, int]:
         manager = self.single_type_managers[0]
@@ -183,7 +167,6 @@ class SpecGroup(NamedTuple):
     manager_cls: type[SingleTypeKVCacheManager]
 
 
-@checked
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several KV cache groups (vLLM's ``HybridKVCacheCoordinator``): the hit is the longest prefix all can serve."""
 
@@ -203,7 +186,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # kvlab's record of the last lookup, for pictures: (round, group ids, candidate tokens, tokens accepted)
         self.last_rounds: list[tuple[int, tuple[int, ...], int, int]] = []
 
-    @checked
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[GroupBlocks, int, int]:
         """The fixed point: every kind accepts the candidate length or shortens it; a shortening starts a new round.
@@ -247,7 +229,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return tuple(b or [] for b in blocks_by_group), hit_length, longest - hit_length
 
 
-@checked
 def get_kv_cache_coordinator(kv_cache_groups: Sequence[KVCacheGroupSpec], block_pool: BlockPool,
                              enable_caching: bool, hash_block_size: int, **kwargs: Any) -> KVCacheCoordinator:
     """The coordinator vLLM picks: none for lookups without caching, unitary for one group, hybrid for several."""

@@ -240,7 +240,6 @@ class KVCacheMetricsCollector:
 
     # ----------------------------------------------------------------- what the pool calls
 
-    @checked
     def on_block_allocated(self, block: KVCacheBlock) -> None:
         """A block starts a new life; it is tracked if the sample draws it."""
         if self.sample_rate >= 1 or self._rng.random() < self.sample_rate:
@@ -248,14 +247,12 @@ class KVCacheMetricsCollector:
         else:
             self.block_metrics.pop(block.block_id, None)
 
-    @checked
     def on_block_accessed(self, block: KVCacheBlock) -> None:
         """A prefix hit on a tracked block."""
         state = self.block_metrics.get(block.block_id)
         if state is not None:
             state.record_access(self.now())
 
-    @checked
     def on_block_evicted(self, block: KVCacheBlock) -> None:
         """A tracked block's life ends: observe its lifetime, idle time and reuse gaps."""
         state = self.block_metrics.pop(block.block_id, None)

@@ -45,7 +45,6 @@ class KVCacheBlock:
         """How many prefix tokens ``block_hash`` covers: the block's end, or less for a partial entry."""
         return self._block_hash_num_tokens
 
-    @checked
     def set_block_hash(self, block_hash: BlockHash, num_tokens: int | None = None) -> None:
         """Give an uncached block its hash (vLLM's ``set_block_hash``); a cached block must be reset first."""
         if self._block_hash is not None:
@@ -53,7 +52,6 @@ class KVCacheBlock:
         self._block_hash = block_hash
         self._block_hash_num_tokens = num_tokens
 
-    @checked
     def reset_hash(self) -> None:
         """Forget the cached content's identity (the block is being evicted or reused)."""
         self._block_hash = None
@@ -119,7 +117,6 @@ class FreeKVCacheBlockQueue:
         self.fake_free_list_head.prev_free_block = None
         self.fake_free_list_tail.next_free_block = None
 
-    @checked
     def popleft(self) -> KVCacheBlock:
         """Take the block at the head (the least recently freed)."""
         if self.num_free_blocks == 0:
@@ -129,7 +126,6 @@ class FreeKVCacheBlockQueue:
         self._unlink(block)
         return block
 
-    @checked
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks from the head, in queue order (one relinking, as vLLM's ``popleft_n``)."""
         n = non_negative_int("n", n)
@@ -151,7 +147,6 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= n
         return out
 
-    @checked
     def peek_n(self, n: int, skip: frozenset[int] = frozenset()) -> list[KVCacheBlock]:
         """The ``n`` blocks ``popleft_n`` would take, leaving the queue as it is; blocks whose ids are in
         ``skip`` are passed over (they are about to leave the queue another way)."""
@@ -166,25 +161,21 @@ class FreeKVCacheBlockQueue:
             block = block.next_free_block
         return out
 
-    @checked
     def remove(self, block: KVCacheBlock) -> None:
         """Take ``block`` out of the middle of the queue (a prefix hit on a free cached block)."""
         if block.prev_free_block is None or block.next_free_block is None:
             raise BlockStateError(f"block {block.block_id} is not in the free queue")
         self._unlink(block)
 
-    @checked
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail: it will be allocated last."""
         self._insert_before(self.fake_free_list_tail, block)
 
-    @checked
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Put ``blocks`` at the tail, keeping their order."""
         for block in blocks:
             self.append(block)
 
-    @checked
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` in front of the head, keeping their order: they are allocated next."""
         anchor = self.fake_free_list_head.next_free_block
@@ -192,7 +183,6 @@ class FreeKVCacheBlockQueue:
         for block in blocks:
             self._insert_before(anchor, block)
 
-    @checked
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks from head to tail."""
         out = []

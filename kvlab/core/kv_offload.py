@@ -271,15 +271,12 @@ class OffloadingConnector:
 
     # ----------------------------------------------------------------- the GPU pool's observer
 
-    @checked
     def on_block_allocated(self, block: KVCacheBlock) -> None:
         pass
 
-    @checked
     def on_block_accessed(self, block: KVCacheBlock) -> None:
         pass
 
-    @checked
     def on_block_evicted(self, block: KVCacheBlock) -> None:
         """The pool is about to reuse ``block``: if it holds a cached block, keep a copy on the CPU."""
         if block.block_hash is not None:

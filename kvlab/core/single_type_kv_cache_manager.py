@@ -25,7 +25,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from kvlab._validate import checked
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.hashing import BlockHash, make_block_hash_with_group_id
 from kvlab.core.kv_cache_utils import KVCacheBlock
@@ -38,7 +37,6 @@ __all__ = ["FullAttentionManager", "SingleTypeKVCacheManager", "SlidingWindowMan
            "get_manager_for_kv_cache_spec"]
 
 
-@checked
 def find_longest_cache_hit(
     block_hashes: Sequence[BlockHash],
     max_cache_hit_length: int,
@@ -60,7 +58,6 @@ def find_longest_cache_hit(
     return hits
 
 
-@checked
 @dataclasses.dataclass
 class AllocationPlan:
     """What one group's share of an ``allocate_slots`` takes from the pool, decided before anything changes."""
@@ -78,7 +75,6 @@ class AllocationPlan:
         return self.num_external + self.partial + self.num_fresh
 
 
-@checked
 class SingleTypeKVCacheManager:
     """Block tables of one KV cache group (vLLM's ``SingleTypeKVCacheManager``), over a pool all groups share.
 
@@ -106,17 +102,14 @@ class SingleTypeKVCacheManager:
         # Partial hits' copies for the worker: (source, copy), both holding an extra reference until taken.
         self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
-    @checked
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the next token's attention window: none for full attention."""
         return 0
 
-    @checked
     def cache_key(self, block_hash: BlockHash) -> Any:
         """The prefix cache's key for ``block_hash`` in this group (``make_block_hash_with_group_id``)."""
         return make_block_hash_with_group_id(block_hash, self.kv_cache_group_id) if self.keyed else block_hash
 
-    @checked
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock],
                                    total_computed_tokens: int, num_local_computed_tokens: int,
                                    apply_admission_cap: bool = False) -> int:
@@ -139,7 +132,6 @@ class SingleTypeKVCacheManager:
         partial = int(len(new_computed_blocks) > 0 and num_local_computed_tokens % self.block_size != 0)
         return num_new + partial + num_evictable
 
-    @checked
     def plan_allocation(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
                         num_local_computed_tokens: int, num_external_computed_tokens: int,
                         num_tokens: int) -> AllocationPlan:
@@ -162,7 +154,6 @@ class SingleTypeKVCacheManager:
         num_fresh = max(cdiv(num_tokens, self.block_size) - table - num_external, 0)
         return AllocationPlan(True, [b for b in kept if not b.is_null], num_null, partial, num_external, num_fresh)
 
-    @checked
     def apply_allocation(self, request_id: str, plan: AllocationPlan, new_computed_blocks: Sequence[KVCacheBlock],
                          external: list[KVCacheBlock], new: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """Put the blocks the pool gave for ``plan`` into the table; return the new ones (a partial hit copy first)."""
@@ -185,13 +176,11 @@ class SingleTypeKVCacheManager:
         copy.ref_cnt += 1
         self._pending_cow_copies.append((source, copy))
 
-    @checked
     def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         """The (source, copy) pairs queued since the last call."""
         pending, self._pending_cow_copies = self._pending_cow_copies, []
         return pending
 
-    @checked
     def cache_blocks(self, request: Request, num_tokens: int) -> range:
         """Hash and index the request's full blocks among its first ``num_tokens`` tokens; return the indices cached.
 
@@ -220,14 +209,12 @@ class SingleTypeKVCacheManager:
     def _caches_blocks(self) -> bool:
         return True
 
-    @checked
     def full_block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's hashes at block granularity: each block is named by the hash at its last boundary."""
         scale = self.block_size // self.hash_block_size
         hashes = request.block_hashes
         return hashes if scale == 1 else hashes[scale - 1::scale]
 
-    @checked
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Free the blocks wholly before the next token's window and put the null block in their place.
 
@@ -249,20 +236,17 @@ class SingleTypeKVCacheManager:
             self.block_pool.free_blocks(freed)
         return freed
 
-    @checked
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """Forget the request; return its blocks in table order without the null ones (not yet freed)."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
         return [b for b in blocks if not b.is_null]
 
-    @checked
     def free(self, request_id: str) -> None:
         """Free the request's blocks, last block first, so its prompt's start is evicted last."""
         self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
 
     @classmethod
-    @checked
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
                                kv_cache_group_ids: Sequence[int] | None, block_pool: BlockPool,
                                kv_cache_spec: KVCacheSpec, alignment_tokens: int,
@@ -271,14 +255,12 @@ class SingleTypeKVCacheManager:
         raise NotImplementedError
 
 
-@checked
 class FullAttentionManager(SingleTypeKVCacheManager):
     """A group of full-attention layers: every block of a request stays until the request ends."""
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = True
 
     @classmethod
-    @checked
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
                                kv_cache_group_ids: Sequence[int] | None, block_pool: BlockPool,
                                kv_cache_spec: KVCacheSpec, alignment_tokens: int,
@@ -308,7 +290,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         per_block = per_block[:cdiv(hit_length, block_size)]
         return _by_group(per_block, kv_cache_group_ids), hit_length
 
-    @checked
     def cache_blocks(self, request: Request, num_tokens: int) -> range:
         cached = super().cache_blocks(request, num_tokens)
         if self.hash_block_size != self.block_size and self.enable_caching:
@@ -328,7 +309,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             self.block_pool.cache_partial_block(blocks[index], key, boundary)
 
 
-@checked
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """A group of sliding-window layers: a request keeps only the blocks its next token's window reaches."""
 
@@ -340,7 +320,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching, **kwargs)
         self.sliding_window = kv_cache_spec.sliding_window
 
-    @checked
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens the next token's window no longer reaches: ``max(0, num_computed_tokens - W + 1)``.
 
@@ -355,7 +334,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return self.kv_cache_spec.num_contiguous_blocks_for_hit() > 0  # type: ignore[attr-defined]
 
     @classmethod
-    @checked
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
                                kv_cache_group_ids: Sequence[int] | None, block_pool: BlockPool,
                                kv_cache_spec: KVCacheSpec, alignment_tokens: int,
@@ -405,7 +383,6 @@ MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 }
 
 
-@checked
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int,
                                   enable_caching: bool, *, max_model_len: int | None = None,
                                   max_in_flight_tokens: int | None = None, **kwargs: Any) -> SingleTypeKVCacheManager:
