@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from kvlab.kernels._backend import backend, require_triton
-from kvlab.kernels.attention import _compute_dtype, dot, num_sms, online_softmax_update, reduce_splits_kernel
+from kvlab.kernels.attention import compute_dtype, dot, num_sms, online_softmax_update, reduce_splits_kernel
 from kvlab.kernels.checks import cdiv, check_kernel_device
 from kvlab.kernels.grid import KernelConfig, choose_num_kv_splits, next_power_of_2
 from kvlab.kernels.mla_checks import MLADecodeBatch, check_mla_decode
@@ -171,7 +171,7 @@ def mla_kernel_constants(plan: MLADecodePlan, query_dtype: torch.dtype) -> dict[
         NUM_HEADS=b.num_heads, KV_LORA_RANK=b.kv_lora_rank, ROPE_DIM=b.rope_dim,
         LATENT_PAD=max(16, next_power_of_2(b.kv_lora_rank)), ROPE_PAD=max(16, next_power_of_2(b.rope_dim)),
         BLOCK_SIZE=b.block_size, BLOCK_H=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=plan.num_kv_splits,
-        KV_FP8=b.fp8, COMPUTE_DTYPE=_compute_dtype(query_dtype),
+        KV_FP8=b.fp8, COMPUTE_DTYPE=compute_dtype(query_dtype),
     )
 
 
