@@ -15,7 +15,9 @@ enough for sampling at temperature 1 to follow the model rather than the dice.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,15 +52,29 @@ def save_tiny_llama(
     positive_number("logit_gain", logit_gain)
     config = LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": positive_int("num_hidden_layers", num_hidden_layers)},
                          bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng():  # seed the init without touching the caller's random state
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    with torch.no_grad():
+
+    def sharpen(model: Any) -> None:
         for layer in model.model.layers:
             attn = layer.self_attn
             for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
                 proj.weight.mul_(attention_gain)
         model.model.norm.weight.mul_(logit_gain)
+
+    return save_seeded(LlamaForCausalLM, config, path, seed, sharpen)
+
+
+def save_seeded(model_class: Any, config: Any, path: str | os.PathLike, seed: int,
+                sharpen: Callable[[Any], None]) -> Path:
+    """Build ``model_class(config)`` from a seeded generator, ``sharpen`` it in place, ``save_pretrained`` to ``path``.
+
+    The seed is forked, so the caller's random state is untouched; every tiny checkpoint of the
+    workbook (``save_tiny_llama``, ``save_tiny_deepseek``) is written this way.
+    """
+    with torch.random.fork_rng():  # seed the init without touching the caller's random state
+        torch.manual_seed(seed)
+        model = model_class(config)
+    with torch.no_grad():
+        sharpen(model)
     path = Path(path)
     model.save_pretrained(path)
     return path

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from kvlab._validate import positive_int, positive_number
+from kvlab.engine.toy import save_seeded
 
 #: The tiny model's shape (YaRN over an original 128 positions, factor 4, as DeepSeek-V3's 40 over 4096).
 TINY_DEEPSEEK = dict(
@@ -63,15 +63,12 @@ def save_tiny_deepseek(
     positive_number("logit_gain", logit_gain)
     layers = positive_int("num_hidden_layers", num_hidden_layers)
     config = DeepseekV3Config(**{**TINY_DEEPSEEK, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng():  # seed the init without touching the caller's random state
-        torch.manual_seed(seed)
-        model = DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
+
+    def sharpen(model: Any) -> None:
         for layer in model.model.layers:
             attn = layer.self_attn
             for proj in (attn.q_b_proj, attn.kv_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj):
                 proj.weight.mul_(attention_gain)
         model.model.norm.weight.mul_(logit_gain)
-    path = Path(path)
-    model.save_pretrained(path)
-    return path
+
+    return save_seeded(DeepseekV3ForCausalLM, config, path, seed, sharpen)
