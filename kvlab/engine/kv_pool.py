@@ -3,9 +3,10 @@
 vLLM's worker profiles the GPU to find the memory left for KV (``determine_available_memory``
 in ``vllm/v1/worker/gpu_worker.py``), cuts it into blocks (``get_kv_cache_configs`` in
 ``vllm/v1/core/kv_cache_utils.py``) and allocates one tensor per layer
-(``GPUModelRunner.initialize_kv_cache``). kvlab does not profile: the pool is a block count, a
-memory budget (``kvlab.capacity.budget`` cuts it), or by default what ``max_num_seqs`` requests
-of ``max_model_len`` tokens need, within ``DEFAULT_KV_CACHE_MEMORY_GIB``.
+(``GPUModelRunner.initialize_kv_cache``), shaped by the layer's ``KVCacheSpec``. kvlab does not
+profile: the pool is a block count, a memory budget (``kvlab.capacity.budget`` cuts it), or by
+default what ``max_num_seqs`` requests of ``max_model_len`` tokens need, within
+``DEFAULT_KV_CACHE_MEMORY_GIB``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from kvlab.capacity.budget import KVCachePlan, plan_kv_cache
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.engine.engine_config import EngineConfig
+from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
+from kvlab.engine.registry import kv_cache_specs
 from kvlab.errors import KvlabValueError
 from kvlab.units import GiB, cdiv
 
@@ -60,12 +63,18 @@ def plan_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int
     return plan
 
 
-def allocate_kv_caches(config: EngineConfig, num_blocks: int, dtype: torch.dtype
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed K and one V tensor per layer, each ``[num_blocks, block_size, num_kv_heads, head_size]``."""
-    model = config.model_config
-    shape = (num_blocks, config.block_size, model.num_key_value_heads, model.head_dim)
-    def zeros() -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=config.device)
+def allocate_kv_caches(config: EngineConfig, num_blocks: int, dtype: torch.dtype) -> list[KVCache]:
+    """One zeroed cache per layer, shaped by the layer's spec (``kvlab.engine.registry.kv_cache_specs``).
 
-    return [(zeros(), zeros()) for _ in range(model.num_hidden_layers)]  # per layer: (K, V)
+    A full-attention layer gets one K and one V tensor ``[num_blocks, block_size, num_kv_heads,
+    head_size]``; an MLA layer one latent tensor ``[num_blocks, block_size, kv_lora_rank +
+    qk_rope_head_dim]``, as vLLM's ``GPUModelRunner.initialize_kv_cache`` reshapes each layer's
+    share of the pool by its ``KVCacheSpec``.
+    """
+    specs = kv_cache_specs(config.model_config, config.block_size, dtype)
+    return [spec.allocate(num_blocks, config.device) for spec in specs]
+
+
+def kv_cache_bytes(kv_caches: list[KVCache]) -> int:
+    """Bytes of every tensor of every layer's cache: what the pool really holds."""
+    return sum(t.numel() * t.element_size() for kv_cache in kv_caches for t in layer_tensors(kv_cache))
