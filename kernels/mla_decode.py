@@ -145,6 +145,17 @@ class MLADecodePlan:
     def grid(self) -> tuple[int, int, int]:
         return (self.batch.num_seqs, self.num_head_blocks, self.num_kv_splits)
 
+    def tile_ranges(self, seq: int) -> list[range]:
+        """The latent tiles each split of sequence ``seq`` walks, as steps 3 and 4 of the kernel compute them.
+
+        The same for every head block; an empty range is a split with nothing to read (it stores
+        ``m = -inf``, ``l = 0``, which the merge weighs by 0).
+        """
+        num_tiles = cdiv(self.batch.seq_lens[seq], self.config.tile_n)
+        per_split = cdiv(num_tiles, self.num_kv_splits)
+        return [range(min(s * per_split, num_tiles), min(s * per_split + per_split, num_tiles))
+                for s in range(self.num_kv_splits)]
+
 
 def plan_mla_decode(batch: MLADecodeBatch, num_kv_splits: int | None = None, config: KernelConfig | None = None,
                     num_sms: int = 1) -> MLADecodePlan:
