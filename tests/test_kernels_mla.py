@@ -94,7 +94,7 @@ def test_an_fp8_latent_cache_is_dequantized_with_its_scale():
 
 def test_the_plan_says_which_tiles_each_split_walks_and_some_splits_get_none():
     from kvlab.kernels.mla_checks import check_mla_decode
-    from kvlab.kernels.mla_decode import plan_mla_decode
+    from kvlab.kernels.mla_grid import plan_mla_decode
 
     q_latent, q_pe, kv_cache, block_table, seq_lens, _ = mla_batch([130, 47, 1], num_heads=20)
     batch = check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=SCALE)
