@@ -179,3 +179,15 @@ def test_contexts_of_many_tiles_split_decodes_and_chunk_edges_inside_a_tile(tiny
     assert run.max_context >= 150 and run.max_tiles == cdiv(run.max_context, 16) >= 10
     assert run.split_decode_steps > 0 and run.decode_kv_splits == 2
     assert run.chunk_boundaries[:3] == [44, 88, 132] == run.boundaries_inside_a_tile[:3]
+
+
+def test_the_throughput_measurement_times_the_mla_kernels(tiny_deepseek_dir):
+    from kvlab.engine.evaluation import measure_throughput
+
+    prompts = [random_token_ids(n, seed=95 + n) for n in (6, 11)]
+    speed = measure_throughput(tiny_deepseek_dir, prompts, max_tokens=3, num_gpu_blocks=16)
+    assert speed["kvlab_tokens"] == speed["hf_tokens"] == 6
+    assert speed["reshape_and_cache_seconds"] == speed["paged_attention_seconds"] == 0   # no K/V kernel runs
+    assert speed["mla_kernel_seconds"] == speed["kernel_seconds"] > 0
+    # per layer: a latent write every step, a decode launch every step but the prefill
+    assert speed["kernel_calls"] == 2 * speed["steps"] + 2 * (speed["steps"] - 1)
