@@ -40,7 +40,7 @@ def figure_absorb_costs(model: ModelSpec, context_len: int, kv_dtype: str = "bf1
     fig.update_xaxes(type="log", title_text="query tokens per sequence")
     fig.update_yaxes(type="log")
     fig.update_layout(title=f"{model.name}: one layer, {context_len:,} latents cached before the queries ({kv_dtype})",
-                      height=380, width=900, margin=dict(t=70, b=40), legend_title="path")
+                      height=380, margin=dict(t=70, b=40), legend_title="path")
     return fig
 
 
@@ -114,5 +114,5 @@ def figure_parallel(plans: dict[str, ParallelPlan]) -> go.Figure:
     fig.add_bar(x=names, y=pool, name="KV pool", marker_color="#1d4ed8", row=1, col=1)
     fig.add_bar(x=names, y=[plans[n].requests for n in names], name="requests", marker_color="#059669",
                 text=[str(plans[n].requests) for n in names], textposition="outside", showlegend=False, row=1, col=2)
-    fig.update_layout(barmode="stack", height=360, width=900, margin=dict(t=60, b=40))
+    fig.update_layout(barmode="stack", height=360, margin=dict(t=60, b=40))
     return fig
