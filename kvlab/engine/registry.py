@@ -36,7 +36,7 @@ class ModelFamily:
     model_types: tuple[str, ...]      # config.json's model_type values
     config_class: type                # from_dict / from_pretrained
     load: Callable[..., torch.nn.Module]                               # (model_dir, dtype, config) -> model
-    layer_spec: Callable[[Any, int, torch.dtype], FullAttentionSpec]   # (config, block_size, dtype) -> one layer's
+    layer_spec: Callable[[Any, int, int, torch.dtype], FullAttentionSpec]  # (config, layer, block_size, dtype)
 
 
 def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig) -> torch.nn.Module:
@@ -51,12 +51,12 @@ def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: Dee
     return load_deepseek(model_dir, dtype, config)
 
 
-def _full_attention_spec(config: DecoderConfig, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
+def _full_attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=block_size, num_kv_heads=config.num_key_value_heads,
                              head_size=config.head_dim, dtype=dtype)
 
 
-def _mla_spec(config: DeepseekConfig, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
+def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
     return MLAAttentionSpec(block_size=block_size, head_size=config.mla.latent_size, dtype=dtype)
 
 
@@ -92,6 +92,10 @@ def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
 
 
 def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[FullAttentionSpec]:
-    """One KV cache spec per layer (vLLM's ``get_kv_cache_spec``), layer 0 first."""
+    """One KV cache spec per layer (vLLM's ``get_kv_cache_spec``), layer 0 first.
+
+    A family's ``layer_spec`` is asked layer by layer, so a model whose layers differ (a sliding
+    window in some of them) can answer each one with its own kind of spec.
+    """
     family = model_family(config.model_type)
-    return [family.layer_spec(config, block_size, dtype) for _ in range(config.num_hidden_layers)]
+    return [family.layer_spec(config, layer, block_size, dtype) for layer in range(config.num_hidden_layers)]
