@@ -31,3 +31,11 @@ def test_the_parallel_figure_shows_both_layouts():
     fig = figure_parallel(plans)
     assert [t.name for t in fig.data] == ["weights", "KV pool", "requests"]
     assert list(fig.data[2].y) == [plans["tp"].requests, plans["dp_attention"].requests]
+
+
+def test_the_cost_figure_labels_only_full_size_ticks():
+    """Plotly's own log ticks print the 2s and 5s of each decade at 9 px, too small to read when projected."""
+    fig = absorb_state("deepseek-v3", 64, 4096)["figure"]
+    for axis in (fig.layout.xaxis, fig.layout.xaxis2):
+        assert axis.type == "log" and list(axis.tickvals) == [1, 10, 100, 1000]
+    assert (fig.layout.yaxis.dtick, fig.layout.yaxis2.dtick) == (1, 1)

@@ -18,6 +18,7 @@ from kvlab.capacity.models import ModelSpec, get_model
 from kvlab.capacity.parallel import ParallelPlan
 from kvlab.capacity.sizing import KV_DTYPE_BYTES
 from kvlab.units import GiB, format_bytes
+from kvlab.viz.canvas import log_axis
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 
 PATH_COLOURS = {"naive": "#b45309", "absorbed": "#1d4ed8"}
@@ -37,8 +38,9 @@ def figure_absorb_costs(model: ModelSpec, context_len: int, kv_dtype: str = "bf1
                             showlegend=col == 1, line=dict(color=PATH_COLOURS[path]), row=1, col=col)
         if marked is not None:
             fig.add_vline(x=marked, line=dict(dash="dot", color="#6b7280"), row=1, col=col)
-    fig.update_xaxes(type="log", title_text="query tokens per sequence")
-    fig.update_yaxes(type="log")
+        # explicit ticks: plotly's own log ticks draw the 2s and 5s at 9 px, unreadable when projected
+        fig.update_xaxes(log_axis(query_lens, "query tokens per sequence"), row=1, col=col)
+        fig.update_yaxes(type="log", dtick=1, exponentformat="SI", row=1, col=col)   # one tick per decade
     fig.update_layout(title=f"{model.name}: one layer, {context_len:,} latents cached before the queries ({kv_dtype})",
                       height=380, margin=dict(t=70, b=40), legend_title="path")
     return fig
