@@ -15,6 +15,12 @@ layer. Two kinds are served here:
 
 So a layer's cache, ``KVCache``, is a ``(key_cache, value_cache)`` pair or one latent tensor;
 ``layer_tensors`` gives both kinds as a tuple, for code that copies whole blocks whatever the kind.
+
+These are the tensor side of vLLM's specs (heads, sizes, a torch dtype). The manager's side of the
+same layers, the page in bytes and the attention kind (full or sliding window) that KV cache groups
+are made of, is ``kvlab.kv_cache_interface``, which ``core`` and ``capacity`` use without torch. An
+``LLMEngine`` holds both, ``kv_cache_specs`` per layer and ``kv_cache_groups``, and they page alike
+(``tests/engine/test_mla_engine.py``). An MLA layer is a full-attention layer to the manager.
 """
 
 from __future__ import annotations

@@ -64,11 +64,28 @@ def test_an_fp8_latent_cache_is_a_quarter_of_float32_and_still_serves(tiny_deeps
 
 def test_the_registry_reads_deepseek_and_llama_alike_and_names_every_supported_type(tiny_deepseek_dir, tmp_path):
     assert type(load_model(tiny_deepseek_dir)).__name__ == "DeepseekV2ForCausalLM"
-    assert {"llama", "qwen3", "deepseek_v3"} <= set(supported_model_types())
+    assert {"llama", "ministral", "qwen3", "deepseek_v3"} <= set(supported_model_types())
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(CheckpointError, match="deepseek_v3") as info:
         LLMEngine(tmp_path)
     assert "llama" in str(info.value) and "config.json" in str(info.value)
+
+
+@pytest.mark.parametrize("family", ["llama", "ministral", "deepseek"])
+def test_one_registry_shapes_every_family_and_its_groups_page_what_each_layer_allocates(
+        family, tiny_llama_dir, tiny_ministral_dir, tiny_deepseek_dir):
+    """The manager's KV cache groups (page bytes) and the engine's per-layer specs (tensors) tell one story."""
+    model_dir = {"llama": tiny_llama_dir, "ministral": tiny_ministral_dir, "deepseek": tiny_deepseek_dir}[family]
+    eng = engine(model_dir)
+    expected = {"llama": "LlamaForCausalLM", "ministral": "LlamaForCausalLM", "deepseek": "DeepseekV2ForCausalLM"}
+    assert type(eng.model).__name__ == expected[family]
+    assert len(eng.kv_cache_groups) == (2 if family == "ministral" else 1)        # sliding layers apart
+    for group in eng.kv_cache_groups:
+        for name in group.layer_names:
+            layer = int(name.split(".")[2])
+            assert group.kv_cache_spec.page_size_bytes == eng.kv_cache_specs[layer].page_size_bytes
+    assert isinstance(eng.kv_caches[0], torch.Tensor) == (family == "deepseek")     # a latent, or (K, V)
+    assert eng.kv_cache_bytes == eng.num_gpu_blocks * eng.plan.bytes_per_block
 
 
 def test_a_kernel_config_the_mla_decode_cannot_run_is_refused_and_changes_nothing(tiny_deepseek_dir):
