@@ -52,7 +52,7 @@ def save_tiny_llama(
     positive_number("logit_gain", logit_gain)
     config = LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": positive_int("num_hidden_layers", num_hidden_layers)},
                          bos_token_id=1, eos_token_id=2)
-    return save_seeded(LlamaForCausalLM, config, path, seed, lambda model: _sharpen(model, attention_gain, logit_gain))
+    return save_seeded(LlamaForCausalLM, config, path, seed, lambda model: sharpen(model, attention_gain, logit_gain))
 
 
 #: The tiny hybrid model: ``TINY_LLAMA``'s shapes in four layers, sliding and full attention in turn (Ministral).
@@ -82,7 +82,7 @@ def save_tiny_ministral(
     config = MinistralConfig(**{**TINY_LLAMA, "num_hidden_layers": len(types)}, sliding_window=sliding_window,
                              layer_types=types, bos_token_id=1, eos_token_id=2)
     gains = positive_number("attention_gain", attention_gain), positive_number("logit_gain", logit_gain)
-    return save_seeded(MinistralForCausalLM, config, path, seed, lambda model: _sharpen(model, *gains))
+    return save_seeded(MinistralForCausalLM, config, path, seed, lambda model: sharpen(model, *gains))
 
 
 def save_seeded(model_class: Any, config: Any, path: str | os.PathLike, seed: int,
@@ -102,13 +102,18 @@ def save_seeded(model_class: Any, config: Any, path: str | os.PathLike, seed: in
     return path
 
 
-def _sharpen(model: torch.nn.Module, attention_gain: float, logit_gain: float) -> None:
-    """Scale q, k, v and o by ``attention_gain`` and the final norm by ``logit_gain`` (see the module's docstring)."""
+#: The attention projections ``sharpen`` scales in a Llama-family layer (DeepSeek's are in ``toy_mla``).
+LLAMA_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def sharpen(model: torch.nn.Module, attention_gain: float, logit_gain: float,
+            projections: tuple[str, ...] = LLAMA_ATTENTION_PROJECTIONS) -> None:
+    """Scale each layer's attention ``projections`` by ``attention_gain`` and the final norm by ``logit_gain``
+    (in place; the module's docstring says why)."""
     with torch.no_grad():
         for layer in model.model.layers:
-            attn = layer.self_attn
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-                proj.weight.mul_(attention_gain)
+            for name in projections:
+                getattr(layer.self_attn, name).weight.mul_(attention_gain)
         model.model.norm.weight.mul_(logit_gain)
 
 
