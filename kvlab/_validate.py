@@ -143,8 +143,9 @@ def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
         return (lambda v: any(c(v) for c in checks)), text
     if origin is typing.Literal:
         allowed = typing.get_args(annotation)
-        return (lambda v: any(v == a and type(v) is type(a) for a in allowed)), \
-            "one of " + ", ".join(repr(a) for a in allowed)
+        what = _Names("one of " + ", ".join(repr(a) for a in allowed))
+        what.allowed = tuple(str(a) for a in allowed)
+        return (lambda v: any(v == a and type(v) is type(a) for a in allowed)), what
     if origin is typing.Annotated:
         return _checker(typing.get_args(annotation)[0], signed)
     base = origin if origin is not None else annotation
@@ -203,8 +204,16 @@ def _kvlab_classes() -> dict[str, type]:
     return {name: value for name, value in found.items() if value is not None}
 
 
+class _Names(str):
+    """A description listing names (a ``Literal``): refused with ``UnknownNameError``."""
+
+    allowed: tuple[str, ...] = ()
+
+
 def describe_refusal(name: str, what: str, value: object) -> KvlabValueError:
     """The error every check raises: the parameter, what it accepts and what it got."""
+    if isinstance(what, _Names):
+        return UnknownNameError(name, value, what.allowed)
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."

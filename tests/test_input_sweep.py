@@ -41,7 +41,8 @@ SKIP: dict[str, str] = {
         "kvlab.sim.block_scenarios.Step", "kvlab.sim.collisions.BlockCollision",
         "kvlab.sim.fragmentation.FragmentationResult", "kvlab.sim.fragmentation_fast.SlotSteps",
         "kvlab.sim.prefix_sim.SimResult", "kvlab.sim.serving_sim.ChatRun", "kvlab.sim.sharing.SharingResult",
-        "kvlab.capacity.hybrid.HybridKVCachePlan", "kvlab.sim.hybrid_hits.HitWalkthrough",
+        "kvlab.capacity.hybrid.HybridKVCachePlan", "kvlab.capacity.parallel.ParallelPlan",
+        "kvlab.sim.hybrid_hits.HitWalkthrough",
         "kvlab.core.kv_cache_utils.KVCacheBlocks",
     )},
     **{name: INSIDE for name in (
@@ -190,6 +191,11 @@ def _overrides() -> dict[str, Any]:
         "kvlab.capacity.mla.causal_pairs": lambda: {"query_len": 4, "context_len": 8},
         "kvlab.capacity.mla.mla_attention_cost": lambda: {"model": get_model("deepseek-v3"), "query_len": 4},
         "kvlab.capacity.mla.mla_dims": lambda: {"model": get_model("deepseek-v3")},
+        "kvlab.capacity.models.parameter_parts": lambda: {"cfg": dict(get_model("deepseek-v3").config)},
+        "kvlab.capacity.parallel.plan_parallel": lambda: {"model": "deepseek-v3", "layout": "tp", "num_gpus": 8,
+                                                          "gpu_memory_gib": 141.0, "max_model_len": 8192},
+        "kvlab.capacity.parallel.weights_bytes_per_gpu": lambda: {"model": get_model("deepseek-v3"), "layout": "tp",
+                                                                  "num_gpus": 8},
         "kvlab.capacity.models.count_parameters": lambda: {"cfg": dict(get_model("llama-3-8b").config)}
         if hasattr(get_model("llama-3-8b"), "config") else {"cfg": {}},
         "kvlab.capacity.playbook.Workload": lambda: {"mean_prompt_tokens": 1000, "mean_output_tokens": 200},

@@ -123,6 +123,16 @@ class MLACost:
         """``"naive"`` or ``"absorbed"``: the path with fewer FLOPs (naive on a tie: no weights to fold)."""
         return "absorbed" if self.absorbed.flops < self.naive.flops else "naive"
 
+    @property
+    def fewer_bytes_read(self) -> str:
+        """``"naive"`` or ``"absorbed"``: the path that reads fewer bytes (naive on a tie).
+
+        Both read every latent once and the same weights, so the verdict is K and V read back
+        (``S N (P + R + V)`` values) against ``q_latent`` and ``o_latent`` (``2 Sq N L``): absorbing
+        reads less when ``S (P + R + V) > 2 L Sq``, whatever the dtypes.
+        """
+        return "absorbed" if self.absorbed.bytes_read < self.naive.bytes_read else "naive"
+
 
 @checked
 def causal_pairs(query_len: int, context_len: int) -> int:

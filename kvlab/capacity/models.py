@@ -223,50 +223,102 @@ def _weights_dtype(cfg: Mapping[str, Any]) -> str:
     return _TORCH_DTYPES.get(str(dtype), "bf16")
 
 
+#: The parts ``parameter_parts`` counts. ``routed_experts`` is what expert parallelism splits across GPUs;
+#: data-parallel attention keeps a copy of every other part on each GPU.
+PARAMETER_PARTS = ("embeddings", "attention", "mlp", "shared_experts", "routed_experts", "router", "norms")
+
+
 @checked
 def count_parameters(cfg: Mapping[str, Any]) -> int | None:
     """Count a decoder's parameters from its config (embeddings, attention, MLP/MoE, norms).
 
     Covers the Llama family (Llama, Mistral, Qwen2/3, Gemma 2), DeepSeek-V3 (MLA + MoE)
-    and gpt-oss (MoE); returns None for families it does not know. Multi-token-prediction
-    layers (``num_nextn_predict_layers``) are not counted: serving loads them separately.
+    and gpt-oss (MoE); returns None for families it does not know, or a config lacking a field
+    the count needs. Multi-token-prediction layers (``num_nextn_predict_layers``) are not counted:
+    serving loads them separately.
+    """
+    parts = parameter_parts(cfg)
+    return None if parts is None else sum(parts.values())
+
+
+@checked
+def parameter_parts(cfg: Mapping[str, Any]) -> dict[str, int] | None:
+    """``count_parameters`` by part (``PARAMETER_PARTS``): where a model's parameters sit, all layers summed.
+
+    ``embeddings`` holds the input embedding, the language-model head (unless tied) and the final
+    norm; ``norms`` the per-layer norms around attention and MLP; ``attention`` its projections and
+    the norms inside it (MLA's ``q_a_layernorm`` / ``kv_a_layernorm``, Qwen3's q/k norms).
     """
     family = cfg.get("model_type", "")
-    try:
-        H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-        nq = cfg["num_attention_heads"]
-    except KeyError:
+    H, V, L, nq = (cfg.get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"))
+    if None in (H, V, L, nq):
         return None
     tied = cfg.get("tie_word_embeddings", family.startswith("gemma"))
-    total = V * H * (1 if tied else 2) + H  # embeddings, lm_head, final norm
+    parts = dict.fromkeys(PARAMETER_PARTS, 0)
+    parts["embeddings"] = V * H * (1 if tied else 2) + H  # embeddings, lm_head, final norm
     if family in ("llama", "mistral", "qwen2", "qwen3", "gemma2"):
-        nkv = cfg.get("num_key_value_heads") or nq
-        hd = cfg.get("head_dim") or H // nq
-        attn = 2 * H * nq * hd + 2 * H * nkv * hd
-        if cfg.get("attention_bias") or family == "qwen2":
-            attn += nq * hd + 2 * nkv * hd + (H if cfg.get("attention_bias") else 0)
-        norms = (4 if family == "gemma2" else 2) * H + (2 * hd if family == "qwen3" else 0)
-        return total + L * (attn + 3 * H * cfg["intermediate_size"] + norms)
-    if family == "deepseek_v3":
-        r_q, r_kv = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-        nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-        attn = (
-            H * r_q + r_q + r_q * nq * (nope + rope)  # q down, norm, q up
-            + H * (r_kv + rope) + r_kv + r_kv * nq * (nope + vd)  # kv down (+ rope key), norm, kv up
-            + nq * vd * H  # o_proj
-        )
-        experts = cfg["n_routed_experts"]
-        moe = (experts + cfg["n_shared_experts"]) * 3 * H * cfg["moe_intermediate_size"] + experts * H + experts
-        dense_layers = cfg["first_k_dense_replace"]
-        mlp = dense_layers * 3 * H * cfg["intermediate_size"] + (L - dense_layers) * moe
-        return total + L * (attn + 2 * H) + mlp
-    if family == "gpt_oss":
-        nkv, hd, inter = cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"]
-        experts = cfg["num_local_experts"]
-        attn = 2 * H * nq * hd + 2 * H * nkv * hd + (nq * hd + 2 * nkv * hd + H) + nq  # + biases, sinks
-        moe = experts * (H * 2 * inter + 2 * inter + inter * H + H) + experts * H + experts
-        return total + L * (attn + moe + 2 * H)
-    return None
+        layer = _llama_layer(cfg, family, H, nq)
+    elif family == "deepseek_v3":
+        layer = _deepseek_layer(cfg, H, nq, L)
+    elif family == "gpt_oss":
+        layer = _gpt_oss_layer(cfg, H, nq)
+    else:
+        return None
+    if layer is None:
+        return None
+    for name, count in layer.items():
+        parts[name] += count if name in ("mlp", "shared_experts", "routed_experts", "router") else L * count
+    return parts
+
+
+def _llama_layer(cfg: Mapping[str, Any], family: str, H: int, nq: int) -> dict[str, int] | None:
+    """One Llama-family layer's attention and norms, and the dense MLPs of all layers."""
+    nkv = cfg.get("num_key_value_heads") or nq
+    hd = cfg.get("head_dim") or H // nq
+    inter = cfg.get("intermediate_size")
+    if inter is None:
+        return None
+    attn = 2 * H * nq * hd + 2 * H * nkv * hd
+    if cfg.get("attention_bias") or family == "qwen2":
+        attn += nq * hd + 2 * nkv * hd + (H if cfg.get("attention_bias") else 0)
+    qk_norms = 2 * hd if family == "qwen3" else 0
+    return {"attention": attn + qk_norms, "norms": (4 if family == "gemma2" else 2) * H,
+            "mlp": cfg["num_hidden_layers"] * 3 * H * inter}
+
+
+def _deepseek_layer(cfg: Mapping[str, Any], H: int, nq: int, L: int) -> dict[str, int] | None:
+    """One DeepSeek-V3 layer's MLA and norms, and the dense MLPs and experts of all layers.
+
+    Without ``q_lora_rank`` (DeepSeek-V2-Lite's style) the query is one projection, ``q_proj``.
+    """
+    names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+             "moe_intermediate_size", "intermediate_size")
+    r_kv, nope, rope, vd, experts, moe_inter, inter = (cfg.get(k) for k in names)
+    if None in (r_kv, nope, rope, vd, experts, moe_inter, inter):
+        return None
+    r_q = cfg.get("q_lora_rank")
+    query = H * r_q + r_q + r_q * nq * (nope + rope) if r_q else H * nq * (nope + rope)  # down, norm, up / q_proj
+    attn = (query + H * (r_kv + rope) + r_kv + r_kv * nq * (nope + vd)  # kv down (+ rope key), norm, kv up
+            + nq * vd * H)  # o_proj
+    dense = min(cfg.get("first_k_dense_replace") or 0, L)
+    expert = 3 * H * moe_inter
+    return {"attention": attn, "norms": 2 * H, "mlp": dense * 3 * H * inter,
+            "shared_experts": (L - dense) * (cfg.get("n_shared_experts") or 0) * expert,
+            "routed_experts": (L - dense) * experts * expert,
+            "router": (L - dense) * (experts * H + experts)}  # gate weight and correction bias
+
+
+def _gpt_oss_layer(cfg: Mapping[str, Any], H: int, nq: int) -> dict[str, int] | None:
+    """One gpt-oss layer's attention (biases and sinks included) and norms, and the experts of all layers."""
+    nkv, hd, inter, experts = (cfg.get(k) for k in ("num_key_value_heads", "head_dim", "intermediate_size",
+                                                    "num_local_experts"))
+    if None in (nkv, hd, inter, experts):
+        return None
+    L = cfg["num_hidden_layers"]
+    attn = 2 * H * nq * hd + 2 * H * nkv * hd + (nq * hd + 2 * nkv * hd + H) + nq  # + biases, sinks
+    return {"attention": attn, "norms": 2 * H,
+            "routed_experts": L * experts * (H * 2 * inter + 2 * inter + inter * H + H),
+            "router": L * (experts * H + experts)}
 
 
 @checked
