@@ -84,7 +84,8 @@ SKIP: dict[str, str] = {
         "kvlab.core.sched.loop.NoComputeExecutor.execute_model",
         "kvlab.core.sched.scheduler.Scheduler.fail_step", "kvlab.core.sched.scheduler.Scheduler.make_stats",
         "kvlab.core.sched.scheduler.Scheduler.update_from_output",
-        "kvlab.sim.block_scenarios.describe", "kvlab.sim.block_scenarios.pool_snapshot",
+        "kvlab.sim.block_narration.describe", "kvlab.sim.block_narration.opening",
+        "kvlab.sim.block_scenarios.pool_snapshot",
         "kvlab.sim.block_scenarios.snapshot",
         *(f"kvlab.core.{owner}.on_block_{event}"
           for owner in ("cache_stats.EvictionCounter", "kv_cache_metrics.KVCacheMetricsCollector",
