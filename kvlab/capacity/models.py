@@ -143,8 +143,11 @@ class ModelSpec:
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            with open(path, encoding="utf-8") as fh:
-                config = json.load(fh)
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    config = json.load(fh)
+            except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
+                raise KvlabValueError(f"config={str(config)!r}: cannot read {path} as JSON ({error})") from error
             name = name or (path.parent.name if path.name == "config.json" else path.stem)
         if not isinstance(config, Mapping):
             raise KvlabValueError(f"config must be a dict or a path to config.json, got {type(config).__name__}")
@@ -341,7 +344,7 @@ def _gpt_oss_layer(cfg: Mapping[str, Any], H: int, nq: int) -> dict[str, int] | 
             "router": L * (experts * H + experts)}
 
 
-@checked
+@checked(at_most={"num_params": 1e15})  # a thousand times the largest model served today
 def params_bytes(num_params: float, weights_dtype: str) -> int:
     """Bytes of ``num_params`` parameters stored as ``weights_dtype``: how a "70B in bf16 is 130 GiB" is counted.
 

@@ -43,7 +43,7 @@ def engine_device(device: str | torch.device | None = None) -> torch.device:
     """
     try:
         chosen = torch.device(kernels.default_device() if device is None else device)
-    except (RuntimeError, TypeError) as error:
+    except (RuntimeError, TypeError, ValueError, UnicodeError) as error:
         raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from error
     if chosen.type not in ("cpu", "cuda"):
         raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")

@@ -81,7 +81,6 @@ class Scenario:
         return len(self.ops)
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class BlockView:
     """One physical block at one moment: what the picture draws in its cell."""
@@ -104,7 +103,6 @@ class BlockView:
         return "free" if self.block_hash is None else "cached"
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class PoolSnapshot:
     """The pool and its live sequences at one moment, as plain values (compare with ``==``)."""
@@ -175,7 +173,6 @@ def pool_snapshot(pool: BlockPool, tables: Mapping[str, TypingSequence[int]],
     )
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The state after operation ``index`` (0: the fresh pool), with what it did and why."""
