@@ -81,14 +81,16 @@ def compare_hard_paths(model_dir: str | os.PathLike, hf_model: Any, *, prompt_le
     """Serve ``prompt_lens`` random prompts through kvlab's engine on the hard paths; compare with transformers.
 
     The default budget of 44 tokens cuts a 150-token prompt at 44, 88 and 132: inside tiles of 16
-    and blocks of 16. The engine runs on the kernels ``kvlab.kernels.paged_attention`` names at
-    each call, so the comparison also judges a kernel swapped in by ``kernels.mutants.using_kernels``.
+    and blocks of 16. The engine runs the Triton kernels (``attention_backend="triton"``: on a CPU
+    through the interpreter), looked up on ``kvlab.kernels`` at each call, so the comparison also
+    judges a kernel swapped in by ``kernels.mutants.using_kernels``.
     """
     from kvlab.engine.llm_engine import LLMEngine
 
     prompts = [random_token_ids(n, seed=seed + i) for i, n in enumerate(prompt_lens)]
     engine = LLMEngine(model_dir, num_gpu_blocks=1 + sum(cdiv(n + max_tokens, block_size) for n in prompt_lens),
-                       block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+                       block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                       attention_backend="triton")
     engine.model_runner.kernel_config = config
     engine.model_runner.decode_kv_splits = decode_kv_splits
     ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]

@@ -107,7 +107,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, **dataclasses.asdict(config.scheduler_config),
                                    connector=self.connector)
         # 9. Executor: the model runner, behind the CPU tier's copies when there is one.
-        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits)
+        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits,
+                                        attention_backend=config.attention_backend)
         self.executor = (self.model_runner if self.connector is None else
                          OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
         # What the engine has served: metrics, per-step history, and each request's tokens and end.

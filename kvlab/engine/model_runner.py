@@ -82,12 +82,13 @@ class ModelRunner:
     every step (smaller tiles: short contexts span several), and ``decode_kv_splits`` forces the
     split count of decode-only steps (split-KV, which the automatic choice never uses on a CPU).
     Both may be set on a running engine (``engine.model_runner.kernel_config = ...``); they are
-    handed to every ``Attention`` layer of the model.
+    handed to every ``Attention`` layer of the model, as is ``attention_backend`` (which kernels
+    those layers call: ``kvlab.engine.attention.BACKEND_KERNELS``).
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
                  keep_logits: bool = False, kernel_config: kernels.KernelConfig | None = None,
-                 decode_kv_splits: int | None = None) -> None:
+                 decode_kv_splits: int | None = None, attention_backend: str = "triton") -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
@@ -97,6 +98,9 @@ class ModelRunner:
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.kernel_config = kernel_config
         self.decode_kv_splits = decode_kv_splits
+        for layer in self._attention_layers():
+            layer.attention_backend = attention_backend
+        self.attention_backend = attention_backend
 
     @property
     def kernel_config(self) -> kernels.KernelConfig | None:
