@@ -82,3 +82,12 @@ def test_chat_prompt_is_what_the_checkpoints_chat_template_writes():
     messages = [{"role": "system", "content": TINY_MODEL_SYSTEM_PROMPT}, {"role": "user", "content": "What is a list?"}]
     assert chat_prompt("What is a list?") == tokenizer.apply_chat_template(messages, tokenize=False,
                                                                             add_generation_prompt=True)
+
+
+def test_both_backends_give_identical_tokens_on_the_hybrid_model_past_its_window(tiny_ministral_dir,
+                                                                                 hf_ministral_greedy):
+    # windows of 8 in blocks of 4: blocks that slid out are the null block in the table, which neither may read
+    prompts = [random_token_ids(29, seed=30), random_token_ids(13, seed=31)]
+    runs = {b: serve(tiny_ministral_dir, b, prompts, 6, num_gpu_blocks=64, block_size=4, max_num_batched_tokens=12)
+            for b in ATTENTION_BACKENDS}
+    assert runs["triton"][1] == runs["torch"][1] == [hf_ministral_greedy(p, 6) for p in prompts]
