@@ -61,9 +61,8 @@ class LLMEngine:
     ``kv_cache_dtype="fp8"`` stores K and V as float8 e4m3 with scale 1.0 (vLLM's default)
     and the kernels dequantize on load. The model and the cache live on ``device``: by default
     the GPU where the kernels run natively, else the CPU (``kernels.default_device()``); a CPU
-    engine plans with this machine's RAM in place of GPU memory. ``attention_backend`` picks the
-    attention layers' kernels: ``"triton"`` (by default where they compile natively) or ``"torch"``
-    (by default on a CPU: gather + SDPA over the same paged cache; ``kvlab.engine.attention``).
+    engine plans with this machine's RAM in place of GPU memory. ``attention_backend``: the attention
+    kernels, ``"triton"`` or ``"torch"`` (gather + SDPA), by default chosen by hardware (``EngineConfig``).
 
     ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.core.kv_offload``;
     vLLM sizes its tier in GiB with ``kv_offloading_size``): blocks the pool evicts are copied
