@@ -149,13 +149,18 @@ def _cpu_counter(obj: Any, method: str) -> list[float]:
     return total
 
 
-def run_hf_serial(hf_model: Any, workload: Workload) -> dict[str, Any]:
-    """transformers ``generate`` on one request at a time, each to its own length (EOS ignored)."""
+def run_hf_serial(hf_model: Any, workload: Workload, pad_token_id: int = 0) -> dict[str, Any]:
+    """transformers ``generate`` on one request at a time, each to its own length (EOS ignored).
+
+    With an attention mask, as a tokenizer's output has and as the static batch passes.
+    """
     seconds = []
     with timed() as times, torch.no_grad():
         for prompt, n in zip(workload.prompts, workload.output_lens, strict=True):
             started = time.perf_counter()
-            hf_model.generate(torch.tensor([list(prompt)]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            ids = torch.tensor([list(prompt)])                                          # [1, prompt_len]
+            hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=pad_token_id)
             seconds.append((time.perf_counter() - started) / n)
     return _result(times, workload.num_tokens, seconds)
 
