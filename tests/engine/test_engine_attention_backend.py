@@ -91,3 +91,13 @@ def test_both_backends_give_identical_tokens_on_the_hybrid_model_past_its_window
     runs = {b: serve(tiny_ministral_dir, b, prompts, 6, num_gpu_blocks=64, block_size=4, max_num_batched_tokens=12)
             for b in ATTENTION_BACKENDS}
     assert runs["triton"][1] == runs["torch"][1] == [hf_ministral_greedy(p, 6) for p in prompts]
+
+
+def test_an_mla_model_keeps_its_own_kernels_under_either_backend(tiny_deepseek_dir):
+    # MLA layers read a latent cache through kvlab.kernels.mla_decode; attention_backend names the K/V kernels only
+    prompts = [random_token_ids(12, seed=40)]
+    runs = {b: serve(tiny_deepseek_dir, b, prompts, 3, num_gpu_blocks=16) for b in ATTENTION_BACKENDS}
+    assert runs["triton"][1] == runs["torch"][1]
+    engine = runs["torch"][0]
+    assert engine.engine_config.attention_backend == "torch"
+    assert not [m for m in engine.model.modules() if hasattr(m, "attention_backend")]
