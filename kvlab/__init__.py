@@ -29,7 +29,7 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 03  core.kv_cache_utils                 ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``)
 03  core.block_pool                     ``BlockPool``, ``BlockHashToBlockMap`` (``vllm/v1/core/block_pool.py``)
 03  core.sequence, sim.block_scenarios  block tables, slot mapping, fork and copy-on-write (the paper's, and
-                                        ``vllm/v1/worker/block_table.py``)
+    (+ sim.block_narration)             ``vllm/v1/worker/block_table.py``); the stepper's sentences
 04  core.hashing                        ``hash_block_tokens``, ``NONE_HASH`` (``kv_cache_utils.py``,
                                         ``vllm/utils/hashing.py``)
 04  core.request                        ``Request`` (``vllm/v1/request.py``)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Any
 
 import _api_sweep as sweep
@@ -84,7 +85,8 @@ SKIP: dict[str, str] = {
         "kvlab.core.sched.loop.NoComputeExecutor.execute_model",
         "kvlab.core.sched.scheduler.Scheduler.fail_step", "kvlab.core.sched.scheduler.Scheduler.make_stats",
         "kvlab.core.sched.scheduler.Scheduler.update_from_output",
-        "kvlab.sim.block_scenarios.describe", "kvlab.sim.block_scenarios.pool_snapshot",
+        "kvlab.sim.block_narration.describe", "kvlab.sim.block_narration.opening",
+        "kvlab.sim.block_scenarios.pool_snapshot",
         "kvlab.sim.block_scenarios.snapshot",
         *(f"kvlab.core.{owner}.on_block_{event}"
           for owner in ("cache_stats.EvictionCounter", "kv_cache_metrics.KVCacheMetricsCollector",
@@ -394,3 +396,50 @@ def test_no_call_hangs(result: sweep.SweepResult) -> None:
 
 def test_every_refusal_names_the_parameter(result: sweep.SweepResult) -> None:
     assert not result.of("unnamed"), _report(result.of("unnamed"))
+
+
+# The issue's own examples of wrong input accepted silently: values of the right type that break a rule.
+def _spec(**changes: Any) -> Any:
+    from kvlab.capacity.models import ModelSpec
+
+    fields = {"name": "x", "num_layers": 2, "num_attention_heads": 4, "num_kv_heads": 4, "head_dim": 64,
+              "attention": "mha", **changes}
+    return ModelSpec(**fields)
+
+
+def _transfer(transfers: list[tuple[int, int]]) -> None:
+    import torch
+
+    from kvlab.engine.kv_offload import transfer_blocks
+
+    k, v = torch.zeros(4, 2, 1, 2), torch.zeros(4, 2, 1, 2)  # [num_blocks, block_size, num_kv_heads, head_size]
+    transfer_blocks([(k, v)], [(k.clone(), v.clone())], transfers)
+
+
+@pytest.mark.parametrize(("call", "named"), [
+    (lambda: _spec(num_kv_heads=8), "num_kv_heads=8"),                          # 8 KV heads for 4 query heads
+    (lambda: _spec(num_kv_heads=2), "attention='mha'"),                          # "mha" with grouped heads
+    (lambda: _spec(num_kv_heads=3), "num_kv_heads=3"),                           # a group size that does not divide
+    (lambda: _spec(attention="mqa", num_kv_heads=2), "attention='mqa'"),
+    (lambda: _spec(layer_types=("bogus", "full_attention")), "layer_types[0]"),
+    (lambda: _transfer([(-1, 0)]), "transfers[0]"),                              # source -1 would copy the last block
+    (lambda: _transfer([(0, 4)]), "transfers[0]"),
+], ids=["kv>q", "mha-grouped", "kv-not-divisor", "mqa-two", "layer-type", "transfer-negative", "transfer-past-end"])
+def test_values_that_break_a_rule_are_refused_by_name(call: Any, named: str) -> None:
+    from kvlab.errors import KvlabValueError
+
+    with pytest.raises(KvlabValueError, match=re.escape(named)):
+        call()
+
+
+def test_a_negative_vocab_size_in_config_json_is_refused(tmp_path: Any) -> None:
+    import json
+
+    from kvlab.data import DATA_DIR
+    from kvlab.engine.config import DecoderConfig
+    from kvlab.errors import CheckpointError
+
+    config = json.loads((DATA_DIR / "tiny-pydoc-llama" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": -128256}))
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        DecoderConfig.from_pretrained(tmp_path)

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -74,14 +75,33 @@ class ModelSpec:
             raise UnknownNameError("weights_dtype", self.weights_dtype, WEIGHT_DTYPE_BYTES)
         if self.attention not in ("mha", "gqa", "mqa", "mla"):
             raise UnknownNameError("attention", self.attention, ["mha", "gqa", "mqa", "mla"])
+        self._check_heads()
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        for i, kind in enumerate(self.layer_types):
+            if kind not in typing.get_args(LayerType):
+                raise UnknownNameError(f"layer_types[{i}]", kind, typing.get_args(LayerType))
         if len(self.layer_types) != self.num_layers:
             raise KvlabValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}"
             )
         if "sliding_attention" in self.layer_types:
             positive_int("sliding_window", self.sliding_window)
+
+    def _check_heads(self) -> None:
+        """KV heads that fit the query heads and the label: MHA has as many, MQA one, GQA fewer (a divisor)."""
+        q, kv = self.num_attention_heads, self.num_kv_heads
+        if self.attention == "mla":
+            return
+        if kv > q or q % kv:
+            raise KvlabValueError(f"num_kv_heads={kv} must divide num_attention_heads={q} (each KV head serves "
+                                  "a whole group of query heads)")
+        expected = {"mha": kv == q, "mqa": kv == 1, "gqa": 1 <= kv < q}[self.attention]
+        if not expected:
+            rule = {"mha": "as many KV heads as query heads", "mqa": "one KV head",
+                    "gqa": "fewer KV heads than query heads"}[self.attention]
+            raise KvlabValueError(f"attention={self.attention!r} means {rule}; got num_kv_heads={kv} for "
+                                  f"num_attention_heads={q}")
 
     @property
     def kv_factor(self) -> int:
