@@ -163,6 +163,7 @@ def compare_work_division(num_seqs: int, num_q_heads: int, num_kv_heads: int, he
 
     Every sequence has ``seq_len`` tokens and one query token. The Triton side is kvlab's own launch
     plan and its mirror (``kvlab.kernels.grid``): one program per KV head serves all its query heads.
+    The mirror lists every key each program reads, so keep the batch small (a few sequences, a few K tokens).
     """
     for name, value in (("num_seqs", num_seqs), ("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                         ("seq_len", seq_len)):
