@@ -143,7 +143,12 @@ def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
             return None
         checks = [p[0] for p in parts]  # type: ignore[index]
         text = " or ".join(dict.fromkeys(p[1] for p in parts))  # type: ignore[index]
-        return (lambda v: any(c(v) for c in checks)), text
+
+        def union(v: object) -> bool:
+            return any(c(v) for c in checks)
+
+        union.parts = parts  # type: ignore[attr-defined]  # lets a refusal name the bad item of a container
+        return union, text
     if origin is typing.Literal:
         allowed = typing.get_args(annotation)
         what = _Names("one of " + ", ".join(repr(a) for a in allowed))
@@ -203,16 +208,8 @@ def _container_checker(base: Any, args: tuple[Any, ...], signed: bool) -> tuple[
             return True
         return all(item_ok(x) for x in v)  # type: ignore[attr-defined]
 
-    return check, f"{text} of {_plural(item_what)}"
-
-
-def _plural(what: str) -> str:
-    """``an integer >= 0`` -> ``integers >= 0``: the item description after "a list of"."""
-    for article in ("an ", "a "):
-        if what.startswith(article):
-            head, _, rest = what[len(article):].partition(" ")
-            return (head + "s " + rest).strip() if not head.endswith("s") else what[len(article):]
-    return what
+    check.item = (kind, item_ok, item_what)  # type: ignore[attr-defined]  # lets a refusal name the bad item
+    return check, f"{text} (each item: {item_what})"
 
 
 def _resolve(func: Callable[..., Any]) -> dict[str, Any]:
@@ -251,6 +248,21 @@ class _Names(str):
     allowed: tuple[str, ...] = ()
 
 
+def _refusal(name: str, check: Check, what: str, value: object) -> KvlabValueError:
+    """``describe_refusal``, but inside a container of the right kind, name the first item that is wrong."""
+    for part_check, part_what in getattr(check, "parts", ()):  # a union: the container alternative it is
+        item = getattr(part_check, "item", None)
+        if item is not None and isinstance(value, item[0]) and not isinstance(value, (str, bytes)):
+            return _refusal(name, part_check, part_what, value)
+    item = getattr(check, "item", None)
+    if item is not None and isinstance(value, item[0]) and not isinstance(value, (str, bytes, abc.Iterator)):
+        kind, item_ok, item_what = item
+        for i, x in enumerate(value):  # type: ignore[attr-defined]
+            if not item_ok(x):
+                return _refusal(f"{name}[{i}]", item_ok, item_what, x)
+    return describe_refusal(name, what, value)
+
+
 def describe_refusal(name: str, what: str, value: object) -> KvlabValueError:
     """The error every check raises: the parameter, what it accepts and what it got."""
     if isinstance(what, _Names):
@@ -267,12 +279,13 @@ def _bounded(made: tuple[Check, str], limit: int) -> tuple[Check, str]:
 
 
 def _rules_for(fn: Callable[..., Any], signed: tuple[str, ...], skip_first: bool,
-               at_most: Mapping[str, int] | None = None) -> list[tuple[str, int, Check, str]]:
+               at_most: Mapping[str, int] | None = None,
+               skip: tuple[str, ...] = ()) -> list[tuple[str, int, Check, str]]:
     """(name, position, predicate, description) for each parameter ``@checked`` can check."""
     hints = _resolve(fn)
     rules = []
     for position, (name, param) in enumerate(inspect.signature(fn).parameters.items()):
-        if (skip_first and position == 0) or name not in hints:
+        if (skip_first and position == 0) or name not in hints or name in skip:
             continue
         made = _checker(hints[name], name in signed)
         if made is not None and at_most and name in at_most:
@@ -283,14 +296,15 @@ def _rules_for(fn: Callable[..., Any], signed: tuple[str, ...], skip_first: bool
     return rules
 
 
-def _checked_function(fn: F, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None) -> F:
+def _checked_function(fn: F, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None,
+                      skip: tuple[str, ...] = ()) -> F:
     plan: list[tuple[str, int, Check, str]] | None = None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         nonlocal plan
         if plan is None:  # resolved at the first call, when every name the annotations use exists
-            plan = _rules_for(fn, signed, skip_first=False, at_most=at_most)
+            plan = _rules_for(fn, signed, skip_first=False, at_most=at_most, skip=skip)
         if not plan or _getframe(1).f_globals.get("__name__", "").startswith("kvlab."):
             return fn(*args, **kwargs)  # nothing to check, or kvlab calling itself (checked at the door)
         for name, index, check, what in plan:
@@ -301,18 +315,19 @@ def _checked_function(fn: F, signed: tuple[str, ...], at_most: Mapping[str, int]
             else:
                 continue
             if not check(value):
-                raise describe_refusal(name, what, value)
+                raise _refusal(name, check, what, value)
         return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 
 
-def _checked_class(cls: type, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None) -> type:
+def _checked_class(cls: type, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None,
+                   skip: tuple[str, ...] = ()) -> type:
     if dataclasses.is_dataclass(cls) and hasattr(cls, "__post_init__"):
         post_init = cls.__post_init__  # the generated __init__ calls it once the fields are set
 
         def check_then_post_init(self: Any) -> None:
-            check_fields(self, signed=signed)
+            check_fields(self, signed=signed, skip=skip)
             post_init(self)
 
         cls.__post_init__ = check_then_post_init  # type: ignore[attr-defined]
@@ -322,34 +337,36 @@ def _checked_class(cls: type, signed: tuple[str, ...], at_most: Mapping[str, int
         @functools.wraps(init)
         def init_then_check(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
-            check_fields(self, signed=signed)
+            check_fields(self, signed=signed, skip=skip)
 
         cls.__init__ = init_then_check  # type: ignore[method-assign]
     else:
         init = cls.__init__
-        cls.__init__ = _checked_function(init, signed, at_most)  # type: ignore[method-assign]
+        cls.__init__ = _checked_function(init, signed, at_most, skip)  # type: ignore[method-assign]
     return cls
 
 
-def checked(func: Any = None, *, signed: tuple[str, ...] = (), at_most: Mapping[str, int] | None = None) -> Any:
+def checked(func: Any = None, *, signed: tuple[str, ...] = (), at_most: Mapping[str, int] | None = None,
+            skip: tuple[str, ...] = ()) -> Any:
     """Check each argument against its annotation before the call (a class: its constructor's arguments).
 
+    ``skip`` leaves a parameter to the body (one whose range the body checks with a better message).
     ``at_most`` caps sizes that kvlab would build in memory (``MAX_OBJECTS``), so 10**15 blocks is refused
     at once instead of filling the laptop. On a dataclass the fields are checked once built (``check_fields``).
     """
 
     def decorate(obj: Any) -> Any:
         if inspect.isclass(obj):
-            return _checked_class(obj, signed, at_most)
-        return _checked_function(obj, signed, at_most)
+            return _checked_class(obj, signed, at_most, skip)
+        return _checked_function(obj, signed, at_most, skip)
 
     return decorate(func) if func is not None else decorate
 
 
-_FIELD_RULES: dict[tuple[type, tuple[str, ...]], list[tuple[str, Check, str]]] = {}
+_FIELD_RULES: dict[tuple[type, tuple[str, ...], tuple[str, ...]], list[tuple[str, Check, str]]] = {}
 
 
-def _field_rules(klass: type, signed: tuple[str, ...]) -> list[tuple[str, Check, str]]:
+def _field_rules(klass: type, signed: tuple[str, ...], skip: tuple[str, ...] = ()) -> list[tuple[str, Check, str]]:
     hints: dict[str, Any] = {}
     for base in reversed(klass.__mro__):
         if dataclasses.is_dataclass(base):
@@ -363,20 +380,20 @@ def _field_rules(klass: type, signed: tuple[str, ...]) -> list[tuple[str, Check,
                 hints[name] = annotation
     rules = []
     for f in dataclasses.fields(klass):
-        if f.name in hints:
+        if f.name in hints and f.name not in skip:
             made = _checker(hints[f.name], f.name in signed)
             if made is not None:
                 rules.append((f.name, *made))
     return rules
 
 
-def check_fields(obj: object, *, signed: tuple[str, ...] = ()) -> None:
+def check_fields(obj: object, *, signed: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> None:
     """``@checked`` for a dataclass: every field against its annotation (the rules are built once per class)."""
-    key = (type(obj), signed)
+    key = (type(obj), signed, skip)
     rules = _FIELD_RULES.get(key)
     if rules is None:
-        rules = _FIELD_RULES[key] = _field_rules(type(obj), signed)
+        rules = _FIELD_RULES[key] = _field_rules(type(obj), signed, skip)
     for name, check, what in rules:
         value = getattr(obj, name)
         if not check(value):
-            raise describe_refusal(name, what, value)
+            raise _refusal(name, check, what, value)

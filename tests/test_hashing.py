@@ -144,7 +144,7 @@ def test_request_hasher_hashes_full_blocks_only_and_extends_as_tokens_arrive():
 @pytest.mark.parametrize("kwargs, text", [
     ({"request_id": ""}, "request_id"),
     ({"prompt_token_ids": []}, "at least one token"),
-    ({"prompt_token_ids": [1, -2]}, "non-negative integer"),
+    ({"prompt_token_ids": [1, -2]}, r"prompt_token_ids\[1\] must be an integer >= 0"),
     ({"cache_salt": ""}, "cache_salt"),
     ({"mm_features": [MultiModalFeatureSpec("x", PlaceholderRange(2, 9))]}, "past the prompt"),
 ])

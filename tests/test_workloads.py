@@ -75,8 +75,9 @@ def test_bad_arguments_are_named(call, parameter):
 
 def test_validate_requests_refuses_what_is_not_a_length_pair():
     assert validate_requests([(1, 2), (3, 4)]).shape == (2, 2)
-    for bad, text in (([(1, 2, 3)], "pairs"), ([(1.5, 2)], "whole numbers"), ([(3, 0)], r"requests\[0\]"),
-                      ([], "at least one"), ([("a", 1)], "integers")):
+    for bad, text in (([(1, 2, 3)], "pairs"), ([(1.5, 2)], r"requests\[0\]\[0\] must be an integer"),
+                      ([(3, 0)], r"requests\[0\]"), ([], "at least one"),
+                      ([("a", 1)], r"requests\[0\]\[0\] must be an integer")):
         with pytest.raises(KvlabValueError, match=text):
             validate_requests(bad)
     with pytest.raises(UnknownNameError):

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-from kvlab._validate import checked, positive_int
+from kvlab._validate import checked, one_of, positive_int
 from kvlab.core.hashing import HASH_FUNCTIONS, get_hash_fn_by_name, hash_block_tokens
+from kvlab.errors import KvlabValueError
 
 
 @checked(at_most={"number": 10**6, "repeat": 1000})
@@ -35,6 +36,11 @@ def measure_hash_cost(
     call is serialisation.
     """
     number, repeat = positive_int("number", number), positive_int("repeat", repeat)
+    for i, size in enumerate(block_sizes):
+        if positive_int(f"block_sizes[{i}]", size) > 4096:
+            raise KvlabValueError(f"block_sizes[{i}]={size}: vLLM's block sizes are at most a few hundred tokens")
+    for i, name in enumerate(hash_fn_names):
+        one_of(f"hash_fn_names[{i}]", name, HASH_FUNCTIONS)
     rng = random.Random(seed)
     rows = []
     for block_size in block_sizes:

@@ -31,7 +31,7 @@ MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1
 
 
-@checked
+@checked(skip=("seed",))  # the body checks seed + n - 1 against 64 bits, as torch generators take
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to choose tokens and when to stop (the part of vLLM's ``SamplingParams`` kvlab uses).
