@@ -254,7 +254,7 @@ def confirm_killers(scratch: Scratch, results: list[Result], timeout: float) -> 
     if not nodes:
         return
     scratch.write(None)
-    phase = scratch.pytest([*TEST_ARGS, *nodes], "confirm", timeout)
+    phase = scratch.pytest([*TEST_ARGS, *(f"{ROOT}/{node}" for node in nodes)], "confirm", timeout)
     failing = set()
     if phase.status == "killed":   # more than one may fail: read them all
         junit = sorted((scratch.root / "logs").glob("*-confirm.xml"))[-1]
@@ -266,12 +266,12 @@ def confirm_killers(scratch: Scratch, results: list[Result], timeout: float) -> 
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"\n{'mutant':<27} {'layer':<9} {'result':<9} {'by':<70} {'s':>6}")
+    print(f"\n{'mutant':<27} {'layer':<9} {'result':<9} {'by':<90} {'s':>6}")
     for r in results:
         row = r.row()
         result = ("killed" if r.killed else "SURVIVED") if r.deciding.status != "timeout" else "timeout"
         by = (row["killed_by"] or "-") + ("" if r.confirmed in (None, True) else "  (UNCONFIRMED)")
-        print(f"{row['mutant']:<27} {row['layer']:<9} {result:<9} {by[:70]:<70} {row['seconds']:>6.1f}")
+        print(f"{row['mutant']:<27} {row['layer']:<9} {result:<9} {by[:90]:<90} {row['seconds']:>6.1f}")
 
 
 def scores(results: list[Result]) -> dict:
