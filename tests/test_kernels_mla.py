@@ -90,3 +90,16 @@ def test_an_fp8_latent_cache_is_dequantized_with_its_scale():
     out = assert_decode_matches(batch, k_scale=k_scale, config=KernelConfig(block_q=1, block_m=16, tile_n=16))
     unquantized = mla_decode_ref(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=SCALE)
     assert relative_error(out, unquantized) < FP8_BOUND, f"seed {seed}"     # e4m3 rounding of the latents
+
+
+def test_the_mutant_that_drops_the_rope_part_of_the_score_is_caught():
+    # kvlab.kernels.mutants' mla_rope_dropped scores q_latent · c_kv alone: the position part of every score is lost
+    from kvlab.kernels import mutants
+
+    batch = mla_batch([17, 40], block_size=16)
+    assert_decode_matches(batch)
+    q_latent, q_pe, kv_cache, block_table, seq_lens, seed = batch
+    broken = mutants.load_mutant("mla_rope_dropped").mla_decode_triton(
+        q_latent, q_pe, kv_cache, block_table, seq_lens, scale=SCALE)
+    ref = mla_decode_ref(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=SCALE)
+    assert relative_error(broken, ref) > 100 * TOLERANCE[q_latent.dtype], f"seed {seed}"
