@@ -23,7 +23,8 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 01  capacity.sizing                     ``AttentionSpec.page_size_bytes`` (``vllm/v1/kv_cache_interface.py``)
 02  capacity.budget                     ``vllm/v1/core/kv_cache_utils.py`` (``get_kv_cache_configs``), the worker's
                                         memory profiling (``vllm/v1/worker/gpu_worker.py``)
-02  sim.workloads, sim.fragmentation    contiguous reservation against paging (the PagedAttention paper)
+02  sim.workloads, sim.fragmentation    contiguous reservation against paging (the PagedAttention paper), step by
+    (and sim.fragmentation_fast)        step and event by event
 02  sim.sharing                         parallel sampling's shared prompt blocks, measured (the paper's Fig. 15)
 03  core.kv_cache_utils                 ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``)
 03  core.block_pool                     ``BlockPool``, ``BlockHashToBlockMap`` (``vllm/v1/core/block_pool.py``)
@@ -38,6 +39,7 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
                                         kvlab's eviction counter
 04  sim.prefix_sim, sim.hash_cost,      hit rates against pool size, hashing cost, collisions on purpose
     sim.collisions
+04  sim.lifecycle                       one request's allocate, hit, free and evict on the real manager
 05  kernels (attention, cache_write)    ``triton_unified_attention.py``, ``reshape_and_cache_flash``
                                         (``vllm/v1/attention/ops/``); the sliding window as ``triton_attn.py`` passes it
 05  kernels.verify, batches, mutants    kvlab's own: ``check_kernel``, a bench for a learner's kernel, and broken copies

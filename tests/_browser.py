@@ -34,6 +34,10 @@ CHROMIUM_FLAGS = [
     "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
 ]
 VIEWPORT = {"width": 1280, "height": 720}
+# The longest any wait on the page may last. Every wait ends as soon as the page reports what it
+# waits for (cells finished, views and figures drawn, a layout that stopped moving), so this
+# only bounds a wait that will never end; a busy 2-core CI machine makes waits long, not flaky.
+WAIT_S = float(os.environ.get("KVLAB_UI_WAIT", "300"))
 
 # JupyterLab user settings for a test run: every cell stays in the page (windowing "none"),
 # nothing is fetched from the internet, and nothing is saved behind the test's back.
@@ -414,6 +418,53 @@ def page_report(page: Any, root_selector: str) -> dict[str, Any]:
     return page.locator(root_selector).first.evaluate(PAGE_REPORT_JS.replace("VIEW_SELECTOR", VIEW_SELECTOR))
 
 
+def wait_for_render(page: Any, root_selector: str, expected_views: int, expected_plots: int,
+                    timeout_s: float = WAIT_S) -> dict[str, Any]:
+    """Wait until the page shows every expected view and figure drawn, or reports a failure; return its report.
+
+    Widgets and figures render after the kernel sent them, later the busier the machine: the
+    wait follows what the page reports, and stops early on an error that will not go away
+    (a widget that failed to render, a traceback, a callback error).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = page_report(page, root_selector)
+        done = report["views"] >= expected_views and report["drawn"] >= expected_plots == report["plots"]
+        failed = report["widgetErrors"] or report["tracebacks"] or report["callbackErrors"]
+        if done or failed or time.monotonic() > deadline:
+            break
+        page.wait_for_timeout(250)
+    wait_for_layout(page, root_selector, timeout_s=max(deadline - time.monotonic(), 1))
+    return page_report(page, root_selector)
+
+
+# Resolves once the boxes of every cell and figure under the root stay the same over two
+# animation frames and a short pause: the layout has settled (a figure drawn, a window resized).
+LAYOUT_SETTLED_JS = r"""
+async ([root, timeoutMs]) => {
+  const shape = () => JSON.stringify([...root.querySelectorAll('.jp-Cell, .js-plotly-plot, .main-svg')]
+    .map(e => { const b = e.getBoundingClientRect();
+                return [Math.round(b.top), Math.round(b.width), Math.round(b.height)]; }));
+  const frame = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => setTimeout(r, 100))));
+  const end = performance.now() + timeoutMs;
+  let last = shape();
+  while (performance.now() < end) {
+    await frame();
+    const now = shape();
+    if (now === last) return true;
+    last = now;
+  }
+  return false;
+}
+"""
+
+
+def wait_for_layout(page: Any, root_selector: str, timeout_s: float = WAIT_S) -> bool:
+    """Wait until the layout under ``root_selector`` stops moving; True if it did within ``timeout_s``."""
+    root = page.locator(root_selector).first.element_handle()
+    return page.evaluate(LAYOUT_SETTLED_JS, [root, int(timeout_s * 1000)])
+
+
 def problems(report: dict[str, Any], expected_views: int, expected_plots: int,
              expected_keys: Sequence[str] | None = None) -> list[str]:
     """Every way the page falls short of what the kernel created, in words; empty when it is all there."""
@@ -451,8 +502,10 @@ def open_in_lab(page: Any, server: Server, path: str, timeout_s: float = 120) ->
         for session in server.get_json("api/sessions"):
             kernel = session.get("kernel") or {}
             if session["path"] == path and kernel.get("execution_state") == "idle" and kernel.get("connections"):
-                page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                                       timeout=timeout_s * 1000)
+                # The open notebook's own indicator: JupyterLab may restore other notebooks' tabs
+                # (hidden, each with an indicator of its own) from the workspace.
+                page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
+                                       ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_s * 1000)
                 return kernel["id"]
         time.sleep(0.5)
     raise TimeoutError(f"the kernel of {path} did not start within {timeout_s:.0f} s")
@@ -492,11 +545,13 @@ LAB_SCROLLER = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer"
 VOILA_SCROLLER = "#rendered_cells"
 
 
-def screenshot_whole(page: Any, path: Path, scroller: str, max_height: int = 30_000) -> None:
+def screenshot_whole(page: Any, path: Path, scroller: str, max_height: int = 30_000,
+                     figures: Path | None = None) -> None:
     """A screenshot of every cell: the window is made as tall as the cells (from the top), then put back.
 
     JupyterLab and Voilà scroll inside an element (``scroller``), so Playwright's full-page
-    screenshot would show one screen only.
+    screenshot would show one screen only. With ``figures``, each plotly figure is also saved
+    on its own there, as ``<stem>-cell<N>-<k>.png`` (N: the cell's index in the notebook).
     """
     height = page.locator(scroller).first.evaluate(
         """(s) => { s.scrollTop = 0;
@@ -505,8 +560,119 @@ def screenshot_whole(page: Any, path: Path, scroller: str, max_height: int = 30_
     )
     height = max(VIEWPORT["height"], min(int(height), max_height))
     page.set_viewport_size({"width": VIEWPORT["width"], "height": height})
-    page.wait_for_timeout(1000)  # let plots and the notebook lay themselves out again
+    wait_for_layout(page, scroller)  # plots and the notebook lay themselves out again
     path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path))
+    if figures is not None:
+        figures.mkdir(parents=True, exist_ok=True)
+        for old in figures.glob(f"{path.stem}-cell*.png"):
+            old.unlink()
+        plots = page.locator(scroller).first.locator(".js-plotly-plot")
+        cells = page.locator(scroller).first.evaluate(
+            "(s) => [...s.querySelectorAll('.js-plotly-plot')].map(p => "
+            "[...s.querySelectorAll('.jp-Cell')].indexOf(p.closest('.jp-Cell')))")
+        for k, cell in enumerate(cells):
+            plot = plots.nth(k)
+            if plot.bounding_box():
+                plot.screenshot(path=str(figures / f"{path.stem}-cell{cell}-{k + 1}.png"))
     page.set_viewport_size(VIEWPORT)
-    page.wait_for_timeout(300)
+    wait_for_layout(page, scroller)
+
+
+# --------------------------------------------------------------------------- is every figure readable?
+
+# Run in the page on the element that holds the figures: for every drawn plotly figure, the
+# boxes of its SVG text elements as the browser laid them out (hover labels left out, they
+# appear only under the pointer). A figure is readable when no two texts overlap, no text
+# leaves the figure (a legend or caption cut off at its edge), no legend entry is clipped by
+# the legend's own scroll box, and no text is scaled below MIN_TEXT_PX (plotly shrinks a bar's
+# label to fit its bar: "34.3125" at 6 px reads as nothing on a projector).
+MIN_TEXT_PX = 10
+OVERLAP_PX = 1  # px that two texts' ink boxes may share
+
+FIGURE_TEXT_JS = r"""
+(root) => {
+  const figures = [];
+  const plots = [...root.querySelectorAll('.js-plotly-plot')].filter(p => p.querySelector('.main-svg'));
+  const cells = [...root.querySelectorAll('.jp-Cell')];
+  const shown = e => {
+    for (let n = e; n && n !== document; n = n.parentNode) {
+      if (n.nodeType !== 1) continue;
+      const style = getComputedStyle(n);
+      if (style.display === 'none' || style.visibility === 'hidden' || parseFloat(style.opacity) === 0) return false;
+    }
+    return true;
+  };
+  for (const plot of plots) {
+    const frame = plot.querySelector('.svg-container').getBoundingClientRect();
+    if (frame.width === 0 || frame.height === 0) continue;  // not laid out (a hidden tab, a collapsed output)
+    const title = (plot.layout && plot.layout.title && (plot.layout.title.text || plot.layout.title)) || '';
+    const texts = [];
+    for (const t of plot.querySelectorAll('svg.main-svg text')) {
+      if (t.closest('.hoverlayer') || !t.textContent.trim() || !shown(t)) continue;
+      const b = t.getBoundingClientRect();
+      if (b.width === 0 || b.height === 0) continue;
+      const m = t.getScreenCTM();
+      const scale = m ? Math.sqrt(Math.abs(m.a * m.d - m.b * m.c)) : 1;
+      const px = parseFloat(getComputedStyle(t).fontSize) * scale;
+      const legend = t.closest('g.legend');
+      const bg = legend && legend.querySelector('rect.bg');
+      const where = legend ? 'legend' : (t.closest('g.annotation') ? 'annotation' :
+        (t.closest('g.xtick, g.ytick, g.x2tick, g.y2tick') || /tick/.test(t.parentNode.getAttribute('class') || '')
+         ? 'tick' : (t.closest('.textpoint') || t.classList.contains('bartext') ? 'data label' : 'title')));
+      // The box of a line is about 1.2 em high, with room above the capitals and below the
+      // baseline that glyphs do not use: trimmed, so only ink can overlap ink.
+      texts.push({text: t.textContent.trim().slice(0, 60), where, px: Math.round(px * 10) / 10,
+                  box: [b.left, b.top, b.right, b.bottom],
+                  ink: [b.left, b.top + 0.2 * px, b.right, b.bottom - 0.1 * px],
+                  clip: bg ? (r => [r.left, r.top, r.right, r.bottom])(bg.getBoundingClientRect()) : null});
+    }
+    figures.push({title: String(title).replace(/<[^>]+>/g, '').slice(0, 80),
+                  cell: cells.indexOf(plot.closest('.jp-Cell')),
+                  frame: [frame.left, frame.top, frame.right, frame.bottom], texts});
+  }
+  return figures;
+}
+"""
+
+
+def figure_text_report(page: Any, root_selector: str) -> list[dict[str, Any]]:
+    """Every drawn plotly figure under ``root_selector``: its title, frame and text boxes (``FIGURE_TEXT_JS``)."""
+    return page.locator(root_selector).first.evaluate(FIGURE_TEXT_JS)
+
+
+def _inside(box: Sequence[float], frame: Sequence[float], slack: float = 1.0) -> bool:
+    return (box[0] >= frame[0] - slack and box[1] >= frame[1] - slack
+            and box[2] <= frame[2] + slack and box[3] <= frame[3] + slack)
+
+
+def _overlap(a: Sequence[float], b: Sequence[float]) -> float:
+    """How far two boxes overlap: the smaller of the overlaps along x and along y (negative: apart)."""
+    return min(min(a[2], b[2]) - max(a[0], b[0]), min(a[3], b[3]) - max(a[1], b[1]))
+
+
+def figure_text_problems(figures: Sequence[dict[str, Any]]) -> list[str]:
+    """In words, every text that overlaps another, leaves its figure, is clipped in its legend or is too small."""
+    found = []
+    for k, figure in enumerate(figures):
+        where = f"figure {k + 1}" + (f" (cell {figure['cell']})" if figure.get("cell", -1) >= 0 else "")
+        name = f"{where} {figure['title']!r}" if figure["title"] else where
+        texts = figure["texts"]
+        for t in texts:
+            if t["clip"] is not None and not _inside(t["box"], t["clip"]):
+                found.append(f"{name}: legend entry {t['text']!r} is clipped by the legend's box")
+            elif not _inside(t["box"], figure["frame"]):
+                found.append(f"{name}: {t['where']} {t['text']!r} runs out of the figure "
+                             f"({_box(t['box'])} in a frame {_box(figure['frame'])})")
+            if t["px"] < MIN_TEXT_PX:
+                found.append(f"{name}: {t['where']} {t['text']!r} is drawn at {t['px']} px "
+                             f"(at least {MIN_TEXT_PX} px to read when projected)")
+        for i, a in enumerate(texts):
+            for b in texts[i + 1:]:
+                if _overlap(a["ink"], b["ink"]) > OVERLAP_PX:
+                    found.append(f"{name}: {a['where']} {a['text']!r} overlaps {b['where']} {b['text']!r}")
+    return found
+
+
+def _box(box: Sequence[float]) -> str:
+    return f"x={box[0]:.0f}..{box[2]:.0f}, y={box[1]:.0f}..{box[3]:.0f}"

@@ -1,12 +1,12 @@
-"""Contiguous reservation against paging: worked examples, invariants, and a step-by-step reference.
+"""Contiguous reservation against paging: worked examples, invariants, and the two engines agreeing.
 
-The event-driven simulator in ``kvlab.sim.fragmentation`` skips the steps in which nothing but
-growth happens. ``reference`` below walks every step the way the module docstring states
-the rules (and the way vLLM's scheduler loop reads: oldest first, ``running.pop()`` when
-a block is missing), so the two must agree slot for slot.
+``simulate`` skips the steps in which nothing but growth happens (``kvlab.sim.fragmentation_fast``);
+``simulate(..., step_by_step=True)`` walks every step the way the module docstring states the rules (and
+the way vLLM's scheduler loop reads: oldest first, ``running.pop()`` when a block is missing),
+so the two must agree slot for slot.
 """
 
-from collections import deque
+import dataclasses
 
 import numpy as np
 import pytest
@@ -14,102 +14,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab.errors import KvlabValueError, UnknownNameError
-from kvlab.sim.fragmentation import CATEGORIES, FirstFit, reservation, simulate
-from kvlab.sim.workloads import fixed, sharegpt_like
+from kvlab.sim.fragmentation import CATEGORIES, reservation, simulate
+from kvlab.sim.fragmentation_fast import FirstFit
+from kvlab.sim.workloads import alpaca_like, fixed, sharegpt_like
 from kvlab.units import cdiv
 
 
-def reference(requests, pool_tokens, max_model_len, policy, block_size=16, seed=0):
-    """Every step simulated explicitly; returns slot-step sums and counters."""
-    req = np.asarray(requests, dtype=np.int64)
-    order = list(range(len(req))) if seed is None else list(np.random.default_rng(seed).permutation(len(req)))
-    final = req.sum(axis=1)
-    paged = policy == "paged"
-    reserve = None if paged else reservation(final, policy, max_model_len)
-    num_blocks = pool_tokens // block_size
-    waiting = deque(int(i) for i in order)
-    tokens_at_admission = {i: int(req[i, 0]) for i in range(len(req))}
-    running = []  # dicts in admission order
-    sums = dict.fromkeys(CATEGORIES, 0)
-    measured = max_running = preemptions = recomputed = 0
-    t = 0
-
-    def alloc_of(r):
-        return r["blocks"] * block_size if paged else r["alloc"]
-
-    while waiting or running:
-        preempted = False
-        for r in list(running):  # 1. grow, oldest first
-            if r not in running or r["admitted"] == t:
-                continue
-            if paged and r["tokens"] % block_size == 0:
-                while num_blocks - sum(x["blocks"] for x in running) == 0:
-                    victim = running.pop()  # the newest, as vLLM's self.running.pop()
-                    tokens_at_admission[victim["i"]] = victim["tokens"]
-                    recomputed += victim["tokens"]
-                    waiting.appendleft(victim["i"])
-                    preempted = True
-                    preemptions += 1
-                    if victim is r:
-                        break
-                if r not in running:
-                    continue
-                r["blocks"] += 1
-            r["tokens"] += 1
-        while waiting and not preempted:  # 2. admit
-            i = waiting[0]
-            tokens = tokens_at_admission[i]
-            if paged:
-                blocks = cdiv(tokens, block_size)
-                if blocks > num_blocks - sum(x["blocks"] for x in running):
-                    break
-                r = {"i": i, "tokens": tokens, "blocks": blocks}
-            else:
-                need = int(reserve[i])
-                taken = sorted((x["start"], x["alloc"]) for x in running)
-                starts = [0] + [s + a for s, a in taken]
-                start = next((s for s in starts if s + need <= pool_tokens
-                              and all(s + need <= s2 or s >= s2 + a2 for s2, a2 in taken)), None)
-                if start is None:
-                    break
-                r = {"i": i, "tokens": tokens, "start": start, "alloc": need}
-            r["admitted"] = t
-            r["final"] = int(final[i])
-            running.append(r)
-            waiting.popleft()
-        max_running = max(max_running, len(running))
-        if not paged:  # reservations never overlap and stay inside the pool
-            spans = sorted((x["start"], x["start"] + x["alloc"]) for x in running)
-            assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
-            assert all(s >= 0 and e <= pool_tokens for s, e in spans)
-        if waiting:  # 3. measure
-            measured += 1
-            allocated = sum(alloc_of(r) for r in running)
-            for r in running:
-                filled = min(alloc_of(r), r["final"])
-                sums["used"] += r["tokens"]
-                sums["reserved"] += filled - r["tokens"]
-                sums["internal"] += alloc_of(r) - filled
-            free = pool_tokens - allocated
-            head_fits_total = not paged and free >= reserve[waiting[0]]
-            sums["external" if head_fits_total else "free"] += free
-        running = [r for r in running if r["tokens"] < r["final"]]  # 4. finish
-        t += 1
-    return sums, measured, max_running, t, preemptions, recomputed
-
-
 def check_against_reference(requests, pool_tokens, max_model_len, policy, block_size, seed):
-    result = simulate(requests, pool_tokens=pool_tokens, max_model_len=max_model_len, policy=policy,
-                      block_size=block_size, seed=seed)
-    sums, measured, max_running, steps, preemptions, recomputed = reference(requests, pool_tokens, max_model_len,
-                                                                            policy, block_size, seed)
-    assert (result.max_running, result.num_steps, result.num_preemptions) == (max_running, steps, preemptions)
-    assert result.recomputed_tokens == recomputed
-    if measured:  # the reference only knows the measured-while-waiting case
-        assert result.measured_steps == measured
-        for k in CATEGORIES:
-            assert result.breakdown[k] * pool_tokens * measured == pytest.approx(sums[k], abs=1e-6), k
-    return result
+    """The event-driven result is the step-by-step one: every counter, every share of the pool."""
+    kw = dict(pool_tokens=pool_tokens, max_model_len=max_model_len, policy=policy, block_size=block_size, seed=seed)
+    fast, reference = simulate(requests, **kw), simulate(requests, step_by_step=True, **kw)
+    assert dataclasses.replace(fast, breakdown={}, mean_running=0) == dataclasses.replace(
+        reference, breakdown={}, mean_running=0)
+    assert fast.mean_running == pytest.approx(reference.mean_running)
+    for k in CATEGORIES:
+        assert fast.breakdown[k] == pytest.approx(reference.breakdown[k], abs=1e-12), k
+    return fast
 
 
 @pytest.mark.parametrize("policy", ["max", "pow2", "oracle", "paged"])
@@ -261,3 +181,11 @@ def test_preemption_counts_the_tokens_it_throws_away():
     paged = simulate(requests, pool_tokens=16384, max_model_len=2048, policy="paged")
     assert paged.num_preemptions > 0 and paged.recomputed_tokens > paged.num_preemptions   # whole requests, redone
     assert simulate(requests, pool_tokens=16384, max_model_len=2048, policy="max").recomputed_tokens == 0
+
+
+def test_short_requests_run_fewer_at_once_with_larger_blocks():
+    """Notebook 02's block-size figure: each request holds at least one block, however short it is."""
+    requests = alpaca_like(500, seed=0)
+    running = [simulate(requests, pool_tokens=16384, max_model_len=2048, policy="paged", block_size=b).mean_running
+               for b in (16, 64, 256)]
+    assert running == sorted(running, reverse=True) and running[0] > 3 * running[-1]

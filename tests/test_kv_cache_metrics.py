@@ -247,7 +247,9 @@ def test_the_lifetime_figure_marks_the_two_quantiles_the_diagnostic_compares():
     for v in (5, 6, 7):
         c.histogram("idle_before_evict").observe(v)
     fig = figure_lifetime_histograms(c, "worked example")
-    assert [list(t.x) for t in fig.data] == [[2, 3, 40], [5, 6, 7]]
+    assert [list(t.x) for t in fig.data if t.type == "histogram"] == [[2, 3, 40], [5, 6, 7]]
+    assert [t.name for t in fig.data if t.type == "scatter"] == [
+        "p90 reuse gap: 40 steps", "median idle before eviction: 6 steps"]   # named in the legend
     assert [shape.x0 for shape in fig.layout.shapes] == [40, 6] and "too small" in fig.layout.title.text
     bars = figure_hit_rates({"small": {"gpu": 0.4}, "tiered": {"gpu": 0.4, "cpu": 0.3}})
     assert [list(t.y) for t in bars.data] == [[40.0, 40.0], [0.0, 30.0]]

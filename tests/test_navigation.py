@@ -10,12 +10,13 @@ links are checked in ``tests/test_glossary.py``.)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
-from _links import broken_links, local_links, markdown_cells, resolve
+from _links import broken_links, headings, local_links, markdown_cells, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -96,3 +97,50 @@ def test_the_last_cell_says_what_to_read_next(notebook):
         assert after and after[0][0] == following, f"{notebook.name}: the closing Next links {following.name} first"
     else:
         assert "(../README.md)" in closing, f"{notebook.name}: the last notebook's closing Next leads to the README"
+
+
+# Asides a class may skip (issue 19): each is marked **Optional** in its heading's cell, or in a
+# note just before it, and that note links to a later section of the same notebook.
+OPTIONAL = {
+    "02_budget_simulator.ipynb": ["4.-The-source-table,-row-by-row"],
+    "03_block_table.ipynb": ["9.-Performance-aside:-O(1)-per-block"],
+    "04_prefix_cache.ipynb": ["5.-The-seed-of-every-chain:-NONE_HASH", "6.-What-hashing-costs,-and-what-a-hit-saves",
+                              "7.-When-two-blocks-share-a-hash"],
+}
+
+
+@pytest.mark.parametrize("name, heading", [(n, h) for n, hs in OPTIONAL.items() for h in hs])
+def test_the_asides_a_class_may_skip_say_so_and_where_to_go_on(name, heading):
+    notebook = ROOT / "notebooks" / name
+    cells = markdown_cells(notebook)
+    index = next(k for k, source in enumerate(cells) if any(
+        line.startswith("## ") and line.replace("`", "").replace(" ", "-")[3:] == heading
+        for line in source.splitlines()))
+    note = next((c for c in (cells[index], cells[index - 1]) if "**Optional" in c), None)
+    assert note is not None, f"{name}: mark {heading!r} as **Optional**"
+    later = [target for target, _ in local_links(note) if target.startswith("#")]
+    assert later, f"{name}: the note on {heading!r} says where to read on"
+    order = list(headings(notebook))
+    assert all(order.index(target[1:]) > order.index(heading) for target in later), later   # onwards, not back
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_opening_says_what_to_read_first_when_arriving_from_the_vllm_docs(notebook):
+    rows = dict(ROW.findall(markdown_cells(notebook)[0]))
+    assert "From the vLLM docs?" in rows, f"{notebook.name}: the opening table needs a **From the vLLM docs?** row"
+    earlier = [p for p, _ in _notebook_links(rows["From the vLLM docs?"], notebook) if p != notebook]
+    assert earlier or notebook == NOTEBOOKS[0], f"{notebook.name}: name what to read first"
+    assert all(p.name < notebook.name for p in earlier), f"{notebook.name}: read first means an earlier notebook"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_opening_states_how_long_run_all_takes_as_measured(notebook):
+    """The **Time** row is the one ``scripts/time_notebooks.py`` writes from data/measurements/notebook_times.json."""
+    spec = importlib.util.spec_from_file_location("time_notebooks", ROOT / "scripts" / "time_notebooks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    measured = json.loads((ROOT / "data" / "measurements" / "notebook_times.json").read_text())
+    assert notebook.name in measured["results"], f"run scripts/time_notebooks.py {notebook.relative_to(ROOT)}"
+    expected = script.time_row(measured["results"][notebook.name], measured["machine"])
+    assert expected in markdown_cells(notebook)[0].splitlines(), (
+        f"{notebook.name}: its **Time** row is not the measurement; run scripts/time_notebooks.py --openings-only")

@@ -3,13 +3,20 @@
 import pytest
 
 import kvlab.viz.block_pool as viz
+import kvlab.viz.step_panels as panels
+from kvlab.errors import UnknownNameError
 from kvlab.sim.block_scenarios import SCENARIOS, get_scenario, record, step_at, walk_fork, walk_free_queue
-from kvlab.viz.block_pool import BlockPoolPanel, assign_colours, figure_pool, figure_step
+from kvlab.viz.block_pool import assign_colours, figure_pool, figure_step
+from kvlab.viz.step_panels import BlockPoolPanel
 
 
 def hover(fig, part):
     (trace,) = [t for t in fig.data if t.name == part]
     return list(trace.hovertext)
+
+
+def texts(fig):
+    return [a.text for a in fig.layout.annotations if a.text]
 
 
 def test_figure_draws_every_block_every_table_entry_and_the_queue_in_order():
@@ -19,16 +26,62 @@ def test_figure_draws_every_block_every_table_entry_and_the_queue_in_order():
     assert len(hover(fig, "pool")) == 6 and hover(fig, "tables") == []
     assert [t.split(":")[0] for t in hover(fig, "queue")] == [f"queue position {i}" for i in range(6)]
     assert "block 1: cached" in hover(fig, "queue")[4]
-    texts = [a.text for a in fig.layout.annotations]
-    assert "<b>1</b>*" in texts and "<b>0</b>*" in texts and "step 3 of 4" in texts[-1]
+    shown = texts(fig)
+    assert "<b>1*</b>" in shown and "<b>0*</b>" in shown and any("step 3 of 4" in t for t in shown)
 
 
-def test_arrows_go_from_each_table_entry_to_its_physical_block():
+
+
+def test_arrows_go_from_each_table_entry_up_to_its_block_and_never_through_a_cell():
     step = record(walk_fork())[3]  # A [0, 1], B [0, 2]
     fig = figure_pool(step.snapshot)
-    arrows = [a for a in fig.layout.annotations if a.showarrow]
+    colours = set(viz.SEQUENCE_COLOURS)
+    arrows = [a for a in fig.layout.annotations if a.showarrow and a.arrowcolor in colours]
     assert len(arrows) == 4 and len(hover(fig, "tables")) == 4
     assert "B: logical block 1 → physical block 2" in hover(fig, "tables")[3]
+    heads, tails = {a.y for a in arrows}, {a.ay for a in arrows}
+    assert len(heads) == 1 and len(tails) == 1 and min(tails) > max(heads)   # shelf top -> pool bottom, upwards
+    cells = [s for s in fig.layout.shapes if s.type == "rect" and s.fillcolor in colours]
+    crossed = [c for c in cells if c.y0 < min(tails) and c.y1 > max(heads) and c.y1 - c.y0 < 40]
+    assert crossed == []                  # no table cell sits between the shelf and the pool
+    targets = sorted(round(a.x) for a in arrows)
+    pool_x = sorted(round(x) for x in fig.data[0].x)
+    assert all(any(abs(t - x) < 26 for x in pool_x[:3]) for t in targets)   # each head lands on block 0, 1 or 2
+
+
+def test_a_copy_on_write_copy_is_drawn_as_an_arc_from_the_shared_block_to_its_copy():
+    scenario = walk_fork()
+    step = record(scenario)[3]
+    assert step.copies == ((1, 2),)
+    fig = figure_step(scenario, step)
+    arcs = [s for s in fig.layout.shapes if s.type == "path" and s.line.color == viz.COPY_COLOUR]
+    assert len(arcs) == 2                                   # the legend's sample and the copy itself
+    assert "<b>copy 1 → 2</b>" in texts(fig)
+    before = figure_step(scenario, record(scenario)[2])  # the fork: nothing copied yet
+    assert not [t for t in texts(before) if t.startswith("<b>copy ")]
+    assert len([s for s in before.layout.shapes if s.type == "path"]) == 1
+
+
+def test_tokens_are_words_as_in_the_paper_and_ids_one_toggle_away():
+    scenario = walk_fork()
+    step = record(scenario)[1]  # A holds tokens 0..5 in blocks 0 and 1
+    words = texts(figure_step(scenario, step))
+    assert [w for w in words if w in ("Four", "score", "and", "seven", "years", "ago")] == [
+        "Four", "score", "and", "seven", "years", "ago"]
+    ids = texts(figure_step(scenario, step, tokens="ids"))
+    assert [t for t in ids if t in {str(i) for i in range(6)} and t not in ("0", "1")] == ["2", "3", "4", "5"]
+    assert "Four" not in ids
+    with pytest.raises(UnknownNameError, match="tokens"):
+        figure_step(scenario, step, tokens="letters")
+
+
+def test_large_blocks_show_how_full_they_are_and_their_words_on_hover():
+    scenario = get_scenario("parallel sampling (n = 4)")
+    step = record(scenario)[1]  # the 40-token prompt in blocks 1, 2, 3 of 16 slots
+    fig = figure_step(scenario, step)
+    assert "Four" not in texts(fig)
+    tip = hover(fig, "pool")[1]
+    assert "16 of 16 slots written" in tip and "holds: Four score and seven" in tip
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -73,6 +126,16 @@ def test_picking_a_scenario_or_a_seed_starts_it_over():
     assert len(panel.figure.data) == 3
 
 
+def test_the_tokens_toggle_redraws_the_same_step_with_ids():
+    panel = BlockPoolPanel()
+    panel.next()
+    panel.tokens.value = "ids"
+    assert panel.state["index"] == 1 and panel.state["tokens"] == "ids"
+    assert "Four" not in texts(panel.figure) and "5" in texts(panel.figure)
+    panel.tokens.value = "words"
+    assert "Four" in texts(panel.figure)
+
+
 def test_a_failing_redraw_shows_in_the_panel_and_keeps_the_last_state(monkeypatch):
     panel = BlockPoolPanel()
     before = panel.state
@@ -80,6 +143,6 @@ def test_a_failing_redraw_shows_in_the_panel_and_keeps_the_last_state(monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("drawing failed")
 
-    monkeypatch.setattr(viz, "panel_state", broken)
+    monkeypatch.setattr(panels, "panel_state", broken)
     panel.next_button.click()
     assert panel.state is before and "drawing failed" in str(panel.errors.outputs)

@@ -5,7 +5,7 @@ import pytest
 from kvlab import GiB
 from kvlab.capacity.budget import plan_kv_cache, plan_preset
 from kvlab.sim.fragmentation import CATEGORIES, simulate
-from kvlab.sim.workloads import sharegpt_like
+from kvlab.sim.workloads import alpaca_like, sharegpt_like
 from kvlab.viz.budget import BudgetPanel, figure_block_size_sweep, figure_memory, memory_segments, panel_state
 from kvlab.viz.fragmentation import figure_breakdown, figure_lengths
 
@@ -99,6 +99,11 @@ def test_block_size_sweep_figure_has_both_lines():
     fig = figure_block_size_sweep(plans)
     assert [list(t.x) for t in fig.data] == [[16, 64, 256]] * 2
     assert list(fig.data[1].y) == [p.usable_concurrency for p in plans]
+    runs = [simulate(alpaca_like(200, seed=1), pool_tokens=4096, max_model_len=2048, policy="paged", block_size=b)
+            for b in (16, 64, 256)]
+    fig = figure_block_size_sweep(plans, runs, "200 Alpaca-like requests")
+    assert len(fig.data) == 3 and list(fig.data[2].y) == [r.mean_running for r in runs]
+    assert fig.data[2].xaxis == "x2" and "Alpaca" in fig.layout.annotations[1].text   # its own panel, titled
 
 
 def test_breakdown_figure_stacks_every_category_for_every_run():

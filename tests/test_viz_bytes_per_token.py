@@ -32,4 +32,4 @@ def test_controls_drive_the_state_and_bad_pasted_configs_show_an_error():
 @pytest.mark.parametrize("dtypes", [("bf16",), ("bf16", "fp8", "nvfp4")])
 def test_bytes_figure_has_a_bar_group_per_dtype(dtypes):
     fig = figure_bytes_per_token([get_model("llama-3-8b"), get_model("deepseek-v3")], dtypes)
-    assert [t.name for t in fig.data] == list(dtypes)
+    assert [t.name for t in fig.data] == list(reversed(dtypes))   # drawn bottom-up: the first dtype on top

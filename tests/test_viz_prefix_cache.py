@@ -4,8 +4,9 @@ import pytest
 
 import kvlab.viz.prefix_cache as viz
 from kvlab.core.kv_cache_manager import KVCacheManager, Request
+from kvlab.core.kv_cache_utils import short_hash
 from kvlab.errors import UnknownNameError
-from kvlab.sim.prefix_sim import WORKLOADS, simulate
+from kvlab.sim.prefix_sim import WORKLOADS, admit, simulate, sweep_pool_sizes
 
 
 def test_panel_state_is_the_simulation_at_that_pool_size():
@@ -52,8 +53,29 @@ def test_free_queue_and_hash_cost_figures():
     manager.allocate_slots(request, 6)
     manager.free(request)
     fig = viz.figure_free_queue(manager.block_pool)
-    assert list(fig.data[0].text) == ["2", "3", "4", "5", "1*"]
+    cells = [a.text for a in fig.layout.annotations if a.text.startswith("<b>") and a.text[3].isdigit()]
+    assert cells == ["<b>2</b>", "<b>3</b>", "<b>4</b>", "<b>5</b>", "<b>1*</b>"]
+    assert fig.layout.xaxis.visible is False   # boxes on a canvas: no axis running from -1 to 10
     rows = [{"hash_fn": "sha256", "block_size": 16, "seconds_per_block": 1e-6},
             {"hash_fn": "xxhash", "block_size": 64, "seconds_per_block": 2e-6}]
     fig = viz.figure_hash_cost(rows, {"prefill": 5e-4})
     assert [t.type for t in fig.data] == ["bar", "bar", "scatter"] and fig.layout.yaxis.type == "log"
+
+
+def test_the_hash_chain_is_cut_at_the_first_miss():
+    manager = KVCacheManager(num_blocks=64, block_size=16, hash_seed="t")
+    first = Request("a", list(range(70)))
+    admit(manager, first)
+    second = Request("b", list(range(40)) + list(range(7000, 7030)))
+    fig = viz.figure_hash_chain(manager, second)
+    shown = " ".join(a.text for a in fig.layout.annotations if a.text)
+    assert shown.count("✓ cached") == 2 and shown.count("✗ miss: the lookup stops") == 1
+    assert "never looked up" in shown and "not hashed" in shown       # block 3 after the cut; block 4 partial
+    assert f"h0 = {short_hash(second.block_hashes[0])}" in shown and "32 tokens hit, 38 to prefill" in shown
+    assert manager.get_block_ids("a") and "b" not in manager.req_to_blocks   # drawing looked up, changed nothing
+
+
+def test_the_pool_sweep_is_prefix_sims_own():
+    sizes, results = viz._sweep("shared system prompt", 16)
+    requests = WORKLOADS["shared system prompt"]()
+    assert list(results) == sweep_pool_sizes(requests, list(sizes), block_size=16)

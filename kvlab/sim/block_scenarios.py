@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Sequence as TypingSequence
 from types import MappingProxyType
 
 from kvlab._validate import non_negative_int, one_of, positive_int
@@ -87,6 +88,7 @@ class BlockView:
     is_null: bool
     num_tokens: int  # tokens its contents hold (0 unless some sequence wrote into it)
     holders: tuple[str, ...]  # live sequences whose table points here
+    token_ids: tuple[int, ...] = ()  # what its slots hold, in slot order (a freed block keeps its content)
 
     @property
     def state(self) -> str:
@@ -132,22 +134,34 @@ def snapshot(pool: BlockPool, sequences: Mapping[str, Sequence], block_size: int
     """Freeze ``pool``, its block contents and the live ones of ``sequences`` into plain values."""
     contents = contents_of(pool, block_size)
     live = {name: seq for name, seq in sequences.items() if not seq.released}
+    return pool_snapshot(pool, {n: s.block_table for n, s in live.items()},
+                         {n: s.token_ids() for n, s in live.items()}, contents.read, contents.block_size)
+
+
+def pool_snapshot(pool: BlockPool, tables: Mapping[str, TypingSequence[int]],
+                  token_ids: Mapping[str, TypingSequence[int]], read_block: Callable[[int], tuple[int, ...]],
+                  block_size: int) -> PoolSnapshot:
+    """Freeze ``pool`` with its holders' block ``tables`` and ``token_ids``; ``read_block`` says what a block holds.
+
+    The one place that reads a pool's internals for a picture: ``snapshot`` calls it for
+    ``Sequence``s, ``kvlab.sim.lifecycle`` for the requests of a ``KVCacheManager``.
+    """
     holders: dict[int, list[str]] = {}
-    for name, seq in live.items():
-        for block_id in seq.block_table:
+    for name, table in tables.items():
+        for block_id in table:
             holders.setdefault(block_id, []).append(name)
     views = tuple(
-        BlockView(b.block_id, b.ref_cnt, b.block_hash, b.is_null, len(contents.read(b.block_id)),
-                  tuple(holders.get(b.block_id, ())))
+        BlockView(b.block_id, b.ref_cnt, b.block_hash, b.is_null, len(read_block(b.block_id)),
+                  tuple(holders.get(b.block_id, ())), read_block(b.block_id))
         for b in pool.blocks
     )
     return PoolSnapshot(
-        block_size=contents.block_size,
+        block_size=block_size,
         blocks=views,
         free_queue=tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
-        tables=MappingProxyType({n: tuple(s.block_table) for n, s in live.items()}),
-        num_tokens=MappingProxyType({n: s.num_tokens for n, s in live.items()}),
-        token_ids=MappingProxyType({n: tuple(s.token_ids()) for n, s in live.items()}),
+        tables=MappingProxyType({n: tuple(t) for n, t in tables.items()}),
+        num_tokens=MappingProxyType({n: len(t) for n, t in token_ids.items()}),
+        token_ids=MappingProxyType({n: tuple(t) for n, t in token_ids.items()}),
         cached_index=MappingProxyType({h: tuple(sorted(d)) for h, d in pool.cached_block_hash_to_block.items()}),
         usage=pool.get_usage(),
         num_usable_blocks=pool.num_usable_blocks,

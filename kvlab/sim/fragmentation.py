@@ -32,14 +32,21 @@ One step of the simulation, as vLLM V1's scheduler orders it (``sched/scheduler.
 Simplifications: a prefill takes one step whatever its length; a request ends holding
 ``prompt_len + output_len`` tokens (vLLM never stores the KV of the last generated token,
 one slot less); all requests are queued at step 0 (a saturated server); the null block is
-not modelled. The simulation is event-driven: between admissions, finishes and preemptions
-every request just grows by one token per step, so those steps are accounted in closed form.
+not modelled.
+
+**Why a loop of its own, beside the scheduler.** ``kvlab.core.sched.scheduler.Scheduler`` runs
+the real ``KVCacheManager`` and only knows paging; notebook 02 needs the contiguous policies
+the paper measured against, reservations placed first-fit in one address space, and 10,000
+requests in well under a second. So this is a small model of the same loop (vLLM's
+admission order and ``running.pop()`` preemption), not a second scheduler.
+``simulate(..., step_by_step=True)`` walks every step exactly as the rules above read, and is
+the reference; by default it gets the same numbers event by event (``kvlab.sim.fragmentation_fast``),
+and ``tests/test_fragmentation.py`` holds the two together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -47,6 +54,7 @@ import numpy as np
 
 from kvlab._validate import one_of, positive_int
 from kvlab.errors import KvlabValueError
+from kvlab.sim.fragmentation_fast import SlotSteps, run_fast
 from kvlab.sim.workloads import validate_requests
 from kvlab.units import cdiv
 
@@ -102,297 +110,119 @@ def reservation(final_len: np.ndarray | int, policy: str, max_model_len: int) ->
     raise KvlabValueError(f"policy={policy!r} reserves no contiguous memory; choose max, pow2 or oracle")
 
 
-class _Trace:
-    """Residencies (who held what, from which step to which) and the measured windows."""
-
-    def __init__(self) -> None:
-        self.start: list[int] = []
-        self.end: list[int] = []
-        self.tokens0: list[int] = []  # tokens held at the first step of the residency
-        self.final: list[int] = []
-        self.alloc: list[int] = []  # contiguous reservation (paged: 0, derived from tokens)
-        self.windows: list[list[int]] = []  # measured steps [first, last], merged
-        self.free_slots = 0  # contiguous: slot-steps free, queue head too big for the free total
-        self.external_slots = 0
-
-    def begin(self, step: int, tokens: int, final: int, alloc: int = 0) -> int:
-        """Open a residency at ``step`` holding ``tokens``; its end is set when it finishes or is preempted."""
-        self.start.append(step)
-        self.end.append(-1)
-        self.tokens0.append(tokens)
-        self.final.append(final)
-        self.alloc.append(alloc)
-        return len(self.start) - 1
-
-    def measure(self, first: int, last: int) -> None:
-        """Count steps ``first..last`` toward the averages (adjacent ranges merge)."""
-        if last < first:
-            return
-        if self.windows and self.windows[-1][1] + 1 >= first:
-            self.windows[-1][1] = max(self.windows[-1][1], last)
-        else:
-            self.windows.append([first, last])
+# --------------------------------------------------------------------------- the reference: every step
 
 
-def _sum_ceil(n: np.ndarray, bs: int) -> np.ndarray:
-    """sum_{x=1..n} ceil(x / bs), for n >= 0 (element-wise)."""
-    q, r = np.divmod(n, bs)
-    return bs * q * (q + 1) // 2 + r * (q + 1)
+@dataclasses.dataclass(eq=False)
+class _Running:
+    """A request in the pool: which one, the tokens it holds, and its blocks (paged) or its reservation."""
+
+    i: int
+    tokens: int
+    final: int
+    admitted: int
+    blocks: int = 0
+    start: int = 0
+    alloc: int = 0
 
 
-def _account(trace: _Trace, block_size: int | None) -> tuple[dict[str, int], int, int]:
-    """Slot-steps used, reserved and internal over the measured windows; running-steps; measured steps."""
-    start, end = np.asarray(trace.start, np.int64), np.asarray(trace.end, np.int64)
-    tokens0, final = np.asarray(trace.tokens0, np.int64), np.asarray(trace.final, np.int64)
-    alloc = np.asarray(trace.alloc, np.int64)
-    sums = {"used": 0, "reserved": 0, "internal": 0}
-    running_steps = 0
-    for first, last in trace.windows:
-        lo_step, hi_step = np.maximum(start, first), np.minimum(end, last)
-        live = hi_step >= lo_step
-        lo = tokens0[live] + lo_step[live] - start[live]  # tokens at the first measured step
-        hi = tokens0[live] + hi_step[live] - start[live]  # tokens at the last one
-        f = final[live]
-        steps = hi - lo + 1
-        used = (lo + hi) * steps // 2
-        if block_size is None:  # contiguous: alloc >= final, constant
-            a = alloc[live]
-            filled = f * steps  # min(alloc, final) summed over the steps
-            allocated = a * steps
-        else:  # paged: alloc = bs * ceil(tokens / bs); min(alloc, final) = final in the last block
-            bs = block_size
-            allocated = bs * (_sum_ceil(hi, bs) - _sum_ceil(lo - 1, bs))
-            last_block_start = bs * (-(-f // bs) - 1)  # tokens <= this are not in the last block
-            top = np.minimum(hi, last_block_start)
-            before = np.where(top >= lo, bs * (_sum_ceil(np.maximum(top, lo - 1), bs) - _sum_ceil(lo - 1, bs)), 0)
-            in_last = np.maximum(0, hi - np.maximum(lo, last_block_start + 1) + 1)
-            filled = before + f * in_last
-        sums["used"] += int(used.sum())
-        sums["reserved"] += int((filled - used).sum())
-        sums["internal"] += int((allocated - filled).sum())
-        running_steps += int(steps.sum())
-    measured = sum(last - first + 1 for first, last in trace.windows)
-    return sums, running_steps, measured
+class _StepByStep:
+    """The module's four steps, applied to every running request at every step: slow, and the specification."""
 
+    def __init__(self, req: np.ndarray, order: np.ndarray, pool_tokens: int, reserve: np.ndarray | None,
+                 block_size: int) -> None:
+        self.req, self.pool, self.reserve, self.bs = req, pool_tokens, reserve, block_size
+        self.paged = reserve is None
+        self.num_blocks = pool_tokens // block_size
+        self.waiting = deque(int(i) for i in order)
+        self.to_prefill = {i: int(req[i, 0]) for i in range(len(req))}  # tokens held at (re-)admission
+        self.running: list[_Running] = []  # admission order, newest last
+        self.preemptions = self.recomputed = self.max_running = 0
+        self.counts = {"waiting": dict.fromkeys((*CATEGORIES, "steps", "running"), 0),
+                       "all": dict.fromkeys((*CATEGORIES, "steps", "running"), 0)}
 
-class FirstFit:
-    """One address space of ``size`` slots handing out contiguous ranges, lowest address first.
+    def held(self, r: _Running) -> int:
+        return r.blocks * self.bs if self.paged else r.alloc
 
-    ``holes`` is the sorted list of free ``[start, length]`` ranges; a freed range merges
-    with free neighbours, so two holes never touch.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = positive_int("size", size)
-        self.holes: list[list[int]] = [[0, self.size]]
-
-    @property
-    def free(self) -> int:
-        """Free slots in all holes together."""
-        return sum(length for _, length in self.holes)
-
-    def allocate(self, length: int) -> int | None:
-        """The start of a new range of ``length`` slots in the first hole that fits, or None."""
-        for k, hole in enumerate(self.holes):
-            if hole[1] >= length:
-                start = hole[0]
-                hole[0] += length
-                hole[1] -= length
-                if hole[1] == 0:
-                    del self.holes[k]
-                return start
-        return None
-
-    def release(self, start: int, length: int) -> None:
-        """Give ``[start, start + length)`` back, merging it with the holes beside it."""
-        k = 0
-        while k < len(self.holes) and self.holes[k][0] < start:
-            k += 1
-        merge_left = k > 0 and self.holes[k - 1][0] + self.holes[k - 1][1] == start
-        merge_right = k < len(self.holes) and start + length == self.holes[k][0]
-        if merge_left and merge_right:
-            self.holes[k - 1][1] += length + self.holes[k][1]
-            del self.holes[k]
-        elif merge_left:
-            self.holes[k - 1][1] += length
-        elif merge_right:
-            self.holes[k][0] = start
-            self.holes[k][1] += length
-        else:
-            self.holes.insert(k, [start, length])
-
-
-def _simulate_contiguous(req: np.ndarray, order: np.ndarray, pool: int, reserve: np.ndarray,
-                         trace: _Trace) -> tuple[int, int]:
-    """Event-driven first-fit: after the admissions of a step, nothing changes until the next finish."""
-    space = FirstFit(pool)
-    running: list[tuple[int, int, int, int]] = []  # heap of (finish_step, residency, start, length)
-    waiting = deque(int(i) for i in order)
-    allocated, max_running, t = 0, 0, 0
-    while waiting or running:
-        while waiting:  # 2. admit, first-fit, FCFS
-            i = waiting[0]
-            need = int(reserve[i])
-            start = space.allocate(need)
-            if start is None:
-                break
-            waiting.popleft()
-            prompt, output = int(req[i, 0]), int(req[i, 1])
-            rid = trace.begin(t, prompt, prompt + output, need)
-            heapq.heappush(running, (t + output, rid, start, need))
-            allocated += need
-        max_running = max(max_running, len(running))
-        finish = running[0][0]  # never empty: the checks guarantee an empty pool fits any request
-        if waiting:  # 3. steps t..finish are measured, all with this allocation
-            trace.measure(t, finish)
-            free = pool - allocated
-            if free >= reserve[waiting[0]]:
-                trace.external_slots += free * (finish - t + 1)
-            else:
-                trace.free_slots += free * (finish - t + 1)
-        while running and running[0][0] == finish:  # 4. finish
-            _, rid, start, length = heapq.heappop(running)
-            trace.end[rid] = finish
-            allocated -= length
-            space.release(start, length)
-        t = finish + 1
-    return max_running, t
-
-
-def _simulate_paged(req: np.ndarray, order: np.ndarray, num_blocks: int, bs: int,
-                    trace: _Trace) -> tuple[int, int, int, int]:
-    """Event-driven paging with LIFO preemption, as vLLM V1 schedules.
-
-    A running request admitted at step ``a`` with ``c`` tokens holds ``d + t`` tokens at
-    step ``t`` (``d = c - a``), so it needs a new block at the steps where ``(d + t) % bs == 1 % bs``.
-    Requests that share ``d % bs`` (their *phase*) need blocks at the same steps: counting
-    requests per phase finds the step the pool runs dry without visiting every request.
-    """
-    n_req = len(req)
-    final = req[:, 0] + req[:, 1]
-    held_before = req[:, 0].copy()  # tokens to prefill at (re-)admission
-    offset_of = np.zeros(n_req, dtype=np.int64)  # d of the current residency
-    residency = np.full(n_req, -1, dtype=np.int64)
-    phase_count = [0] * bs
-    finishes: list[tuple[int, int, int]] = []  # heap of (finish_step, residency, request); stale entries skipped
-    stack: list[tuple[int, int]] = []  # (request, residency) in admission order, newest last; stale ones skipped
-    waiting = deque(int(i) for i in order)
-    used_blocks, n_running, max_running, preemptions, recomputed = 0, 0, 0, 0, 0
-
-    def gain_phase(step: int) -> int:  # requests with d % bs == this phase need a block at ``step``
-        return (1 - step) % bs
-
-    def gains(first: int, last: int) -> int:  # blocks all running requests take over steps first..last
-        span = last - first + 1
-        if span <= 0:
-            return 0
-        total = (span // bs) * n_running
-        for s in range(first, first + span % bs):
-            total += phase_count[gain_phase(s)]
-        return total
-
-    def dry_step(after: int, free: int) -> int:  # first step > after at which the growth exceeds ``free``
-        if n_running == 0:
-            return 1 << 62
-        rounds = free // n_running
-        step, left = after + rounds * bs, free - rounds * n_running
-        while True:
-            step += 1
-            left -= phase_count[gain_phase(step)]
-            if left < 0:
-                return step
-
-    def blocks_at(i: int, step: int) -> int:
-        return -(-(int(offset_of[i]) + step) // bs)
-
-    def stop(i: int, last_step: int) -> None:
-        nonlocal n_running, used_blocks
-        trace.end[residency[i]] = last_step
-        residency[i] = -1
-        phase_count[int(offset_of[i]) % bs] -= 1
-        n_running -= 1
-        used_blocks -= blocks_at(i, last_step)
-
-    t = 0
-    while waiting or n_running:
-        # 1. grow: requests admitted before t gain a block if they cross a boundary
+    def grow(self, t: int) -> bool:
+        """1. Each request admitted before ``t`` stores a token, oldest first; paged, a full block needs a new one."""
         preempted = False
-        if n_running:
-            need = phase_count[gain_phase(t)]
-            free = num_blocks - used_blocks
-            while need > free:  # preempt the newest running request, as vLLM's self.running.pop()
-                victim, rid = stack.pop()
-                if residency[victim] != rid:
-                    continue  # finished, or preempted and admitted again since
-                tokens = int(offset_of[victim]) + t - 1
-                if (tokens + 1) % bs == 1 % bs:
-                    need -= 1
-                stop(victim, t - 1)
-                held_before[victim] = tokens
-                recomputed += tokens  # all of them are prefilled again when it is re-admitted
-                waiting.appendleft(victim)
-                free = num_blocks - used_blocks
-                preempted = True
-                preemptions += 1
-            used_blocks += need
-        # 2. admit, FCFS, only if nobody was preempted in this step
-        while waiting and not preempted:
-            i = waiting[0]
-            tokens = int(held_before[i])
-            blocks = -(-tokens // bs)
-            if blocks > num_blocks - used_blocks:
-                break
-            waiting.popleft()
-            offset_of[i] = tokens - t
-            residency[i] = trace.begin(t, tokens, int(final[i]))
-            phase_count[(tokens - t) % bs] += 1
-            n_running += 1
-            used_blocks += blocks
-            stack.append((i, int(residency[i])))
-            heapq.heappush(finishes, (t + int(final[i]) - tokens, int(residency[i]), i))
-        max_running = max(max_running, n_running)
-        # 3. measure; 4. finish
-        if waiting:
-            trace.measure(t, t)
-        freed = preempted  # blocks came back: the queue head may fit in the next step
-        while finishes and finishes[0][0] <= t:
-            step, rid, i = heapq.heappop(finishes)
-            if residency[i] != rid:
-                continue  # preempted since this entry was pushed
-            stop(i, t)
-            freed = True
-        while finishes and residency[finishes[0][2]] != finishes[0][1]:
-            heapq.heappop(finishes)
-        # fast-forward the quiet steps: only growth, no finish, no preemption, no admission
-        if not n_running:
+        for r in list(self.running):
+            if r not in self.running or r.admitted == t:
+                continue
+            if self.paged and r.tokens % self.bs == 0:
+                while self.num_blocks == sum(x.blocks for x in self.running):
+                    victim = self.running.pop()  # the newest, as vLLM's self.running.pop()
+                    self.to_prefill[victim.i] = victim.tokens
+                    self.recomputed += victim.tokens
+                    self.waiting.appendleft(victim.i)
+                    self.preemptions += 1
+                    preempted = True
+                    if victim is r:
+                        break
+                if r not in self.running:
+                    continue
+                r.blocks += 1
+            r.tokens += 1
+        return preempted
+
+    def admit(self, t: int) -> None:
+        """2. Admit from the head of the queue while it fits: its prompt's blocks, or one hole for its reservation."""
+        while self.waiting:
+            i = self.waiting[0]
+            tokens, final = self.to_prefill[i], int(self.req[i].sum())
+            if self.paged:
+                blocks = cdiv(tokens, self.bs)
+                if blocks > self.num_blocks - sum(x.blocks for x in self.running):
+                    return
+                r = _Running(i, tokens, final, t, blocks=blocks)
+            else:
+                need = int(self.reserve[i])
+                taken = sorted((x.start, x.alloc) for x in self.running)
+                starts = [0] + [s + a for s, a in taken]  # the lowest start where it fits: first fit
+                start = next((s for s in starts if s + need <= self.pool
+                              and all(s + need <= s2 or s >= s2 + a2 for s2, a2 in taken)), None)
+                if start is None:
+                    return
+                r = _Running(i, tokens, final, t, start=start, alloc=need)
+            self.running.append(r)
+            self.waiting.popleft()
+
+    def measure(self) -> None:
+        """3. Count every slot's state, for the waiting steps and for the whole run."""
+        free = self.pool - sum(self.held(r) for r in self.running)
+        head_fits_total = not self.paged and bool(self.waiting) and free >= self.reserve[self.waiting[0]]
+        for key in ("waiting", "all") if self.waiting else ("all",):
+            c = self.counts[key]
+            c["steps"] += 1
+            c["running"] += len(self.running)
+            for r in self.running:
+                filled = min(self.held(r), r.final)
+                c["used"] += r.tokens
+                c["reserved"] += filled - r.tokens
+                c["internal"] += self.held(r) - filled
+            c["external" if head_fits_total and key == "waiting" else "free"] += free
+
+    def run(self) -> SlotSteps:
+        t = 0
+        while self.waiting or self.running:
+            if not self.grow(t):
+                self.admit(t)
+            self.max_running = max(self.max_running, len(self.running))
+            self.measure()
+            self.running = [r for r in self.running if r.tokens < r.final]  # 4. finish
             t += 1
-            continue
-        # after a finish or a preemption the queue head may fit at once; else wait for a finish or the dry step
-        next_event = t + 1 if waiting and freed else min(finishes[0][0], dry_step(t, num_blocks - used_blocks))
-        if next_event > t + 1:
-            if waiting:
-                trace.measure(t + 1, next_event - 1)
-            used_blocks += gains(t + 1, next_event - 1)
-        t = next_event
-    return max_running, t, preemptions, recomputed
+        c = self.counts["waiting"] if self.counts["waiting"]["steps"] else self.counts["all"]
+        return SlotSteps(c["used"], c["reserved"], c["internal"], c["external"], c["free"], c["steps"], c["running"],
+                         self.max_running, t, self.preemptions, self.recomputed)
 
 
-def simulate(
-    requests: Sequence[Sequence[int]] | np.ndarray,
-    *,
-    pool_tokens: int,
-    max_model_len: int,
-    policy: str,
-    block_size: int = 16,
-    seed: int | None = 0,
-) -> FragmentationResult:
-    """Serve ``requests`` (``(prompt_len, output_len)`` pairs) from a pool of ``pool_tokens`` slots.
+# --------------------------------------------------------------------------- the public functions
 
-    ``policy`` is "max", "pow2", "oracle" or "paged" (see the module docstring for the step
-    rules). Requests queue in the order ``seed`` shuffles them to (``seed=None`` keeps the
-    given order). Raises ``KvlabValueError`` for a request longer than ``max_model_len`` or a
-    pool too small to serve a request of ``max_model_len`` tokens on its own.
-    """
+
+def _prepared(requests: Sequence[Sequence[int]] | np.ndarray, pool_tokens: int, max_model_len: int, policy: str,
+              block_size: int, seed: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The checked requests, their queue order and the contiguous reservations (None when paged), or a named error."""
     req = validate_requests(requests)
     policy = one_of("policy", policy, POLICIES)
     pool_tokens = positive_int("pool_tokens", pool_tokens)
@@ -416,34 +246,44 @@ def simulate(
             + (f" in blocks of {block_size}" if paged else "") + f"; it must be at least {smallest_pool}"
         )
     order = np.arange(len(req)) if seed is None else np.random.default_rng(int(seed)).permutation(len(req))
+    return req, order, None if paged else reservation(final, policy, max_model_len)
 
-    trace = _Trace()
-    if paged:
-        num_blocks = pool_tokens // block_size
-        max_running, end_step, preemptions, recomputed = _simulate_paged(req, order, num_blocks, block_size, trace)
-    else:
-        max_running, end_step = _simulate_contiguous(req, order, pool_tokens, reservation(final, policy, max_model_len),
-                                                     trace)
-        preemptions = recomputed = 0
-    if not trace.windows:  # the pool never turned a request away: measure the whole run
-        trace.windows = [[0, end_step - 1]]
-        trace.free_slots = trace.external_slots = 0
-        whole_run = True
-    else:
-        whole_run = False
-    sums, running_steps, measured = _account(trace, block_size if paged else None)
-    total = pool_tokens * measured
-    if paged or whole_run:
-        sums["external"] = 0
-        sums["free"] = total - sums["used"] - sums["reserved"] - sums["internal"]
-    else:
-        sums["external"] = trace.external_slots
-        sums["free"] = trace.free_slots
-    breakdown = {k: sums[k] / total for k in CATEGORIES}
+
+def _result(policy: str, pool_tokens: int, max_model_len: int, block_size: int, num_requests: int,
+            counts: SlotSteps) -> FragmentationResult:
+    total = pool_tokens * counts.measured_steps
+    breakdown = {k: getattr(counts, k) / total for k in CATEGORIES}
     return FragmentationResult(
         policy=policy, pool_tokens=pool_tokens, max_model_len=max_model_len,
-        block_size=block_size if paged else None, num_requests=len(req), utilization=breakdown["used"],
-        breakdown=breakdown, max_running=max_running, mean_running=running_steps / measured,
-        num_steps=end_step, measured_steps=measured, num_preemptions=preemptions,
-        recomputed_tokens=recomputed,
+        block_size=block_size if policy == "paged" else None, num_requests=num_requests,
+        utilization=breakdown["used"], breakdown=breakdown, max_running=counts.max_running,
+        mean_running=counts.running_steps / counts.measured_steps, num_steps=counts.num_steps,
+        measured_steps=counts.measured_steps, num_preemptions=counts.num_preemptions,
+        recomputed_tokens=counts.recomputed_tokens,
     )
+
+
+def simulate(
+    requests: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    pool_tokens: int,
+    max_model_len: int,
+    policy: str,
+    block_size: int = 16,
+    seed: int | None = 0,
+    step_by_step: bool = False,
+) -> FragmentationResult:
+    """Serve ``requests`` (``(prompt_len, output_len)`` pairs) from a pool of ``pool_tokens`` slots.
+
+    ``policy`` is "max", "pow2", "oracle" or "paged" (see the module docstring for the step
+    rules). Requests queue in the order ``seed`` shuffles them to (``seed=None`` keeps the
+    given order). Raises ``KvlabValueError`` for a request longer than ``max_model_len`` or a
+    pool too small to serve a request of ``max_model_len`` tokens on its own. Runs event by
+    event (``kvlab.sim.fragmentation_fast``); ``step_by_step=True`` walks every step and every
+    request as the rules read instead: the reference, slow (steps times running requests), for
+    small workloads and for reading, with the same result.
+    """
+    req, order, reserve = _prepared(requests, pool_tokens, max_model_len, policy, block_size, seed)
+    engine = _StepByStep(req, order, pool_tokens, reserve, block_size).run if step_by_step else \
+        lambda: run_fast(req, order, pool_tokens, reserve, block_size)
+    return _result(policy, pool_tokens, max_model_len, block_size, len(req), engine())

@@ -155,7 +155,14 @@ def simulate(
     hash_fn: str = "sha256",
     enable_caching: bool = True,
 ) -> SimResult:
-    """Run ``requests`` first come, first served through a ``KVCacheManager`` of ``num_blocks`` blocks."""
+    """Run ``requests`` first come, first served through a ``KVCacheManager`` of ``num_blocks`` blocks.
+
+    Why a loop beside ``kvlab.core.sched.scheduler.Scheduler``: notebook 04 teaches the prefix
+    cache before the scheduler (notebook 06), so its hit rates come from the manager alone,
+    with whole-prompt admission and reserved outputs, so that no preemption or token budget
+    moves a hit rate and every number is the manager's. Notebook 07 runs chat on the real
+    scheduler (``kvlab.sim.serving_sim``).
+    """
     num_blocks, block_size = positive_int("num_blocks", num_blocks), positive_int("block_size", block_size)
     max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
     _check_workload(requests)
@@ -185,19 +192,7 @@ def simulate(
             running.append((spec, request))
         if not running:
             raise KvlabValueError(f"request {waiting[0].request_id!r} waits for one that never runs")
-        still_running = []
-        for spec, request in running:
-            if request.num_computed_tokens < request.num_tokens:  # compute the token sampled last step
-                manager.allocate_slots(request, 1)
-                request.num_computed_tokens += 1
-            request.append_output_token_ids(spec.output_token_ids[request.num_output_tokens])
-            if request.num_output_tokens == len(spec.output_token_ids):
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                manager.free(request)
-                finished.add(spec.request_id)
-            else:
-                still_running.append((spec, request))
-        running = still_running
+        running = _decode_step(manager, running, finished)
     return SimResult(
         num_blocks=num_blocks, block_size=block_size, enable_caching=enable_caching,
         prompt_tokens=tuple(prompt_tokens), hit_tokens=tuple(hit_tokens),
@@ -206,6 +201,24 @@ def simulate(
         num_blocks_evicted_before_reuse=manager.num_blocks_evicted_before_reuse,
         num_steps=steps,
     )
+
+
+def _decode_step(manager: KVCacheManager, running: list[tuple[SimRequest, Request]],
+                 finished: set[str]) -> list[tuple[SimRequest, Request]]:
+    """One token for every running request; those that produced their last one leave. Returns the rest."""
+    still_running = []
+    for spec, request in running:
+        if request.num_computed_tokens < request.num_tokens:  # compute the token sampled last step
+            manager.allocate_slots(request, 1)
+            request.num_computed_tokens += 1
+        request.append_output_token_ids(spec.output_token_ids[request.num_output_tokens])
+        if request.num_output_tokens == len(spec.output_token_ids):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            manager.free(request)
+            finished.add(spec.request_id)
+        else:
+            still_running.append((spec, request))
+    return still_running
 
 
 def sweep_pool_sizes(requests: list[SimRequest], pool_sizes: list[int], **kwargs: object) -> list[SimResult]:

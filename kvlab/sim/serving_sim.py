@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 from kvlab._validate import non_negative_int, positive_int
 from kvlab.core.kv_cache_manager import KVCacheManager
@@ -86,6 +87,59 @@ class ChatRun:
         return self.metrics.diagnose("steps")
 
 
+class _Chat:
+    """The open conversations while a chat runs: their history, turn, next arrival and live request."""
+
+    def __init__(self, workload: ChatWorkload, scheduler: Scheduler) -> None:
+        self.workload, self.scheduler = workload, scheduler
+        self.rng = random.Random(workload.seed)
+        self.system = [self.rng.randrange(VOCAB_SIZE) for _ in range(workload.system_len)]
+        self.history: dict[int, list[int]] = {}  # open conversations: their history so far
+        self.turn: dict[int, int] = {}
+        self.due: dict[int, int] = {}  # step at which a conversation's next turn arrives
+        self.live: dict[str, tuple[int, list[int], list[int]]] = {}  # request id -> (conversation, prompt, reply)
+        self.opened = 0
+        self.turns_done = 0
+        while self.opened < min(workload.max_active, workload.num_conversations):
+            self.open(0)
+
+    def open(self, steps: int) -> None:
+        """Start the next conversation; its first turn arrives within ``think_steps``."""
+        c = self.opened
+        self.history[c], self.turn[c] = list(self.system), 0
+        self.due[c] = steps + self.rng.randrange(self.workload.think_steps + 1)
+        self.opened += 1
+
+    def submit_due(self, steps: int) -> None:
+        """Every conversation whose next turn is due sends its whole history and a new user message."""
+        busy = {conversation for conversation, _, _ in self.live.values()}
+        for c in sorted(self.history):
+            if c not in busy and self.due[c] <= steps:
+                prompt = self.history[c] + [self.rng.randrange(VOCAB_SIZE) for _ in range(self.workload.user_len)]
+                request_id = f"chat{c}-turn{self.turn[c]}"
+                self.scheduler.add_request(GenerationRequest(
+                    request_id, prompt, SamplingParams(max_tokens=self.workload.reply_len, ignore_eos=True)))
+                self.live[request_id] = (c, prompt, [])
+                self.due[c] = steps + 10**9  # until the reply ends
+
+    def receive(self, outputs: list, steps: int) -> None:
+        """Append each step's tokens to their replies; a finished reply closes its turn (and maybe its conversation)."""
+        for out in outputs:
+            c, prompt, reply = self.live[out.request_id]
+            reply.extend(out.new_token_ids)
+            if not out.finished:
+                continue
+            del self.live[out.request_id]
+            self.history[c] = prompt + reply
+            self.turn[c] += 1
+            self.turns_done += 1
+            self.due[c] = steps + self.workload.think_steps
+            if self.turn[c] == self.workload.turns:
+                del self.history[c], self.turn[c], self.due[c]
+                if self.opened < self.workload.num_conversations:
+                    self.open(steps)
+
+
 def simulate_chat(
     num_gpu_blocks: int,
     workload: ChatWorkload | None = None,
@@ -96,13 +150,17 @@ def simulate_chat(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 512,
     max_steps: int = 1_000_000,
+    progress: bool = False,
 ) -> ChatRun:
-    """Serve ``workload`` from a GPU pool of ``num_gpu_blocks`` blocks (and a CPU tier), counting what happens."""
+    """Serve ``workload`` from a GPU pool of ``num_gpu_blocks`` blocks (and a CPU tier), counting what happens.
+
+    ``progress=True`` shows a bar of the turns served (``tqdm.auto``: a widget in a notebook).
+    """
     workload = workload or ChatWorkload()
     if not isinstance(workload, ChatWorkload):
         raise KvlabValueError(f"workload must be a ChatWorkload, got {type(workload).__name__}")
     non_negative_int("cpu_offload_blocks", cpu_offload_blocks)
-    rng = random.Random(workload.seed)
+    max_steps = positive_int("max_steps", max_steps)
     metrics = KVCacheMetricsCollector()
     manager = KVCacheManager(num_gpu_blocks, block_size, hash_seed="kvlab-chat")
     manager.block_pool.metrics_collector = metrics
@@ -111,50 +169,22 @@ def simulate_chat(
     scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           connector=connector, preemption_mode=preemption_mode)
     executor = NoComputeExecutor(VOCAB_SIZE)
-
-    system = [rng.randrange(VOCAB_SIZE) for _ in range(workload.system_len)]
-    history: dict[int, list[int]] = {}  # open conversations: their history so far
-    turn: dict[int, int] = {}
-    due: dict[int, int] = {}  # step at which a conversation's next turn arrives
-    live: dict[str, tuple[int, list[int], list[int]]] = {}  # request id -> (conversation, prompt, reply so far)
-    opened = computed = steps = 0
-
-    def open_conversation() -> None:
-        nonlocal opened
-        history[opened], turn[opened], due[opened] = list(system), 0, steps + rng.randrange(workload.think_steps + 1)
-        opened += 1
-
-    while opened < min(workload.max_active, workload.num_conversations):
-        open_conversation()
-    while history:
-        if steps >= positive_int("max_steps", max_steps):
+    chat = _Chat(workload, scheduler)
+    bar = _progress_bar(progress, workload.num_conversations * workload.turns, f"{preemption_mode}, turns served")
+    computed = steps = 0
+    while chat.history:
+        if steps >= max_steps:
             raise KvlabValueError(f"the chat was still running after max_steps={max_steps} steps")
-        busy = {conversation for conversation, _, _ in live.values()}
-        for conversation in sorted(history):
-            if conversation not in busy and due[conversation] <= steps:
-                prompt = history[conversation] + [rng.randrange(VOCAB_SIZE) for _ in range(workload.user_len)]
-                request_id = f"chat{conversation}-turn{turn[conversation]}"
-                scheduler.add_request(GenerationRequest(
-                    request_id, prompt, SamplingParams(max_tokens=workload.reply_len, ignore_eos=True)))
-                live[request_id] = (conversation, prompt, [])
-                due[conversation] = steps + 10**9  # until the reply ends
+        chat.submit_due(steps)
         if scheduler.has_unfinished_requests():
             output, finished, _ = step(scheduler, executor)
             computed += output.total_num_scheduled_tokens
-            for out in finished:
-                conversation, prompt, reply = live[out.request_id]
-                reply.extend(out.new_token_ids)
-                if out.finished:
-                    del live[out.request_id]
-                    history[conversation] = prompt + reply
-                    turn[conversation] += 1
-                    due[conversation] = steps + workload.think_steps
-                    if turn[conversation] == workload.turns:
-                        del history[conversation], turn[conversation], due[conversation]
-                        if opened < workload.num_conversations:
-                            open_conversation()
+            before = chat.turns_done
+            chat.receive(finished, steps)
+            bar.update(chat.turns_done - before)
         steps += 1
         metrics.advance()
+    bar.close()
     stats = manager.prefix_cache_stats
     return ChatRun(
         num_gpu_blocks=num_gpu_blocks, cpu_offload_blocks=cpu_offload_blocks, preemption_mode=preemption_mode,
@@ -164,3 +194,20 @@ def simulate_chat(
         num_preemptions=scheduler.num_preemptions, offload=None if connector is None else connector.stats,
         metrics=metrics,
     )
+
+
+class _NoBar:
+    def update(self, _n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(show: bool, total: int, desc: str) -> Any:
+    """A ``tqdm.auto`` bar (a widget in a notebook, text elsewhere), or one that shows nothing."""
+    if not show:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="turn", leave=True)

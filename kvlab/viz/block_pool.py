@@ -1,46 +1,54 @@
 """Notebook 03's pictures: the physical block pool, each block table, the free queue, and a step-through panel.
 
-``figure_pool`` draws one ``PoolSnapshot`` (from ``kvlab.sim.block_scenarios``): one cell per
-physical block, coloured by state (free, cached-but-free with its hash prefix, in use by one
-sequence in that sequence's colour, shared with its ref count, null); below it each live
-sequence's block table with an arrow from every entry to its physical block; at the bottom the
-free queue from head (allocated next) to tail. ``BlockPoolPanel`` steps through a scenario with
-next / back / reset; every redraw is a replay from a fresh pool (``step_at``).
+``figure_pool`` draws one ``PoolSnapshot`` (from ``kvlab.sim.block_scenarios``), laid out in
+pixels for a projector (``kvlab.viz.canvas``):
+
+* the **physical blocks** in one row, each coloured by its state (free, cached-but-free with its
+  hash prefix, held by one sequence in that sequence's colour, shared with its ref count, the
+  null block dashed). With small blocks (up to ``SLOTS_UP_TO`` tokens) every slot shows its
+  token, as a word ("Four score and seven ...", the PagedAttention paper's example) or as its
+  integer id (``tokens="ids"``); larger blocks show how full they are, their tokens on hover;
+* a copy-on-write copy as a red arc from the shared block to its copy;
+* the **block tables** on a shelf below the pool (a second one above it when they do not fit),
+  each entry with an arrow up to its physical block. The arrows run in the gap between shelf
+  and pool, never through a cell; each table is named under its entries;
+* the **free queue** from head (allocated next) to tail.
+
+``kvlab.viz.step_panels.BlockPoolPanel`` steps through a scenario with these pictures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
-import textwrap
-from typing import Any
+from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
 from kvlab.core.kv_cache_utils import short_hash
-from kvlab.sim.block_scenarios import (
-    SCENARIOS,
-    BlockView,
-    PoolSnapshot,
-    Scenario,
-    Step,
-    get_scenario,
-    record,
-    step_at,
-)
-from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
+from kvlab.sim.block_scenarios import BlockView, PoolSnapshot, Scenario, Step, record
+from kvlab.viz.canvas import INK, MUTED, Canvas, text_width, tint, wrap
+from kvlab.viz.words import TOKEN_MODES, token_label, token_text
 
 #: Sequence colours (Okabe-Ito, told apart by colour-blind readers too).
 SEQUENCE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#CC79A7", "#D55E00", "#0072B2")
 STATE_COLOURS = {"free": "#F3F4F6", "cached": "#FFF7CC", "shared": "#334155", "held": "#94A3B8", "null": "#FFFFFF"}
-MAX_COLUMNS = 16
-MIN_COLUMNS = 12  # the width a small pool still gets, so the legend and captions fit
-PITCH = 1.25  # distance between cell centres; a cell is 1 x 1
-ROW = 1.4  # distance between rows
-GAP = 1.7  # from the last row of one section to the first of the next
-LABEL = 3.4  # width of the label column on the left
-PX_PER_UNIT = 52  # a cell is 52 px: readable projected, and 16 columns fit 1280 px
-MAX_WIDTH_PX = 820  # fits a notebook output area at 1280x720 with the file browser open
+COPY_COLOUR = "#B42318"
+WIDTH = 820  # fits a notebook output area at 1280x720 with the file browser open
+PAD = 10
+LABEL_W = 86  # the left column that names each part
+X0 = PAD + LABEL_W  # where blocks start
+AVAILABLE = WIDTH - PAD - X0
+SLOTS_UP_TO = 8  # blocks of up to this many tokens draw one slot per token
+SLOT_H = 15
+HEADER_H = 30  # a slotted block's id and state, above its slots
+COMPACT_H = 46
+TABLE_W, TABLE_H, TABLE_PITCH = 36, 30, 40
+ARROW_GAP = 46  # between a shelf of tables and the pool: the arrows' room
+COPY_ZONE = 30  # above the pool: the copy-on-write arcs' room
+GROUP_GAP = 22
+LABEL_H = 18
 
 
 def assign_colours(steps: list[Step]) -> dict[str, str]:
@@ -56,250 +64,321 @@ def assign_colours(steps: list[Step]) -> dict[str, str]:
 
 
 def _cell_style(view: BlockView, colours: dict[str, str]) -> tuple[str, str, str, str]:
-    """Fill, border and text colour and the second text line of a physical block's cell."""
+    """Fill, border and text colour, and the state line (``null``, ``#hash``, ``free``, ``ref n``) of a block."""
     if view.state == "null":
         return STATE_COLOURS["null"], "#6B7280", "#6B7280", "null"
     if view.state == "cached":
         return STATE_COLOURS["cached"], "#D97706", "#78350F", "#" + short_hash(view.block_hash)[:4]
     if view.state == "free":
-        return STATE_COLOURS["free"], "#9CA3AF", "#6B7280", "free"
+        return STATE_COLOURS["free"], "#9CA3AF", "#4B5563", "free"
     if view.ref_cnt == 1 and len(view.holders) == 1:
-        return colours[view.holders[0]], "#374151", "#111827", "ref 1"
+        return colours[view.holders[0]], "#374151", INK, "ref 1"
     fill = STATE_COLOURS["shared"] if view.holders else STATE_COLOURS["held"]
-    return fill, "#111827", "#FFFFFF", f"ref {view.ref_cnt}"
+    return fill, INK, "#FFFFFF", f"ref {view.ref_cnt}"
 
 
 def _count(tokens: int) -> str:
     return f"{tokens} token" if tokens == 1 else f"{tokens} tokens"
 
 
-def _hover(view: BlockView, block_size: int) -> str:
+def _hover(view: BlockView, block_size: int, tokens: str) -> str:
     parts = [f"block {view.block_id}: {view.state}", f"ref_cnt {view.ref_cnt}"]
     if view.holders:
         parts.append("in the tables of " + ", ".join(view.holders))
     if view.state in ("in use", "cached"):
         parts.append(f"{view.num_tokens} of {block_size} slots written")
+    if view.token_ids:
+        parts.append("holds: " + html.escape(token_text(view.token_ids, tokens)))
     if view.block_hash is not None:
         parts.append("hash " + short_hash(view.block_hash))
     return "<br>".join(parts)
 
 
-class _Canvas:
-    """Rectangles, texts, arrows and hover points in data units (a cell is 1 x 1), turned into one figure."""
+# --------------------------------------------------------------------------- geometry
 
-    def __init__(self) -> None:
-        self.shapes: list[dict[str, Any]] = []
-        self.notes: list[dict[str, Any]] = []
-        self.hover: dict[str, tuple[list[float], list[float], list[str]]] = {
-            part: ([], [], []) for part in ("pool", "tables", "queue")}
 
-    def cell(self, x: float, y: float, fill: str, line: str, dash: str = "solid", width: float = 1.5) -> None:
-        self.shapes.append(dict(type="rect", x0=x - 0.5, x1=x + 0.5, y0=y - 0.5, y1=y + 0.5, fillcolor=fill,
-                                line=dict(color=line, width=width, dash=dash), layer="below"))
+@dataclasses.dataclass(frozen=True)
+class _PoolGeometry:
+    """Where each physical block is drawn: ``cols`` to a row, ``pitch`` apart, from ``top``."""
 
-    def bar(self, x: float, y: float, share: float, colour: str) -> None:
-        self.shapes.append(dict(type="rect", x0=x - 0.42, x1=x - 0.42 + 0.84 * share, y0=y - 0.42, y1=y - 0.31,
-                                fillcolor=colour, line=dict(width=0)))
+    top: float
+    num_blocks: int
+    slots: bool
+    block_size: int
+    pitch: float
+    cols: int
 
-    def text(self, x: float, y: float, s: str, size: int = 16, colour: str = "#111827", **kw: Any) -> None:
-        self.notes.append(dict(x=x, y=y, text=s, showarrow=False, font=dict(size=size, color=colour), **kw))
+    @property
+    def cell_w(self) -> float:
+        return self.pitch - 4
 
-    def label(self, y: float, s: str, size: int = 15) -> None:
-        self.text(-LABEL, y, s, size=size, xanchor="left")
+    @property
+    def cell_h(self) -> float:
+        return HEADER_H + SLOT_H * self.block_size + 3 if self.slots else COMPACT_H
 
-    def arrow(self, tail: tuple[float, float], head: tuple[float, float], colour: str) -> None:
-        self.notes.append(dict(x=head[0], y=head[1], ax=tail[0], ay=tail[1], xref="x", yref="y", axref="x",
-                               ayref="y", showarrow=True, arrowhead=2, arrowsize=1, arrowwidth=1.8,
-                               arrowcolor=colour, opacity=0.85, text=""))
+    @property
+    def bottom(self) -> float:
+        return self.top + math.ceil(self.num_blocks / self.cols) * (self.cell_h + 8) - 8
 
-    def point(self, part: str, x: float, y: float, tip: str) -> None:
-        for values, v in zip(self.hover[part], (x, y, tip), strict=True):
-            values.append(v)
+    def box(self, block_id: int) -> tuple[float, float, float, float]:
+        x = X0 + (block_id % self.cols) * self.pitch
+        y = self.top + (block_id // self.cols) * (self.cell_h + 8)
+        return x, y, x + self.cell_w, y + self.cell_h
+
+
+def _pool_geometry(snap: PoolSnapshot, top: float) -> _PoolGeometry:
+    slots = snap.block_size <= SLOTS_UP_TO
+    widest, narrowest = (60, 48) if slots else (48, 42)
+    n = max(len(snap.blocks), 1)
+    pitch = min(widest, AVAILABLE / n)
+    if pitch < narrowest:  # does not fit one row: wrap at the narrowest pitch
+        pitch = narrowest
+    return _PoolGeometry(top, len(snap.blocks), slots, snap.block_size, pitch, max(int(AVAILABLE // pitch), 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """One block table on a shelf: its name, the entries drawn, and how many were left out."""
+
+    name: str
+    label: str
+    entries: tuple[int, ...]
+    hidden: int
+
+    @property
+    def width(self) -> float:
+        cells = len(self.entries) + (1 if self.hidden else 0)
+        return max(cells * TABLE_PITCH - 4, text_width(self.label, 13) + 16)
+
+
+def _groups(snap: PoolSnapshot) -> list[_Group]:
+    room = int((AVAILABLE + 4) // TABLE_PITCH)
+    found = []
+    for name, table in snap.tables.items():
+        label = f"{name} · {_count(snap.num_tokens[name])}"
+        shown = table if len(table) <= room else table[: room - 1]
+        found.append(_Group(name, label, tuple(shown), len(table) - len(shown)))
+    return found
+
+
+def _shelves(groups: list[_Group]) -> list[list[_Group]]:
+    """Tables packed left to right onto shelves of the drawing's width, in order."""
+    shelves: list[list[_Group]] = [[]]
+    used = 0.0
+    for group in groups:
+        if shelves[-1] and used + GROUP_GAP + group.width > AVAILABLE:
+            shelves.append([])
+            used = 0.0
+        used += (GROUP_GAP if shelves[-1] else 0) + group.width
+        shelves[-1].append(group)
+    return shelves
+
+
+def shelves_needed(snap: PoolSnapshot) -> int:
+    """How many shelves (1 or 2) the block tables of ``snap`` take."""
+    return min(len(_shelves(_groups(snap))), 2)
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+def _heading(canvas: Canvas, title: str, caption: str) -> float:
+    y = PAD
+    if title:
+        y = canvas.lines(PAD, y, wrap(title, WIDTH - 2 * PAD, 15), 15, INK, bold_first=True)
+    if caption:
+        y = canvas.lines(PAD, y + 2, wrap(caption, WIDTH - 2 * PAD, 13), 13, "#1F2937")
+    return y + 6
+
+
+def _legend(canvas: Canvas, y: float, slots: bool, colours: dict[str, str], copies: bool = True) -> float:
+    """The key, its entries wrapped into as many rows as the width needs; returns the y below it."""
+    first = next(iter(colours.values()), SEQUENCE_COLOURS[0])
+    entries = [
+        (STATE_COLOURS["free"], "#9CA3AF", "free"),
+        (STATE_COLOURS["cached"], "#D97706", "cached and free: #hash, * in the queue"),
+        (STATE_COLOURS["shared"], INK, "shared: ref_cnt > 1"),
+        (first, "#374151", "held by one sequence, in its colour"),
+    ]
+    if copies:
+        entries.append(("copy", COPY_COLOUR, "copy-on-write copy"))
+    if not slots:
+        entries.append((INK, INK, "▬ slots written"))
+    x = PAD
+    for fill, line, label in entries:
+        width = 18 + text_width(label, 12) + 18
+        if x + width > WIDTH - PAD:
+            x, y = PAD, y + LABEL_H
+        if fill == "copy":
+            canvas.arc((x, y + 12), (x + 13, y + 12), 4, line, width=2)
+        elif label.startswith("▬"):
+            label = label[2:]
+            canvas.rect(x, y + 7, x + 13, y + 10, fill, line, width=0)
+        else:
+            canvas.rect(x, y + 3, x + 13, y + 16, fill, line, width=1.5)
+        canvas.text(x + 18, y + 10, html.escape(label), 12, "#374151", anchor="left")
+        x += width
+    return y + LABEL_H + 6
+
+
+def _side_label(canvas: Canvas, y_mid: float, words: tuple[str, str], note: str = "") -> None:
+    text = f"<b>{words[0]}</b><br><b>{words[1]}</b>" + (f"<br><span style='font-size:11px'>{note}</span>"
+                                                          if note else "")
+    canvas.text(PAD, y_mid, text, 13, INK, anchor="left")
+
+
+def _draw_pool(canvas: Canvas, snap: PoolSnapshot, pool: _PoolGeometry, colours: dict[str, str],
+               tokens: str) -> None:
+    """Every physical block, with its id, its state and (slotted) its tokens."""
+    _side_label(canvas, (pool.top + pool.bottom) / 2, ("physical", "blocks"), "by block id")
+    max_chars = max(int((pool.cell_w - 6) / (11 * 0.58)), 3)
+    for view in snap.blocks:
+        x0, y0, x1, y1 = pool.box(view.block_id)
+        fill, line, ink, state = _cell_style(view, colours)
+        dash, width = ("dot", 1.5) if view.is_null else ("solid", 2.5 if view.state == "cached" else 1.5)
+        mid = (x0 + x1) / 2
+        if pool.slots:
+            canvas.rect(x0, y0, x1, y0 + HEADER_H, fill, line, width, dash)
+            canvas.rect(x0, y0 + HEADER_H, x1, y1, "#FFFFFF", line, width, dash)
+            canvas.text(mid, y0 + 10, str(view.block_id), 13, ink, bold=True)
+            canvas.text(mid, y0 + 23, state, 11, ink)
+            stale = view.state == "free"  # what a freed, unhashed block held: nobody will read it again
+            written = tint(fill if fill not in ("#FFFFFF", STATE_COLOURS["shared"]) else "#94A3B8", 0.6)
+            for slot, token in enumerate(view.token_ids):
+                top = y0 + HEADER_H + slot * SLOT_H
+                if not stale:
+                    canvas.rect(x0 + 2, top + 1, x1 - 2, top + SLOT_H, written, written, width=0)
+                canvas.text(mid, top + SLOT_H / 2 + 1, html.escape(token_label(token, tokens, max_chars)), 11,
+                            "#9CA3AF" if stale else INK)
+        else:
+            canvas.rect(x0, y0, x1, y1, fill, line, width, dash)
+            canvas.text(mid, y0 + 15, str(view.block_id), 15, ink, bold=True)
+            canvas.text(mid, y0 + 31, state, 11, ink)
+            if view.state in ("in use", "cached") and view.num_tokens:
+                share = min(view.num_tokens / snap.block_size, 1.0)
+                bar = "#F9FAFB" if ink == "#FFFFFF" else INK
+                canvas.rect(x0 + 4, y1 - 7, x0 + 4 + (pool.cell_w - 8) * share, y1 - 4, bar, bar, width=0)
+        canvas.point("pool", mid, (y0 + y1) / 2, _hover(view, snap.block_size, tokens))
+
+
+def _draw_copies(canvas: Canvas, pool: _PoolGeometry, copies: Sequence[tuple[int, int]]) -> None:
+    """Each copy-on-write copy as a red arc from the shared block over to its copy, labelled."""
+    for src, dst in copies:
+        (sx0, sy0, sx1, _), (dx0, dy0, dx1, _) = pool.box(src), pool.box(dst)
+        apex = canvas.arc(((sx0 + sx1) / 2, sy0), ((dx0 + dx1) / 2, dy0), 9, COPY_COLOUR)
+        canvas.text(apex[0], apex[1] - 3, f"copy {src} → {dst}", 11, COPY_COLOUR, valign="bottom", bold=True)
+
+
+def _draw_shelf(canvas: Canvas, snap: PoolSnapshot, shelf: list[_Group], pool: _PoolGeometry, top: float,
+                below: bool, colours: dict[str, str]) -> float:
+    """One shelf of block tables at ``top``, arrows to the pool above (``below``) or under it; returns its bottom."""
+    cells_top = top if below else top + LABEL_H
+    cells_bottom = cells_top + TABLE_H
+    _side_label(canvas, (cells_top + cells_bottom) / 2, ("block", "tables"))
+    holders = {b.block_id: list(b.holders) for b in snap.blocks}
+    x = X0
+    for group in shelf:
+        colour = colours[group.name]
+        for logical, block_id in enumerate(group.entries):
+            cx = x + logical * TABLE_PITCH
+            canvas.rect(cx, cells_top, cx + TABLE_W, cells_bottom, colour, "#374151")
+            canvas.text(cx + TABLE_W / 2, (cells_top + cells_bottom) / 2, str(block_id), 14, INK, bold=True)
+            bx0, by0, bx1, by1 = pool.box(block_id)
+            share = holders.get(block_id) or [group.name]
+            k = share.index(group.name) if group.name in share else 0
+            spread = (k - (len(share) - 1) / 2) * min(8.0, (pool.cell_w - 10) / max(len(share), 1))
+            tail = (cx + TABLE_W / 2, cells_top if below else cells_bottom)
+            canvas.arrow(tail, ((bx0 + bx1) / 2 + spread, by1 if below else by0), colour)
+            first = logical * snap.block_size
+            last = min(first + snap.block_size, snap.num_tokens[group.name]) - 1
+            canvas.point("tables", cx + TABLE_W / 2, (cells_top + cells_bottom) / 2,
+                         f"{group.name}: logical block {logical} → physical block {block_id}<br>tokens {first}–{last}")
+        if group.hidden:
+            hx = x + len(group.entries) * TABLE_PITCH
+            canvas.text(hx + TABLE_W / 2, (cells_top + cells_bottom) / 2, f"+{group.hidden}", 13, MUTED)
+        label_y = cells_bottom + 4 if below else top
+        swatch = f"<span style='color:{colour}'>■</span> "
+        canvas.text(x, label_y, swatch + f"<b>{html.escape(group.name)}</b>" + html.escape(group.label[len(
+            group.name):]), 13, INK, anchor="left", valign="top")
+        x += group.width + GROUP_GAP
+    return cells_bottom + LABEL_H + 4 if below else cells_bottom
+
+
+def draw_free_queue(canvas: Canvas, blocks: Sequence[BlockView], free_queue: Sequence[int], block_size: int,
+                    top: float, colours: dict[str, str] | None = None) -> float:
+    """The free queue head to tail at ``top``, cached blocks marked *; returns the y below it.
+
+    Shared with notebook 04's ``figure_free_queue``, which draws a manager's real pool.
+    """
+    colours = colours or {}
+    count = len(free_queue)
+    cols = int((AVAILABLE + 4) // TABLE_PITCH)
+    rows = max(1, math.ceil(count / cols))
+    _side_label(canvas, top + (rows * (TABLE_H + LABEL_H)) / 2 - 4, ("free", "queue"), f"{count} free")
+    if not count:
+        canvas.text(X0, top + TABLE_H / 2, "empty: the next allocation is refused", 13, MUTED, anchor="left")
+    for pos, block_id in enumerate(free_queue):
+        view = blocks[block_id]
+        x = X0 + (pos % cols) * TABLE_PITCH
+        y = top + (pos // cols) * (TABLE_H + LABEL_H)
+        fill, line, ink, _ = _cell_style(view, colours)
+        canvas.rect(x, y, x + TABLE_W, y + TABLE_H, fill, line, 2.5 if view.state == "cached" else 1.5)
+        mark = "*" if view.block_hash is not None else ""
+        canvas.text(x + TABLE_W / 2, y + TABLE_H / 2, f"{block_id}{mark}", 14, ink, bold=True)
+        canvas.point("queue", x + TABLE_W / 2, y + TABLE_H / 2,
+                     f"queue position {pos}: " + _hover(view, block_size, "ids"))
+        if pos == 0 or pos == count - 1:
+            word = "head = tail" if count == 1 else ("head" if pos == 0 else "tail")
+            canvas.text(x, y + TABLE_H + 3, word, 11, "#374151", anchor="left", valign="top")
+    return top + rows * (TABLE_H + LABEL_H)
 
 
 def figure_pool(
-    snap: PoolSnapshot, title: str = "", caption: str = "", table_rows: int | None = None,
-    colours: dict[str, str] | None = None,
+    snap: PoolSnapshot, title: str = "", caption: str = "", shelves: int | None = None,
+    colours: dict[str, str] | None = None, copies: Sequence[tuple[int, int]] = (), tokens: str = "words",
+    copy_key: bool = True,
 ) -> go.Figure:
     """The pool, the block tables and the free queue of one snapshot, sized to read when projected.
 
-    ``table_rows`` reserves room for that many tables (so a step-through keeps one height);
-    ``colours`` fixes each sequence's colour (default: in the order they appear here).
+    ``shelves`` reserves room for that many shelves of tables (so a step-through keeps one
+    height); ``colours`` fixes each sequence's colour (default: in the order they appear);
+    ``copies`` are the step's copy-on-write copies, drawn as arcs; ``tokens`` is "words" or "ids";
+    ``copy_key=False`` leaves the arc out of the key (for a story without copy-on-write).
     """
+    if tokens not in TOKEN_MODES:
+        token_label(0, tokens)  # raises the named error
     names = list(snap.tables)
     colours = {**{n: SEQUENCE_COLOURS[i % len(SEQUENCE_COLOURS)] for i, n in enumerate(names)}, **(colours or {})}
-    cols = min(max(len(snap.blocks), 8), MAX_COLUMNS)
-    canvas = _Canvas()
-
-    def grid(i: int, top: float) -> tuple[float, float]:
-        return (i % cols) * PITCH, top - (i // cols) * ROW
-
-    # --- the physical pool: one cell per block
-    canvas.label(0.0, "<b>physical blocks</b><br><span style='font-size:12px'>KV tensors, by block id</span>")
-    where: dict[int, tuple[float, float]] = {}
-    for view in snap.blocks:
-        x, y = where[view.block_id] = grid(view.block_id, 0.0)
-        fill, line, ink, second = _cell_style(view, colours)
-        canvas.cell(x, y, fill, line, dash="dot" if view.is_null else "solid",
-                    width=2.5 if view.state == "cached" else 1.5)
-        if view.state in ("in use", "cached") and snap.block_size:
-            canvas.bar(x, y, min(view.num_tokens / snap.block_size, 1.0), "#F9FAFB" if ink == "#FFFFFF" else "#111827")
-        canvas.text(x, y + 0.16, f"<b>{view.block_id}</b>", 17, ink)
-        canvas.text(x, y - 0.13, second, 12, ink)
-        canvas.point("pool", x, y, _hover(view, snap.block_size))
-    top = -(math.ceil(len(snap.blocks) / cols) - 1) * ROW - GAP - 0.5
-
-    # --- the block tables: logical block i in column i, an arrow to its physical block
-    canvas.label(top + 0.95, "<b>block tables</b> <span style='font-size:12px'>logical → physical</span>")
-    for row, name in enumerate(names):
-        y = top - row * ROW
-        table = snap.tables[name]
-        canvas.label(y, f"<b><span style='color:{colours[name]}'>■</span> {name}</b> · {_count(snap.num_tokens[name])}",
-                     size=14)
-        spread = (row - (len(names) - 1) / 2) * min(0.16, 0.7 / max(len(names), 1))  # arrows into one block fan out
-        for logical, block_id in enumerate(table[:cols]):
-            x = logical * PITCH
-            canvas.cell(x, y, colours[name], "#374151")
-            canvas.text(x, y, f"<b>{block_id}</b>", 16)
-            px, py = where[block_id]
-            canvas.arrow((x + spread, y + 0.5), (px + spread, py - 0.5), colours[name])
-            first = logical * snap.block_size
-            last = min(first + snap.block_size, snap.num_tokens[name]) - 1
-            canvas.point("tables", x, y, f"{name}: logical block {logical} → physical block {block_id}"
-                                         f"<br>tokens {first}–{last}")
-        if len(table) > cols:
-            canvas.text((cols - 1) * PITCH + 0.6, y, f"… +{len(table) - cols}", 13, xanchor="left")
-    if not names:
-        canvas.text(0, top, "no live sequence", 14, "#6B7280", xanchor="left")
-    top -= (max(table_rows or 0, len(names), 1) - 1) * ROW + GAP
-
-    # --- the free queue, head (allocated next) to tail
-    canvas.label(top, f"<b>free queue</b><br><span style='font-size:12px'>{len(snap.free_queue)} free, "
-                      "head → tail</span>")
-    for pos, block_id in enumerate(snap.free_queue):
-        view = snap.blocks[block_id]
-        x, y = grid(pos, top)
-        fill, line, ink, _ = _cell_style(view, colours)
-        canvas.cell(x, y, fill, line, width=2.5 if view.state == "cached" else 1.5)
-        canvas.text(x, y, f"<b>{block_id}</b>" + ("*" if view.block_hash is not None else ""), 16, ink)
-        canvas.point("queue", x, y, f"queue position {pos}: " + _hover(view, snap.block_size))
-    if len(snap.free_queue) == 1:
-        canvas.text(0, top - 0.72, "head = tail", 12, "#374151")
-    elif snap.free_queue:
-        canvas.text(0, top - 0.72, "head: next", 12, "#374151")
-        canvas.text(*grid(len(snap.free_queue) - 1, top - 0.72), "tail", 12, "#374151")
+    canvas = Canvas(WIDTH)
+    y = _heading(canvas, title, caption)
+    pool_probe = _pool_geometry(snap, 0)
+    y = _legend(canvas, y, pool_probe.slots, colours, copy_key)
+    packed = _shelves(_groups(snap))
+    upper = packed[1] if len(packed) > 1 else []
+    upper_room = (LABEL_H + TABLE_H) + ARROW_GAP
+    if upper:
+        y += upper_room  # the upper shelf is drawn once the pool is placed
+    pool = _pool_geometry(snap, y + COPY_ZONE)
+    if upper:
+        _draw_shelf(canvas, snap, upper, pool, y - ARROW_GAP - LABEL_H - TABLE_H, False, colours)
+    _draw_pool(canvas, snap, pool, colours, tokens)
+    _draw_copies(canvas, pool, copies)
+    y = pool.bottom + ARROW_GAP
+    if packed[0]:
+        y = _draw_shelf(canvas, snap, packed[0], pool, y, True, colours)
     else:
-        canvas.text(0, top, "empty: the next allocation is refused", 14, "#6B7280", xanchor="left")
-    bottom = top - (max(1, math.ceil(len(snap.free_queue) / cols)) - 1) * ROW - 1.0
-
-    canvas.text(-LABEL, 1.05, "<span style='color:#D1D5DB'>■</span> free   <span style='color:#D97706'>□</span> "
-                "cached, free (#hash; * in the queue)   <span style='color:#334155'>■</span> shared, ref_cnt > 1   "
-                "▬ slots written   a sequence and the blocks only it holds share a colour", 13, "#374151",
-                xanchor="left")
-    right = (max(cols, MIN_COLUMNS) - 1) * PITCH + 0.6
-    return _figure(canvas, title, caption, [-LABEL - 0.1, right], [bottom, 1.45])
+        canvas.text(X0, y + TABLE_H / 2, "no live sequence", 13, MUTED, anchor="left")
+        y += TABLE_H + LABEL_H + 4
+    y = draw_free_queue(canvas, snap.blocks, snap.free_queue, snap.block_size, y + 12, colours)
+    if (shelves or 1) > 1 and not upper:
+        y += upper_room  # a stepper keeps one height: the unused room goes below the drawing
+    return canvas.figure(y + PAD, parts=("pool", "tables", "queue"))
 
 
-def _figure(canvas: _Canvas, title: str, caption: str, x_range: list[float], y_range: list[float]) -> go.Figure:
-    fig = go.Figure()
-    for part, (xs, ys, tips) in canvas.hover.items():
-        fig.add_scatter(x=xs, y=ys, mode="markers", name=part, hovertext=tips, hoverinfo="text",
-                        marker=dict(size=30, opacity=0, symbol="square"), showlegend=False)
-    scale = min(PX_PER_UNIT, (MAX_WIDTH_PX - 20) / (x_range[1] - x_range[0]))
-    width = int((x_range[1] - x_range[0]) * scale) + 20
-    lines = [f"<b>{html.escape(title)}</b>"] if title else []
-    lines += [html.escape(line) for line in textwrap.wrap(caption, width // 8)]
-    top = 14 + 21 * len(lines)
-    if lines:  # the heading sits in the top margin, above the drawing
-        canvas.notes.append(dict(x=0, y=1, xref="paper", yref="paper", xanchor="left", yanchor="bottom",
-                                 align="left", showarrow=False, text="<br>".join(lines), font=dict(size=15)))
-    fig.update_layout(
-        shapes=canvas.shapes, annotations=canvas.notes,
-        width=width, height=int((y_range[1] - y_range[0]) * scale) + top + 10,
-        margin=dict(l=10, r=10, t=top, b=10), plot_bgcolor="white", paper_bgcolor="white",
-        xaxis=dict(range=x_range, visible=False, fixedrange=True),
-        yaxis=dict(range=y_range, visible=False, fixedrange=True, scaleanchor="x", scaleratio=1),
-        hoverlabel=dict(font_size=14),
-    )
-    return fig
-
-
-def figure_step(scenario: Scenario, step: Step, caption: bool = True) -> go.Figure:
+def figure_step(scenario: Scenario, step: Step, caption: bool = True, tokens: str = "words") -> go.Figure:
     """The picture of one step, titled with the scenario and the step (and its text, when ``caption``)."""
     steps = record(scenario)
-    rows = max(len(s.snapshot.tables) for s in steps)
+    shelves = max(shelves_needed(s.snapshot) for s in steps)
     return figure_pool(step.snapshot, f"{scenario.name} · step {step.index} of {step.total}",
-                       step.text if caption else "", table_rows=rows, colours=assign_colours(steps))
-
-
-def panel_state(scenario: str, seed: int, index: int) -> dict[str, Any]:
-    """What the panel shows at step ``index`` of a named scenario: replayed from a fresh pool, then drawn."""
-    chosen = get_scenario(scenario, seed)
-    step = step_at(chosen, index)
-    return {"scenario": chosen, "step": step, "index": step.index, "total": step.total, "text": step.text,
-            "snapshot": step.snapshot, "figure": figure_step(chosen, step, caption=False)}
-
-
-class BlockPoolPanel:
-    """Step through a scenario: next / back / reset, a scenario picker and a seed for the random workload.
-
-    ``next()``, ``back()`` and ``reset()`` are what the buttons call; ``state`` holds the current
-    step's text and snapshot, so a notebook can drive the panel and assert on it.
-    """
-
-    def __init__(self, scenario: str = "walk 1: fork and copy-on-write", seed: int = 0) -> None:
-        import ipywidgets as w
-
-        self.scenario = w.Dropdown(options=list(SCENARIOS), value=scenario, description="scenario",
-                                   layout=w.Layout(width="420px"))
-        self.seed = w.BoundedIntText(value=seed, min=0, max=10**6, description="seed", layout=w.Layout(width="160px"))
-        self.back_button = w.Button(description="◀ back", layout=w.Layout(width="100px"))
-        self.next_button = w.Button(description="next ▶", button_style="primary", layout=w.Layout(width="100px"))
-        self.reset_button = w.Button(description="reset", layout=w.Layout(width="80px"))
-        self.text = w.HTML(layout=w.Layout(width="auto", min_height="64px"))
-        self.errors = error_area()
-        self.state: dict[str, Any] = panel_state(scenario, seed, 0)
-        self.figure = figure_widget(self.state["figure"])
-        self.scenario.observe(guarded(lambda _: self.reset(), self.errors), names="value")
-        self.seed.observe(guarded(lambda _: self.reset(), self.errors), names="value")
-        self.next_button.on_click(guarded(lambda _: self.next(), self.errors))
-        self.back_button.on_click(guarded(lambda _: self.back(), self.errors))
-        self.reset_button.on_click(guarded(lambda _: self.reset(), self.errors))
-        self._show()
-        self.view = w.VBox([
-            w.HBox([self.scenario, self.seed, self.back_button, self.next_button, self.reset_button]),
-            self.errors, self.text, self.figure,
-        ])
-
-    def next(self) -> None:
-        """One operation forward (stays on the last step)."""
-        self.go_to(min(self.state["index"] + 1, self.state["total"]))
-
-    def back(self) -> None:
-        """One operation back: a replay of the operations before it, from a fresh pool."""
-        self.go_to(max(self.state["index"] - 1, 0))
-
-    def reset(self) -> None:
-        """Back to the fresh pool (and to the scenario and seed now chosen)."""
-        self.go_to(0)
-
-    def go_to(self, index: int) -> None:
-        """Show the state after ``index`` operations."""
-        self.state = panel_state(self.scenario.value, self.seed.value, index)
-        self._show()
-        replace_figure(self.figure, self.state["figure"])
-
-    def _show(self) -> None:
-        index, total = self.state["index"], self.state["total"]
-        self.back_button.disabled = index == 0
-        self.next_button.disabled = index == total
-        self.seed.disabled = self.scenario.value != "random workload"
-        self.text.value = (
-            f"<div style='font-size:15px;line-height:1.45'><b>Step {index} of {total}</b> · "
-            f"{html.escape(self.state['text'])}</div>"
-        )
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.view)
+                       step.text if caption else "", shelves=shelves, colours=assign_colours(steps),
+                       copies=step.copies, tokens=tokens, copy_key=any(s.copies for s in steps))

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from kvlab._validate import one_of
 from kvlab.capacity.budget import PRESETS, KVCachePlan, plan_kv_cache
 from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, get_model, list_models, weights_bytes
 from kvlab.capacity.sizing import KV_DTYPE_BYTES
+from kvlab.sim.fragmentation import FragmentationResult
 from kvlab.units import GiB, format_bytes
 from kvlab.viz.widgets import Panel, error_area, figure_widget, guarded, keep_for_new_views, replace_figure
 
@@ -60,17 +62,21 @@ def figure_memory(plan: KVCachePlan) -> go.Figure:
             hovertemplate=f"{name}: %{{x:.3f}} GiB<extra></extra>",
         )
     total, requested = plan.gpu_memory_bytes / GiB, plan.requested_bytes / GiB
-    for x, label, colour, dash, side in ((requested, f"budget {plan.gpu_memory_utilization:g} × GPU", "#111827",
-                                          "dash", "top left"),
-                                         (total, f"GPU {total:g} GiB", "#b42318", "solid", "top right")):
-        fig.add_scatter(x=[x, x], y=[-0.42, 0.42], mode="lines+text", text=["", label], textposition=side,
+    # The two lines' labels end at their line, one above the bar and one below it, so that
+    # neither runs out of the figure nor over the other when the budget is close to the total.
+    for x, label, colour, dash, text in ((requested, f"budget {plan.gpu_memory_utilization:g} × GPU", "#111827",
+                                          "dash", ["", None]),
+                                         (total, f"GPU {total:g} GiB", "#b42318", "solid", [None, ""])):
+        fig.add_scatter(x=[x, x], y=[-0.42, 0.42], mode="lines+text", text=[label if t is None else t for t in text],
+                        textposition=["bottom left", "top left"], textfont=dict(size=12),
                         line=dict(color=colour, dash=dash, width=2), showlegend=False, hoverinfo="skip")
     fig.update_layout(
-        barmode="stack", height=240, margin=dict(t=50, b=40, l=50, r=20),
+        barmode="stack", height=260, margin=dict(t=50, b=40, l=50, r=20),
+        uniformtext=dict(minsize=11, mode="hide"),  # a segment too narrow for its label shows none
         title=f"{plan.model}: one GPU's memory ({plan.kv_dtype} KV, block {plan.block_size}, TP={plan.tp})",
         xaxis=dict(title="GiB", range=[0, max(total, sum(segments.values()) / GiB) * 1.04]),
-        yaxis=dict(tickvals=[0], ticktext=["GPU"], range=[-0.6, 0.75], fixedrange=True),
-        legend=dict(orientation="h", y=-0.45),
+        yaxis=dict(tickvals=[0], ticktext=["GPU"], range=[-0.8, 0.8], fixedrange=True),
+        legend=dict(orientation="h", y=-0.45, traceorder="normal"),
     )
     return fig
 
@@ -92,19 +98,32 @@ def redraw_memory(target: Any, figure: go.Figure) -> None:
     keep_for_new_views(target, figure)
 
 
-def figure_block_size_sweep(plans: Sequence[KVCachePlan]) -> go.Figure:
-    """vLLM's max concurrency and the usable concurrency against block size (one plan per block size)."""
+def figure_block_size_sweep(plans: Sequence[KVCachePlan], runs: Sequence[FragmentationResult] = (),
+                            workload: str = "") -> go.Figure:
+    """Concurrency against block size: vLLM's plan (one plan per block size) and, with ``runs``, a simulation.
+
+    The plan counts requests of ``max_model_len`` tokens, which block size barely moves. ``runs``
+    (``kvlab.sim.fragmentation.simulate`` results, paged, one per block size) show requests that
+    end long before a block is full: each holds at least one block, so larger blocks hold fewer.
+    """
     sizes = [p.block_size for p in plans]
-    fig = go.Figure()
+    fig = make_subplots(rows=1, cols=2 if runs else 1, horizontal_spacing=0.14, subplot_titles=(
+        f"the plan: requests of {plans[0].max_model_len:,} tokens",
+        *([f"simulated: {workload}, requests at once"] if runs else [])))
     fig.add_scatter(x=sizes, y=[p.max_concurrency for p in plans], mode="lines+markers",
-                    name="max concurrency (vLLM's log)")
+                    name="max concurrency (vLLM's log)", row=1, col=1)
     fig.add_scatter(x=sizes, y=[p.usable_concurrency for p in plans], mode="lines+markers",
-                    name="requests that hold all their blocks")
-    fig.update_layout(
-        title=f"{plans[0].model}: concurrency at {plans[0].max_model_len:,} tokens against block size",
-        xaxis=dict(title="block_size (tokens)", type="log", tickvals=sizes, ticktext=[str(s) for s in sizes]),
-        yaxis=dict(title="requests", rangemode="tozero"), height=340, margin=dict(t=60, b=40),
-    )
+                    name="requests that hold all their blocks", row=1, col=1)
+    if runs:
+        fig.add_scatter(x=[r.block_size for r in runs], y=[r.mean_running for r in runs], mode="lines+markers",
+                        name=f"{workload}: requests running at once (mean)", line=dict(color="#b42318", width=3),
+                        row=1, col=2)
+    for col in range(1, 3 if runs else 2):
+        fig.update_xaxes(title_text="block_size (tokens)", type="log", tickvals=sizes,
+                         ticktext=[str(s) for s in sizes], row=1, col=col)
+        fig.update_yaxes(title_text="requests", rangemode="tozero", row=1, col=col)
+    fig.update_layout(title=f"{plans[0].model}: concurrency against block size", height=400,
+                      margin=dict(t=80, b=40), legend=dict(orientation="h", y=-0.25, x=0))
     return fig
 
 

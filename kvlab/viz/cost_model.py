@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 
 from kvlab.capacity.cost_model import CostModel
+from kvlab.viz.canvas import log_axis
 
 WHERE_LABELS = {
     "recompute": "no cache (or evicted from a GPU-only cache): recompute",
@@ -52,17 +53,21 @@ def figure_swap_vs_recompute(cost: CostModel, computed_tokens: Sequence[int], nu
     """Modelled seconds to resume a preempted request by swap and by recompute, against the prefix-hit rate."""
     fig = go.Figure()
     palette = ["#2563eb", "#7c3aed", "#db2777", "#0891b2"]
+    times: list[float] = []
     for colour, computed in zip(palette, computed_tokens, strict=False):
         rates = [i / (num_points - 1) for i in range(num_points)]
         hits = [round(r * computed) for r in rates]
-        fig.add_scatter(x=[100 * r for r in rates], y=[1000 * cost.recompute_seconds(computed, h) for h in hits],
+        recompute = [1000 * cost.recompute_seconds(computed, h) for h in hits]
+        swap = [1000 * cost.swap_seconds(computed, h) for h in hits]
+        times += recompute + swap
+        fig.add_scatter(x=[100 * r for r in rates], y=recompute,
                         mode="lines", name=f"recompute, {computed:,} tokens", line=dict(color=colour, width=3))
-        fig.add_scatter(x=[100 * r for r in rates], y=[1000 * cost.swap_seconds(computed, h) for h in hits],
+        fig.add_scatter(x=[100 * r for r in rates], y=swap,
                         mode="lines", name=f"swap, {computed:,} tokens", line=dict(color=colour, dash="dash"))
     fig.update_layout(
         title=f"Modelled, not measured: resuming a preempted request<br><sup>{_assumptions(cost)}</sup>",
         xaxis_title="prefix-hit rate on resume (% of its tokens still cached on the GPU)",
-        yaxis=dict(title="modelled time (ms, log scale)", type="log"), height=440, margin=dict(t=80, b=40),
+        yaxis=log_axis(times, "modelled time (ms, log scale)"), height=440, margin=dict(t=80, b=40),
         legend=dict(orientation="h", y=-0.25),
     )
     return fig
@@ -77,7 +82,7 @@ def figure_crossover(costs: Sequence[CostModel], computed_tokens: Sequence[int])
                         mode="lines+markers", name=f"{cost.model.name}, {cost.gpu.name}, {cost.link.name}")
     fig.update_layout(
         title="Modelled, not measured: where recompute stops losing to swap",
-        xaxis=dict(title="tokens of the preempted request", type="log"),
+        xaxis=log_axis(list(computed_tokens), "tokens of the preempted request"),
         yaxis=dict(title="crossover prefix-hit rate (%)"), height=400, margin=dict(t=60, b=40),
         legend=dict(orientation="h", y=-0.3),
     )

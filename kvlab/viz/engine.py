@@ -20,6 +20,7 @@ from kvlab.core.sched.loop import NoComputeExecutor, run_until_done
 from kvlab.core.sched.output import GenerationRequest, SamplingParams, SchedulerStats
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.sim.prefix_sim import shared_prompt_workload
+from kvlab.viz.canvas import wrap
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 
 COLOURS = {"usage": "#1d4ed8", "running": "#16a34a", "waiting": "#f59e0b", "preempted": "#b42318",
@@ -59,7 +60,9 @@ def figure_compare_runs(runs: dict[str, dict[str, float]], title: str) -> go.Fig
             fig.add_bar(name=name, x=[name], y=[values[measure]], marker_color=palette[i % len(palette)],
                         text=[f"{values[measure]:.3g}"], textposition="outside", showlegend=col == 1,
                         row=1, col=col)
-    fig.update_layout(title=title, height=360, margin=dict(t=80, b=40), bargap=0.3)
+    lines = wrap(title, 700, 16)  # a long title (a machine's name) wraps rather than runs out of the figure
+    fig.update_layout(title="<br>".join(lines), height=360 + 20 * len(lines), margin=dict(t=70 + 20 * len(lines), b=40),
+                      bargap=0.3)
     fig.update_xaxes(showticklabels=False)
     return fig
 

@@ -48,7 +48,8 @@ def figure_breakdown(results: Sequence[FragmentationResult], title: str = "Where
         )
     fig.update_layout(
         title=title, barmode="stack", yaxis=dict(title="share of the pool's slots (%)", range=[0, 100]),
-        height=420, margin=dict(t=60, b=40), legend=dict(traceorder="normal"),
+        height=440, margin=dict(t=60, b=40), legend=dict(traceorder="normal", orientation="h", y=-0.15),
+        uniformtext=dict(minsize=11, mode="hide"),  # a segment too thin for its label shows none
     )
     return fig
 
@@ -62,7 +63,8 @@ def figure_lengths(requests: Sequence[Sequence[int]] | np.ndarray, title: str = 
         fig.add_histogram(x=values, name=f"{name}: mean {values.mean():.1f}", marker_color=colour, opacity=0.6,
                           xbins=dict(start=0, size=max(1, int(array.sum(axis=1).max()) // 64)))
     fig.update_layout(
-        title=title, barmode="overlay", xaxis_title="tokens", yaxis_title="requests", height=340,
-        margin=dict(t=60, b=40),
+        title=title, barmode="overlay", yaxis_title="requests", height=340, margin=dict(t=60, b=40),
+        # from just left of 0, so the axes' two "0" labels do not meet in the corner
+        xaxis=dict(title="tokens", range=[-0.03 * int(array.sum(axis=1).max()), int(array.sum(axis=1).max())]),
     )
     return fig

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import plotly.graph_objects as go
 
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
+from kvlab.viz.canvas import wrap
 
 
 def figure_lifetime_histograms(collector: KVCacheMetricsCollector, title: str = "") -> go.Figure:
@@ -21,16 +22,28 @@ def figure_lifetime_histograms(collector: KVCacheMetricsCollector, title: str = 
     marks = ((diagnosis.reuse_gap_p90, "#2563eb", "p90 reuse gap"),
              (diagnosis.idle_before_evict_p50, "#b45309", "median idle before eviction"))
     for x, colour, label in marks:
-        if x is not None:
-            fig.add_vline(x=x, line=dict(color=colour, dash="dash", width=2), annotation_text=f"{label}: {x:g}",
-                          annotation_position="top")
+        if x is not None:  # the line in the plot, its name and value in the legend: never over a bar or a tick
+            fig.add_vline(x=x, line=dict(color=colour, dash="dash", width=2))
+            fig.add_scatter(x=[None], y=[None], mode="lines", line=dict(color=colour, dash="dash", width=2),
+                            name=f"{label}: {x:g} steps")
     verdict = "too small" if diagnosis.too_small else "large enough"
+    lines = wrap(f"the pool is {verdict}: {diagnosis}" if title else str(diagnosis), 760, 12)
+    heading = "<br>".join([f"<b>{title}</b>"] * bool(title) + [f"<span style='font-size:12px'>{line}</span>"
+                                                                 for line in lines])
+    top = max(values_max(collector), 1)
     fig.update_layout(
-        barmode="overlay", height=340, margin=dict(t=70, b=40),
-        title=f"{title}<br><sup>the pool is {verdict}: {diagnosis}</sup>" if title else str(diagnosis),
-        xaxis_title="steps", yaxis_title="blocks", legend=dict(orientation="h", y=-0.25),
+        barmode="overlay", height=380 + 16 * len(lines), margin=dict(t=64 + 18 * len(lines), b=40),
+        title=dict(text=heading, x=0.01, xanchor="left", font=dict(size=15)),
+        xaxis=dict(title="steps", range=[-0.02 * top, top * 1.02]), yaxis_title="blocks",
+        legend=dict(orientation="h", y=-0.25),
     )
     return fig
+
+
+def values_max(collector: KVCacheMetricsCollector) -> float:
+    """The largest value of the two histograms, in steps (the x axis' extent)."""
+    found = [v for metric in ("reuse_gap", "idle_before_evict") for v in collector.histogram(metric, "steps").values]
+    return max(found, default=1)
 
 
 def figure_hit_rates(rows: Mapping[str, Mapping[str, float]]) -> go.Figure:

@@ -16,6 +16,7 @@ import torch
 from kvlab.kernels import KernelConfig, check_attention, plan_launch
 from kvlab.kernels.grid import LaunchPlan, ProgramReads, program_reads
 from kvlab.kernels.layouts import flash_offsets, legacy_key_offsets, legacy_value_offsets
+from kvlab.viz.canvas import log_axis
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
 
 SEQ_COLOURS = ["#2563eb", "#f59e0b", "#10b981", "#db2777", "#7c3aed", "#0891b2", "#b45309", "#4b5563"]
@@ -88,11 +89,11 @@ def figure_layout_offsets(block_size: int, head_size: int, x: int, num_kv_heads:
     """Where each (token, dimension) of one head's block lives, in three layouts: colour = address order."""
     from plotly.subplots import make_subplots
 
-    panels = [("flash K and V [bs, H, D]<br>one token's head is contiguous",
+    panels = [("flash K and V [bs, H, D]<br>one token's head<br>is contiguous",
                flash_offsets(block_size, num_kv_heads, head_size)),
-              (f"old K [H, D/x, bs, x], x = {x}<br>x dims of each token in turn, chunk by chunk",
+              (f"old K [H, D/x, bs, x], x = {x}<br>x dims of each token in turn,<br>chunk by chunk",
                legacy_key_offsets(block_size, head_size, x)),
-              ("old V [H, D, bs]<br>one dimension's tokens are contiguous",
+              ("old V [H, D, bs]<br>one dimension's tokens<br>are contiguous",
                legacy_value_offsets(block_size, head_size))]
     fig = make_subplots(rows=1, cols=3, subplot_titles=[p[0] for p in panels], horizontal_spacing=0.06)
     for col, (_, offsets) in enumerate(panels, start=1):
@@ -101,7 +102,7 @@ def figure_layout_offsets(block_size: int, head_size: int, x: int, num_kv_heads:
                         hovertemplate="token %{y}, dim %{x}: element #%{z} in memory<extra></extra>")
         fig.update_xaxes(title_text="head dimension d", row=1, col=col)
         fig.update_yaxes(title_text="token in block" if col == 1 else None, autorange="reversed", row=1, col=col)
-    fig.update_layout(height=400, margin=dict(t=110), title="Memory order inside one block, one KV head "
+    fig.update_layout(height=430, margin=dict(t=140), title="Memory order inside one block, one KV head "
                       "(dark = low address, bright = high)")
     return fig
 
@@ -116,8 +117,9 @@ def figure_fp8_error(rows: Sequence[dict[str, float]]) -> go.Figure:
                     name="calibrated: amax/200 (K), amax/100 (V)", line=dict(color="#1b7f3b"))
     fig.update_layout(
         title="FP8 (e4m3) KV cache: attention error against a bf16 cache",
-        xaxis=dict(title="activation magnitude (multiplies every K and V value)", type="log"),
-        yaxis=dict(title="‖out_fp8 − out_bf16‖ / ‖out_bf16‖", type="log"), height=400,
+        xaxis=log_axis(x, "activation magnitude (multiplies every K and V value)"),
+        yaxis=log_axis([r[k] for r in rows for k in ("error scale 1.0", "error calibrated")],
+                       "‖out_fp8 − out_bf16‖ / ‖out_bf16‖"), height=400,
     )
     return fig
 
@@ -183,9 +185,9 @@ def figure_kernel_errors(report: Any, batch: str | None = None, cap: float = 1e3
         if result.token_seq[i] != result.token_seq[i - 1]:
             fig.add_hline(y=i - 0.5, line_color="white", line_width=2)
     verdict = "passes" if result.passed else f"fails: relative error {result.relative_error:.3g}"
-    fig.update_layout(title=f"check_kernel · {report.function} · {result.name} {verdict}",
+    fig.update_layout(title=f"check_kernel · {report.function}<br>{result.name} {verdict}",  # two lines: it fits
                       yaxis=dict(autorange="reversed", title="query token"), xaxis=dict(title="query head"),
-                      height=min(640, 180 + 14 * len(labels)), margin=dict(l=120))
+                      height=min(660, 200 + 14 * len(labels)), margin=dict(l=120, t=90))
     return fig
 
 

@@ -19,6 +19,7 @@ from kvlab.capacity.playbook import Deployment, PlaybookResult, Workload, concur
 from kvlab.capacity.sizing import KV_DTYPE_BYTES
 from kvlab.capacity.source_deployments import SOURCE_DEPLOYMENTS
 from kvlab.units import format_bytes
+from kvlab.viz.canvas import log_axis
 from kvlab.viz.widgets import Panel, error_area, figure_widget, replace_figure
 
 CHECKPOINT = "checkpoint"  # the weights dtype the model's config declares
@@ -68,7 +69,8 @@ def figure_shared_prefix(deployment: Deployment, workload: Workload, num_points:
     fig.update_layout(
         title=(f"{deployment.spec.name} on {deployment.gpu_spec.name}: requests of {workload.typical_tokens:,} tokens "
                "held at once"),
-        xaxis_title="share of the prompt that every request shares (%)", yaxis=dict(title="requests", type="log"),
+        xaxis_title="share of the prompt that every request shares (%)",
+        yaxis=log_axis([*counts, plan.max_concurrency], "requests"),
         height=380, margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.25),
     )
     return fig

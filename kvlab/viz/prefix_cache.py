@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import html
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -13,11 +14,16 @@ from plotly.subplots import make_subplots
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.cache_stats import interpret_hit_rate
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_utils import short_hash
 from kvlab.core.request import Request
 from kvlab.errors import UnknownNameError
-from kvlab.sim.prefix_sim import WORKLOADS, SimResult, min_num_blocks, simulate
+from kvlab.sim.block_scenarios import BlockView
+from kvlab.sim.prefix_sim import WORKLOADS, SimResult, min_num_blocks, simulate, sweep_pool_sizes
 from kvlab.units import cdiv
+from kvlab.viz.block_pool import draw_free_queue
+from kvlab.viz.canvas import INK, MUTED, Canvas, log_axis
 from kvlab.viz.widgets import error_area, figure_widget, guarded, replace_figure
+from kvlab.viz.words import token_label
 
 STATUS_COLOURS = {"hit": "#16a34a", "computed": "#2563eb", "partial": "#9ca3af"}
 MAX_POOL_SIZE = 240
@@ -57,19 +63,57 @@ def figure_hit_map(rows: dict[str, Sequence[str]], title: str = "Which blocks hi
 
 def figure_free_queue(pool: BlockPool, title: str = "free_block_queue, head → tail") -> go.Figure:
     """The free queue as a row of boxes, head (allocated next) on the left; cached blocks marked *."""
-    blocks = pool.free_block_queue.get_all_free_blocks()
-    fig = go.Figure()
-    fig.add_bar(
-        x=[1] * len(blocks), base=[i - 0.5 for i in range(len(blocks))], y=[""] * len(blocks), orientation="h",
-        marker_color=["#f59e0b" if b.block_hash is not None else "#d1d5db" for b in blocks],
-        marker_line=dict(color="white", width=2),
-        text=[f"{b.block_id}{'*' if b.block_hash is not None else ''}" for b in blocks], textposition="inside",
-        insidetextanchor="middle", hovertext=[repr(b) for b in blocks], showlegend=False,
-    )
-    fig.update_layout(title=f"{title} (* = still cached, can be hit)", height=150, margin=dict(t=50, b=30, l=10),
-                      xaxis=dict(title="position in the queue: 0 is the head, allocated (and evicted) next", dtick=1,
-                                 zeroline=False))
-    return fig
+    views = tuple(BlockView(b.block_id, b.ref_cnt, b.block_hash, b.is_null, 0, ()) for b in pool.blocks)
+    queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    canvas = Canvas(820)
+    canvas.text(10, 10, html.escape(f"{title} (* = still cached, can be hit)"), 15, INK, anchor="left",
+                valign="top", bold=True)
+    bottom = draw_free_queue(canvas, views, queue, 0, 40)
+    return canvas.figure(bottom + 10, parts=("queue",))
+
+
+def figure_hash_chain(manager: KVCacheManager, request: Request, title: str = "", max_blocks: int = 6) -> go.Figure:
+    """A request's blocks and their chained hashes h0 -> h1 -> ..., as a lookup walks them: hits, then the cut.
+
+    Each hash folds in the one before it; the lookup stops at the first hash the cache does
+    not hold, so every block after it is computed whatever the cache holds. Uses
+    ``block_statuses`` (which looks up and changes nothing) and ``request.block_hashes``.
+    """
+    statuses = block_statuses(manager, request)[:max_blocks]
+    hashes = request.block_hashes
+    n, bs = len(statuses), manager.block_size
+    pitch = min(150, (820 - 110) / max(n, 1))
+    canvas = Canvas(820)
+    canvas.text(10, 10, html.escape(title or f"request {request.request_id}: the hash chain a lookup walks"), 15,
+                INK, anchor="left", valign="top", bold=True)
+    canvas.rect(10, 110, 86, 146, "#F3F4F6", "#6B7280", 1.2)
+    canvas.text(48, 128, "NONE_HASH", 11, INK, bold=True)
+    first_miss = next((i for i, s in enumerate(statuses) if s != "hit"), None)
+    for i, status in enumerate(statuses):
+        x = 110 + i * pitch
+        tokens = request.token_ids(i * bs, (i + 1) * bs)
+        words = f"{token_label(tokens[0])} … {token_label(tokens[-1])}" if len(tokens) > 1 else token_label(tokens[0])
+        canvas.rect(x, 40, x + pitch - 18, 86, STATUS_COLOURS[status], "#374151", 1.2)
+        canvas.text(x + (pitch - 18) / 2, 53, f"block {i} · {len(tokens)} tokens", 12, "#FFFFFF", bold=True)
+        canvas.text(x + (pitch - 18) / 2, 72, html.escape(words[:22]), 12, "#FFFFFF")
+        canvas.arrow((x + (pitch - 18) / 2, 86), (x + (pitch - 18) / 2, 108), "#6B7280", 1.4)
+        hashed = i < len(hashes) and status != "partial"
+        looked = first_miss is None or i <= first_miss
+        fill = "#DCFCE7" if status == "hit" else ("#FEE2E2" if hashed and looked else "#F9FAFB")
+        canvas.rect(x, 110, x + pitch - 18, 146, fill, "#6B7280", 1.2, "solid" if hashed else "dot")
+        label = f"h{i} = {short_hash(hashes[i])}" if hashed else "not hashed"
+        canvas.text(x + (pitch - 18) / 2, 121, label, 12, INK, bold=hashed)
+        verdict = ("✓ cached" if status == "hit" else "✗ miss: the lookup stops" if i == first_miss and hashed
+                   else "never looked up" if hashed else "partial block")
+        canvas.text(x + (pitch - 18) / 2, 137, verdict, 11, "#B42318" if i == first_miss else MUTED)
+        left = (86, 128) if i == 0 else (x - 18, 128)
+        canvas.arrow(left, (x, 128), "#374151", 1.6, dash="dot" if first_miss is not None and i > first_miss else None)
+        canvas.point("blocks", x + (pitch - 18) / 2, 63, f"block {i}: tokens {i * bs}–{i * bs + len(tokens) - 1}, "
+                     f"{status}<br>{html.escape(' '.join(token_label(t) for t in tokens))}")
+    hit = sum(s == "hit" for s in statuses) * bs
+    canvas.text(10, 160, f"h_i = H(h_(i-1), tokens of block i, extra keys): {hit} tokens hit, "
+                f"{request.num_tokens - hit} to prefill.", 13, INK, anchor="left", valign="top")
+    return canvas.figure(186, parts=("blocks",))
 
 
 def figure_hash_cost(rows: Sequence[dict[str, Any]], prefill_per_block: dict[str, float] | None = None) -> go.Figure:
@@ -87,7 +131,7 @@ def figure_hash_cost(rows: Sequence[dict[str, Any]], prefill_per_block: dict[str
     values = [r["seconds_per_block"] * 1e6 for r in rows] + [s * 1e6 for s in (prefill_per_block or {}).values()]
     top, bottom = math.log10(max(values)) + 0.8, math.log10(min(values)) - 0.3
     fig.update_layout(title="Hashing one block vs prefilling it", barmode="group", height=460,
-                      yaxis=dict(title="µs per block (log scale)", type="log", range=[bottom, top]),
+                      yaxis=log_axis(values, "µs per block (log scale)", range=[bottom, top]),
                       margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.15))
     return fig
 
@@ -97,10 +141,10 @@ def figure_hash_cost(rows: Sequence[dict[str, Any]], prefill_per_block: dict[str
 
 @functools.lru_cache(maxsize=8)
 def _sweep(workload: str, block_size: int) -> tuple[tuple[int, ...], tuple[SimResult, ...]]:
-    """Memo of one workload's runs over pool sizes (a pure function of its arguments)."""
+    """Memo of ``sweep_pool_sizes`` over the panel's pool sizes (a pure function of its arguments)."""
     requests = WORKLOADS[workload]()
     sizes = tuple(range(min_num_blocks(requests, block_size), MAX_POOL_SIZE + 1, 12))
-    return sizes, tuple(simulate(requests, n, block_size) for n in sizes)
+    return sizes, tuple(sweep_pool_sizes(requests, list(sizes), block_size=block_size))
 
 
 def panel_state(workload: str, num_blocks: int, block_size: int = 16) -> dict[str, Any]:
@@ -138,7 +182,8 @@ def figure_pool_sweep(workload: str, result: SimResult, sizes: Sequence[int], sw
     fig.update_layout(barmode="stack", height=620, margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.12))
     fig.update_yaxes(title_text="hit rate", range=[0, 1], row=1, col=1, secondary_y=False)
     fig.update_yaxes(title_text="evicted before reuse", rangemode="tozero", row=1, col=1, secondary_y=True)
-    fig.update_xaxes(title_text="pool size (blocks)", row=1, col=1)
+    # stops short of the next round tick, which would meet the right axis' "0"
+    fig.update_xaxes(title_text="pool size (blocks)", range=[sizes[0] - 6, sizes[-1] + 6], row=1, col=1)
     fig.update_xaxes(title_text="request, in admission order", row=2, col=1)
     fig.update_yaxes(title_text="prompt tokens", row=2, col=1)
     return fig
