@@ -180,7 +180,7 @@ OTHER_MUTANTS: list[Mutant] = [
            "every attention stores a K and a V, MLA too (its latent counted twice)",
            ("01",), ("tests/test_sizing.py", "tests/test_models.py")),
     # --- a simulation
-    Mutant("first_fit_exact_hole", "sim", "kvlab/sim/fragmentation.py",
+    Mutant("first_fit_exact_hole", "sim", "kvlab/sim/fragmentation_fast.py",
            "if hole[1] >= length:",
            "if hole[1] > length:",
            "a request fits a hole only if the hole is larger than the request",
