@@ -277,12 +277,12 @@ def print_table(results: list[Result]) -> None:
 def scores(results: list[Result]) -> dict:
     n = len(results)
     suite, nbs = sum(r.killed for r in results), sum(r.by_notebooks for r in results)
-    return {"suite": {"killed": suite, "total": n, "percent": round(100 * suite / n, 1)},
-            "notebooks": {"killed": nbs, "total": n, "percent": round(100 * nbs / n, 1)}}
+    return {"suite": {"killed": suite, "total": n, "percent": round(100 * suite / n, 1) if n else None},
+            "notebooks": {"killed": nbs, "total": n, "percent": round(100 * nbs / n, 1) if n else None}}
 
 
 def save(results: list[Result], wall: float, loads: list[tuple[float, float, float]], jobs: int,
-         baseline: dict | None) -> Path:
+         baseline: dict | None, not_run: list[str]) -> Path:
     sys.path.insert(0, str(ROOT))
     from kvlab.machine import save_measurement
 
@@ -292,7 +292,8 @@ def save(results: list[Result], wall: float, loads: list[tuple[float, float, flo
               "(-m 'not ui', hinted files first, tests/engine last), stopping at the first failure; each killing "
               "test then rerun on the unmutated copy, where it must pass. Seconds are wall time per mutant, "
               f"{jobs} mutant(s) at a time, on a machine shared with other work (load averages below).")
-    payload = {"scores": scores(results), "wall_seconds": round(wall, 1), "jobs": jobs,
+    payload = {"complete": not not_run, "not_run": not_run,   # --stop-after: the mutants never started
+               "scores": scores(results), "wall_seconds": round(wall, 1), "jobs": jobs,
                "load_average_1min": {"start": loads[0][0], "end": loads[-1][0],
                                      "max": max(load[0] for load in loads)},
                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(time.time() - wall)),
@@ -308,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="mutants run at the same time, each in its own copy (default: 2, or 1 on one core)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one pytest run may take")
     parser.add_argument("--baseline", action="store_true", help="first run everything on the unmutated copy")
+    parser.add_argument("--stop-after", type=float, metavar="SECONDS",
+                        help="start no mutant after this many seconds; those run are saved, the rest listed as not run")
     parser.add_argument("--no-save", action="store_true", help="do not write data/measurements/mutants.json")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copies and their logs")
     args = parser.parse_args(argv)
@@ -344,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(mutant: Mutant) -> None:
         scratch = workers.get()
+        if args.stop_after is not None and time.monotonic() - start > args.stop_after:
+            workers.put(scratch)
+            return
         try:
             result = run_mutant(scratch, mutant, args.timeout)
         finally:
@@ -360,24 +366,27 @@ def main(argv: list[str] | None = None) -> int:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for future in [pool.submit(one, m) for m in chosen]:
             future.result()                        # a SuiteError stops the run here, loudly
-    ordered = [results[m.name] for m in chosen]
+    ordered = [results[m.name] for m in chosen if m.name in results]
+    not_run = [m.name for m in chosen if m.name not in results]
     confirm_killers(workers.queue[0], ordered, args.timeout)
     wall = time.monotonic() - start
     print_table(ordered)
     s = scores(ordered)
+    if not_run:
+        print(f"\n--stop-after: {len(not_run)} mutant(s) not run: {' '.join(not_run)}")
     print(f"\nkilled by the whole suite: {s['suite']['killed']}/{s['suite']['total']} ({s['suite']['percent']} %)")
     print(f"killed by the notebooks alone: {s['notebooks']['killed']}/{s['notebooks']['total']} "
           f"({s['notebooks']['percent']} %)")
     print(f"wall time {wall / 60:.1f} min, load average (1 min) {loads[0][0]:.1f} at start, "
           f"{max(load[0] for load in loads):.1f} at most, {os.cpu_count()} cores")
     if not args.only and not args.no_save:
-        print(f"saved to {save(ordered, wall, loads, args.jobs, baseline)}")
+        print(f"saved to {save(ordered, wall, loads, args.jobs, baseline, not_run)}")
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
     unconfirmed = [r.mutant.name for r in ordered if r.confirmed is False]
     if unconfirmed:
         print(f"UNCONFIRMED kills (the killing test fails on the unmutated copy too): {unconfirmed}")
-    return 1 if unconfirmed or not all(r.killed for r in ordered) else 0
+    return 1 if unconfirmed or not_run or not all(r.killed for r in ordered) else 0
 
 
 def run_baseline(scratch: Scratch, timeout: float) -> dict:
