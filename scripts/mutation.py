@@ -16,8 +16,9 @@ How one mutant is run (``run_mutant``):
    Both scores come from this one pass: killed by the notebooks alone, and by the whole suite.
 4. The scratch copy is checked to differ from the snapshot by that one change only, then restored.
 
-At the end every test that killed a mutant is run once on the unmutated copy, where it must pass
-(a kill by a test that fails anyway would be no kill); ``--baseline`` first runs everything there.
+At the end every test that killed a mutant, and every notebook that did (whole), is run once on the
+unmutated copy, where the killer must pass (a kill by a test or cell that fails anyway would be no
+kill); ``--baseline`` first runs everything there.
 Results go to ``data/measurements/mutants.json`` with the machine, the load and the date.
 """
 
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -96,6 +98,7 @@ class Scratch:
             shutil.copy(helper, self.root / helper.name)
         self.pristine_kernels = pristine_kernels
         self.runs = 0
+        self.last_junit: Path | None = None
 
     def env(self, log: Path, label: str, first: tuple[str, ...] = ()) -> dict[str, str]:
         env = dict(os.environ)
@@ -150,7 +153,8 @@ class Scratch:
             return Phase("timeout", seconds, f"no result within {timeout:.0f} s")
         if rc == 0:
             return Phase("passed", seconds)
-        failure = _first_failure(junit) if rc in (1, 2) and junit.exists() else None
+        self.last_junit = junit
+        failure = next(iter(_failures(junit)), None) if rc in (1, 2) and junit.exists() else None
         if failure is None:
             raise SuiteError(f"pytest exited {rc} without a failing test ({' '.join(args[:4])} ...); "
                              f"its output ends:\n{out.read_text(errors='replace')[-3000:]}")
@@ -166,8 +170,8 @@ def _check_imports(log: Path, out: Path) -> None:
         raise SuiteError(f"no process of the run reported importing kvlab from the scratch copy (see {out})")
 
 
-def _first_failure(junit: Path) -> tuple[str, str] | None:
-    """The node id and first message line of the first failed (or erroring) test case of a junit report."""
+def _failures(junit: Path) -> Iterator[tuple[str, str]]:
+    """The node id and message line of every failed (or erroring) test case of a junit report, in run order."""
     for case in ET.parse(junit).getroot().iter("testcase"):
         for child in case:
             if child.tag in ("failure", "error"):
@@ -175,8 +179,8 @@ def _first_failure(junit: Path) -> tuple[str, str] | None:
                 module = file[:-3].replace("/", ".") if file.endswith(".py") else ""
                 inner = cls[len(module) + 1:] if module and cls.startswith(module + ".") else ""
                 node = "::".join(p for p in (file or cls, inner, name) if p)
-                return node, _error_line(child)
-    return None
+                yield node, _error_line(child)
+                break
 
 
 def _error_line(child: ET.Element) -> str:
@@ -204,7 +208,7 @@ class Result:
     mutant: Mutant
     notebooks: Phase
     tests: Phase | None
-    confirmed: bool | None = None     # the killing test passes on the unmutated copy
+    confirmed: bool | None = None     # the killing test or notebook cell passes on the unmutated copy
 
     @property
     def killed(self) -> bool:
@@ -247,31 +251,44 @@ def run_mutant(scratch: Scratch, mutant: Mutant, timeout: float) -> Result:
     return Result(mutant, nb, tests)
 
 
-def confirm_killers(scratch: Scratch, results: list[Result], timeout: float) -> None:
-    """Run each killing test (not notebook) once on the unmutated copy: it must pass there."""
-    killers = {r.tests.killer: r for r in results if r.tests is not None and r.tests.status == "killed"}
-    nodes = [k for k in killers if "::" in k]
-    if not nodes:
-        return
-    scratch.write(None)
-    phase = scratch.pytest([*TEST_ARGS, *(f"{ROOT}/{node}" for node in nodes)], "confirm", timeout)
-    failing = set()
-    if phase.status == "killed":   # more than one may fail: read them all
-        junit = sorted((scratch.root / "logs").glob("*-confirm.xml"))[-1]
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            if any(c.tag in ("failure", "error") for c in case):
-                failing.add(case.get("name"))
-    for node, result in killers.items():
-        result.confirmed = "::" in node and phase.status != "timeout" and node.rsplit("::", 1)[-1] not in failing
+def confirm_killers(scratches: list[Scratch], results: list[Result], timeout: float) -> None:
+    """Run each killing test, and each killing notebook whole, once on the unmutated copy: the killer must pass there.
+
+    The tests and the notebooks run at the same time when there are two scratch copies."""
+    killers: dict[str, list[Result]] = {}
+    for r in results:
+        if r.killed and r.deciding.status == "killed" and r.deciding.killer:
+            killers.setdefault(r.deciding.killer, []).append(r)
+    notebooks = sorted({k.split("::")[0] for k in killers if ".ipynb" in k.split("::")[0]})
+    tests = [k for k in killers if "::" in k and ".ipynb" not in k.split("::")[0]]
+    runs = []      # (pytest arguments, label, the killers it confirms)
+    if tests:
+        runs.append(([*TEST_ARGS, *(f"{ROOT}/{node}" for node in tests)], "confirm-tests", tests))
+    if notebooks:      # whole notebooks, not stopping at a failure: every killing cell gets its verdict
+        runs.append(([f"{ROOT}/{nb}" for nb in notebooks], "confirm-notebooks",
+                     [k for k in killers if k.split("::")[0] in notebooks]))
+
+    def confirm(scratch: Scratch, args: list[str], label: str, nodes: list[str]) -> None:
+        scratch.write(None)
+        phase = scratch.pytest(args, label, timeout)
+        failing = {node for node, _ in _failures(scratch.last_junit)} if phase.status == "killed" else set()
+        for node in nodes:
+            for result in killers[node]:
+                result.confirmed = phase.status != "timeout" and node not in failing
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(scratches)) as pool:
+        for future in [pool.submit(confirm, scratches[i % len(scratches)], *run) for i, run in enumerate(runs)]:
+            future.result()
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"\n{'mutant':<27} {'layer':<9} {'result':<9} {'by':<90} {'s':>6}")
+    print(f"\n{'mutant':<27} {'layer':<9} {'result':<9} {'by':<90} {'s':>6}  confirmed")
     for r in results:
         row = r.row()
         result = ("killed" if r.killed else "SURVIVED") if r.deciding.status != "timeout" else "timeout"
-        by = (row["killed_by"] or "-") + ("" if r.confirmed in (None, True) else "  (UNCONFIRMED)")
-        print(f"{row['mutant']:<27} {row['layer']:<9} {result:<9} {by[:90]:<90} {row['seconds']:>6.1f}")
+        confirmed = {None: "-", True: "yes", False: "NO"}[r.confirmed]
+        print(f"{row['mutant']:<27} {row['layer']:<9} {result:<9} {(row['killed_by'] or '-')[:90]:<90} "
+              f"{row['seconds']:>6.1f}  {confirmed}")
 
 
 def scores(results: list[Result]) -> dict:
@@ -290,8 +307,8 @@ def save(results: list[Result], wall: float, loads: list[tuple[float, float, flo
               "imported first on PYTHONPATH (checked in every process); nbval over notebooks/ first, hinted "
               "notebooks first, stopping at the first failing cell; if no notebook failed, pytest over tests/ "
               "(-m 'not ui', hinted files first, tests/engine last), stopping at the first failure; each killing "
-              "test then rerun on the unmutated copy, where it must pass. Seconds are wall time per mutant, "
-              f"{jobs} mutant(s) at a time, on a machine shared with other work (load averages below).")
+              "test and notebook then rerun on the unmutated copy, where the killer must pass. Seconds are wall "
+              f"time per mutant, {jobs} mutant(s) at a time, on a machine shared with other work (load below).")
     payload = {"complete": not not_run, "not_run": not_run,   # --stop-after: the mutants never started
                "scores": scores(results), "wall_seconds": round(wall, 1), "jobs": jobs,
                "load_average_1min": {"start": loads[0][0], "end": loads[-1][0],
@@ -368,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             future.result()                        # a SuiteError stops the run here, loudly
     ordered = [results[m.name] for m in chosen if m.name in results]
     not_run = [m.name for m in chosen if m.name not in results]
-    confirm_killers(workers.queue[0], ordered, args.timeout)
+    confirm_killers(list(workers.queue), ordered, args.timeout)
     wall = time.monotonic() - start
     print_table(ordered)
     s = scores(ordered)
@@ -385,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(base, ignore_errors=True)
     unconfirmed = [r.mutant.name for r in ordered if r.confirmed is False]
     if unconfirmed:
-        print(f"UNCONFIRMED kills (the killing test fails on the unmutated copy too): {unconfirmed}")
+        print(f"UNCONFIRMED kills (the killing test or cell fails on the unmutated copy too): {unconfirmed}")
     return 1 if unconfirmed or not_run or not all(r.killed for r in ordered) else 0
 
 
