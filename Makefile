@@ -14,6 +14,8 @@ TORCH  ?= 2.13.0
 PORT   ?= 8888
 IP     ?= 127.0.0.1
 PYTEST_ARGS ?=
+# make test runs test files in parallel, one file (and so one notebook's cells) per worker: JOBS=1 for one process.
+JOBS   ?= auto
 NB     ?=
 VOILA_ARGS ?=
 CHROMIUM ?= $(or $(KVLAB_CHROMIUM),/usr/bin/chromium)
@@ -60,7 +62,7 @@ lab: $(STAMP)
 
 test: $(STAMP)
 	@test -x "$(CHROMIUM)" || echo "NOTE: no Chromium at $(CHROMIUM): the browser tests (marker ui) will be skipped; apt-get install chromium to run them."
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile) $(PYTEST_ARGS)
 
 # The vLLM environment is stamped like .venv. A failed download says so loudly and skips (exit 0), as CI wants:
 # the recipe is one shell, so that the skip ends it.

@@ -58,6 +58,15 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 07  core.kv_cache_metrics               ``KVCacheMetricsCollector`` (``vllm/v1/core/kv_cache_metrics.py``)
 07  core.kv_offload, engine.kv_offload  ``OffloadingConnector``, ``CPUOffloadingManager`` (``vllm/v1/kv_offload/``)
 07  sim.serving_sim                     multi-turn chat on the no-compute scheduler
+08  kv_cache_interface                  ``FullAttentionSpec``, ``SlidingWindowSpec``, ``KVCacheGroupSpec``
+                                        (``vllm/v1/kv_cache_interface.py``)
+08  capacity.hybrid                     KV cache groups and the hybrid budget (``vllm/v1/core/kv_cache_planning.py``,
+                                        ``get_max_concurrency_for_kv_cache_config`` in ``kv_cache_utils.py``)
+08  core.kv_cache_coordinator,          ``HybridKVCacheCoordinator`` and its agreement, ``FullAttentionManager``,
+    core.single_type_kv_cache_manager   ``SlidingWindowManager`` (``vllm/v1/core/kv_cache_coordinator.py``,
+                                        ``single_type_kv_cache_manager.py``)
+08  sim.hybrid_hits, engine.hybrid      kvlab's own: one request's hit kind by kind; the pool measured with groups
+                                        and as full attention (``--disable-hybrid-kv-cache-manager``)
 09  capacity.mla                        naive (``forward_mha``) against absorbed (``forward_mqa``) MLA, counted
                                         (``vllm/model_executor/layers/attention/mla_attention.py``)
 09  kernels (mla_cache_write,           ``concat_and_cache_mla`` (``vllm/_custom_ops.py``); the Triton MLA decode

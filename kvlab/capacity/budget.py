@@ -10,8 +10,9 @@ num_layers``). ``kv_cache_memory_bytes`` replaces all of that arithmetic with on
 kvlab plans instead of profiling: the non-KV figures are inputs, and weights default to
 parameter count x weight dtype bytes (divided by TP). Every layer is sized as full
 attention (vLLM's single KV cache group, what ``--disable-hybrid-kv-cache-manager`` gives
-sliding-window models). A plan that would not start is returned with ``warnings`` rather
-than raised, so a learner can look at it; ``startup_log`` then shows vLLM's error line.
+sliding-window models); ``kvlab.capacity.hybrid`` plans the KV cache groups of 0.33.0's
+default. A plan that would not start is returned with ``warnings`` rather than raised, so a
+learner can look at it; ``startup_log`` then shows vLLM's error line.
 """
 
 from __future__ import annotations
@@ -260,7 +261,8 @@ def _warnings(plan: KVCachePlan, spec: ModelSpec) -> list[str]:
     if spec.num_sliding_layers:
         out.append(
             f"{spec.name} has {spec.num_sliding_layers} sliding-window layers; this plan sizes them as full "
-            "attention (vLLM with --disable-hybrid-kv-cache-manager). vLLM's hybrid manager holds more tokens."
+            "attention (vLLM with --disable-hybrid-kv-cache-manager); kvlab.capacity.hybrid.plan_hybrid_kv_cache "
+            "plans vLLM's default, the hybrid KV cache manager."
         )
     return out
 

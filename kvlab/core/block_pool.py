@@ -1,22 +1,23 @@
 """The physical block pool: every block, the free queue, and the index of cached blocks.
 
-Mirrors ``vllm/v1/core/block_pool.py`` (vLLM 0.33.0) for one KV cache group, so block hashes
-carry no group id. ``KVCacheBlock`` and ``FreeKVCacheBlockQueue`` live in
+Mirrors ``vllm/v1/core/block_pool.py`` (vLLM 0.33.0). With one KV cache group keys are bare
+hashes; with several, each carries its group id (``make_block_hash_with_group_id``).
+``KVCacheBlock`` and ``FreeKVCacheBlockQueue`` live in
 ``kvlab.core.kv_cache_utils``, as in vLLM.
 
-Every operation checks its whole input before it changes anything, so a call that raises
-leaves the pool exactly as it was. Observers (vLLM's ``metrics_collector``, and kvlab's CPU
-tier) are told what the pool is about to do *before* it does it: an observer that raises
-stops the operation with nothing changed.
+Every operation checks its whole input before it changes anything, so a call that raises leaves
+the pool as it was. Observers (vLLM's ``metrics_collector``, kvlab's CPU tier) hear what the pool
+is about to do *before* it does it: one that raises stops the operation with nothing changed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvlab._validate import non_negative_int, positive_int
+from kvlab.core.hashing import make_block_hash_with_group_id
 from kvlab.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheBlockCopy
 from kvlab.errors import BlockStateError, KvlabValueError, OutOfBlocksError
 
@@ -40,9 +41,8 @@ class BlockHashToBlockMap:
     """The prefix-cache index: block hash -> the blocks holding that content, as vLLM's ``BlockHashToBlockMap``.
 
     Several blocks may hold one hash (two requests computed the same prefix before either was
-    cached: vLLM never de-duplicates, so block tables stay append-only); a hit takes the first.
-    vLLM stores a lone block without its inner dict to spare the garbage collector; kvlab
-    always keeps the dict, which behaves the same.
+    cached: vLLM never de-duplicates); a hit takes the first. vLLM stores a lone block without
+    its inner dict to spare the garbage collector; kvlab always keeps the dict.
     """
 
     def __init__(self) -> None:
@@ -255,9 +255,18 @@ class BlockPool:
 
     # ----------------------------------------------------------------- the prefix-cache index
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """A block holding the content ``block_hash`` names, or None (a miss)."""
-        return self.cached_block_hash_to_block.get_one_block(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int] | None = None) -> Any:
+        """A block holding the content ``block_hash`` names, or None (a miss); with ``kv_cache_group_ids``,
+        vLLM's form: one block per group, keyed with its group id, or None if any group misses."""
+        if kv_cache_group_ids is None:
+            return self.cached_block_hash_to_block.get_one_block(block_hash)
+        blocks = []
+        for group_id in kv_cache_group_ids:
+            block = self.cached_block_hash_to_block.get_one_block(make_block_hash_with_group_id(block_hash, group_id))
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
 
     def cache_full_blocks(
         self,

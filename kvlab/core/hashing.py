@@ -245,3 +245,20 @@ def get_request_block_hasher(
         return new_hashes
 
     return request_block_hasher
+
+
+# ----------------------------------------------------------------- one hash per KV cache group
+
+
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> Any:
+    """The prefix cache's key for ``block_hash`` in KV cache group ``group_id`` (vLLM's ``BlockHashWithGroupId``).
+
+    Every group of a hybrid model caches the same prefix in its own block, so the index keys a
+    block by its hash *and* its group: vLLM appends the group id as 4 big-endian bytes. A hash
+    that is not bytes (a teaching hash function's value) is paired with the id instead. A
+    manager with a single group keys by the bare hash (kvlab's simplification, see block_pool).
+    """
+    group_id = non_negative_int("group_id", group_id)
+    if isinstance(block_hash, bytes):
+        return block_hash + group_id.to_bytes(4, "big", signed=False)
+    return (block_hash, group_id)

@@ -1,31 +1,37 @@
 """The KV cache manager: prefix-cache lookup, slot allocation and freeing for each request.
 
-Mirrors ``vllm/v1/core/kv_cache_manager.py`` (vLLM 0.33.0) with one full-attention KV cache
-group: the work of ``UnitaryKVCacheCoordinator`` and ``FullAttentionManager`` is folded in, and
-vLLM's ``KVCacheBlocks`` (a tuple over groups) is a plain list. The scheduler's calls are vLLM's:
-``get_computed_blocks(request, max_cache_hit_length=None)`` (the longest cached prefix, its
-tokens, and the shared-prefix boundary, always 0 with one group; never the last token, which
-the model must compute for the next token's logits), ``allocate_slots(...)`` (the new blocks,
-or None with nothing changed), ``take_kv_cache_block_copies()`` and ``free(request)`` (tail first).
+Mirrors ``vllm/v1/core/kv_cache_manager.py`` (vLLM 0.33.0). The manager checks each call and
+keeps the statistics; the work is its coordinator's (``kvlab.core.kv_cache_coordinator``), which
+runs one single-type manager per KV cache group (``kvlab.core.single_type_kv_cache_manager``:
+full attention, sliding window) over one block pool. By default there is one full-attention
+group; ``kv_cache_groups`` gives a hybrid model's groups (``kvlab.capacity.hybrid`` makes them).
+The scheduler's calls are vLLM's: ``get_computed_blocks(request, max_cache_hit_length=None)``
+(the longest cached prefix, its tokens, and the shared-prefix boundary; never the last token,
+which the model must compute for the next token's logits), ``allocate_slots(...)`` (the new
+blocks, or None), ``take_kv_cache_block_copies()`` and ``free(request)`` (tail first). Blocks
+come back as vLLM's ``KVCacheBlocks`` (one list per group) when there are several groups, and as
+the one group's list otherwise (kvlab's shortcut, which every one-group caller relies on).
 
-**Partial hits.** With hashes finer than blocks (``hash_block_size`` < ``block_size``) a hit may
-end inside a block. The request cannot write into that shared block, so ``allocate_slots`` takes
-one more block, points the table at it and queues ``KVCacheBlockCopy(src, dst)`` for the worker;
-both keep an extra reference until the scheduler takes the copies. vLLM 0.33.0 turns this on only
-for hybrid models whose Mamba layers cache in "align" mode; kvlab lets one group use it.
+**Sliding windows.** Before it counts what a running request needs, ``allocate_slots`` frees the
+blocks its window left behind (the null block takes their place), as vLLM does; a call that
+then returns None has changed nothing else. **Partial hits.** With hashes finer than blocks
+(``hash_block_size`` < ``block_size``, one full-attention group) a hit may end inside a block;
+``allocate_slots`` copies that block and queues ``KVCacheBlockCopy(src, dst)`` for the worker.
+vLLM 0.33.0 turns this on only beside Mamba layers in "align" mode; kvlab lets one group use it.
 
 kvlab adds checks vLLM leaves to its scheduler (bad calls raise ``RequestStateError`` or
 ``KvlabValueError`` and change nothing; ``kvlab.core.manager_checks``), eviction counters, one
 ``NONE_HASH`` per manager (vLLM's is process state), ``fork`` and ``copy_on_write`` for parallel
-sampling (``kvlab.core.manager_fork``: the PagedAttention paper's mechanism, which V1 serves
-through the prefix cache instead) and ``verify_hits``, nano-vllm's per-hit comparison of tokens.
-vLLM's KV events, encoder blocks and sliding windows are not modelled.
+sampling (``kvlab.core.manager_fork``, one group: the PagedAttention paper's mechanism, which V1
+serves through the prefix cache instead) and ``verify_hits``, nano-vllm's per-hit comparison of
+tokens (one group). vLLM's KV events, encoder blocks, Mamba and chunked local attention are not
+modelled.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvlab._validate import non_negative_int, positive_int
@@ -39,35 +45,16 @@ from kvlab.core.hashing import (
     hash_fn_name,
     none_hash_from_seed,
 )
-from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from kvlab.core.kv_cache_coordinator import GroupBlocks, get_kv_cache_coordinator
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, KVCacheBlocks
 from kvlab.core.manager_checks import AllocationChecks
 from kvlab.core.manager_fork import ForkMixin
 from kvlab.core.request import Request, RequestStatus
+from kvlab.core.single_type_kv_cache_manager import find_longest_cache_hit
 from kvlab.errors import KvlabValueError, RequestStateError
-from kvlab.units import cdiv
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheSpec, as_group_specs
 
-__all__ = ["KVCacheManager", "Request", "RequestStatus", "find_longest_cache_hit"]
-
-
-def find_longest_cache_hit(
-    block_hashes: Sequence[BlockHash],
-    max_cache_hit_length: int,
-    block_size: int,
-    get_cached_block: Callable[[BlockHash], Any],
-) -> list[Any]:
-    """Cached blocks for the longest prefix of ``block_hashes``, at most ``max_cache_hit_length`` tokens.
-
-    The walk stops at the first miss: hashes are chained, so after a miss no later block of
-    this request can be in the cache with the right prefix. (vLLM's
-    ``FullAttentionManager.find_longest_cache_hit``, phase 1: whole blocks.)
-    """
-    hits = []
-    for block_hash in block_hashes[: max_cache_hit_length // block_size]:
-        block = get_cached_block(block_hash)
-        if block is None:
-            break
-        hits.append(block)
-    return hits
+__all__ = ["KVCacheBlocks", "KVCacheManager", "Request", "RequestStatus", "find_longest_cache_hit"]
 
 
 class KVCacheManager(ForkMixin, AllocationChecks):
@@ -80,7 +67,10 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     (default ``block_size``, which it must divide) is the granularity of hashes and hits;
     ``max_model_len`` caps the slots a request gets (default: no cap); ``watermark`` is the
     share of blocks kept free when admitting; ``hit_rate_window`` is the number of recent
-    requests the hit rate covers.
+    requests the hit rate covers. ``kv_cache_groups`` (specs or ``KVCacheGroupSpec``s, each of
+    ``block_size``) replaces the one full-attention group; ``max_in_flight_tokens`` (vLLM's: the
+    tokens scheduled but not yet computed, at most) caps what a sliding-window group is counted
+    to need when a whole request must fit.
     """
 
     def __init__(
@@ -98,37 +88,58 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         max_model_len: int | None = None,
         watermark: float = 0.0,
         metrics_collector: BlockPoolObserver | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec | KVCacheSpec] | None = None,
+        max_in_flight_tokens: int | None = None,
     ) -> None:
         self.block_size = positive_int("block_size", block_size)
         self.hash_block_size = self._check_hash_block_size(hash_block_size, verify_hits)
+        groups = as_group_specs([FullAttentionSpec(self.block_size)] if kv_cache_groups is None else
+                                list(kv_cache_groups), self.block_size)
+        self._check_groups(groups, verify_hits)
+        self.kv_cache_groups: tuple[KVCacheGroupSpec, ...] = groups
         self.caching_hash_fn: HashFn = hash_fn if callable(hash_fn) else get_hash_fn_by_name(hash_fn)
         self.hash_fn_name = hash_fn_name(self.caching_hash_fn)
         self.max_model_len = None if max_model_len is None else positive_int("max_model_len", max_model_len)
+        if max_in_flight_tokens is not None:
+            positive_int("max_in_flight_tokens", max_in_flight_tokens)
         self.watermark_blocks = self._check_watermark(watermark, num_blocks)
         self.caching_metrics = CachingMetrics(hit_rate_window)
         self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block, metrics_collector=metrics_collector)
-        self._eviction_counter = EvictionCounter(self.block_pool)
         self.enable_caching = bool(enable_caching)
+        self.coordinator = get_kv_cache_coordinator(groups, self.block_pool, self.enable_caching, self.hash_block_size,
+                                                    max_model_len=self.max_model_len,
+                                                    max_in_flight_tokens=max_in_flight_tokens)
+        self._eviction_counter = EvictionCounter(self.block_pool)
         self.verify_hits = bool(verify_hits)
         seed = hash_seed if hash_seed is not None else os.getenv("PYTHONHASHSEED")
         self.none_hash: BlockHash = none_hash_from_seed(self.caching_hash_fn, seed)
         self._request_block_hasher = get_request_block_hasher(self.hash_block_size, self.caching_hash_fn,
                                                               self.none_hash)
-        self._scale = self.block_size // self.hash_block_size  # hashes per block
-
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # each request's block table
-        self.num_cached_block: dict[str, int] = {}  # how many of a request's blocks are cached
         self._requests: dict[str, Request] = {}  # the live requests holding blocks
-        # The copies partial hits queued for the worker: (source, copy), both holding an extra reference until
-        # taken. (vLLM notes the tail in _partial_hit_reqs and redirects it later in the same allocate_slots.)
-        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
-
         self.prefix_cache_stats = PrefixCacheStats()  # since start (or the last reset)
         self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
         self.num_rejected_hits = 0  # hash hits whose tokens differed (verify_hits only)
         self._block_content: dict[int, tuple[tuple[int, ...], Any]] = {}  # verify_hits: what each block holds
 
     # ----------------------------------------------------------------- what the scheduler reads
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return len(self.kv_cache_groups)
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """Each request's block table in the first group (with one group: the block table)."""
+        return self.coordinator.single_type_managers[0].req_to_blocks
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """How many of each request's blocks are cached, in the first group."""
+        return self.coordinator.single_type_managers[0].num_cached_block
+
+    @property
+    def _pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        return [pair for m in self.coordinator.single_type_managers for pair in m._pending_cow_copies]
 
     @property
     def usage(self) -> float:
@@ -155,59 +166,62 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
         return stats
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        """The blocks of a live request, in logical order (its block table)."""
+    def get_blocks_per_group(self, request_id: str) -> GroupBlocks:
+        """The blocks of a live request in every group, in logical order (one block table per group)."""
         if request_id not in self.req_to_blocks:
             raise RequestStateError(
                 f"request {request_id!r} holds no blocks: it is unknown, was never allocated, or was freed"
             )
-        return list(self.req_to_blocks[request_id])
+        return self.coordinator.get_blocks(request_id)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The block ids of a live request: the row of the block table the attention kernel reads."""
-        return [block.block_id for block in self.get_blocks(request_id)]
+    def get_block_ids_per_group(self, request_id: str) -> tuple[list[int], ...]:
+        """The block ids of a live request in every group: the rows of the block tables the kernels read."""
+        return tuple([b.block_id for b in group] for group in self.get_blocks_per_group(request_id))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock] | tuple[list[KVCacheBlock], ...]:
+        """The blocks of a live request in logical order (its block table; one per group if there are several)."""
+        groups = self.get_blocks_per_group(request_id)
+        return groups[0] if len(groups) == 1 else groups
+
+    def get_block_ids(self, request_id: str) -> list[int] | tuple[list[int], ...]:
+        """The block ids of a live request: the row of the block table the attention kernel reads (per group)."""
+        groups = self.get_block_ids_per_group(request_id)
+        return groups[0] if len(groups) == 1 else groups
 
     def full_block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's hashes at block granularity: each block is named by the hash at its last boundary."""
-        hashes = request.block_hashes
-        return hashes if self._scale == 1 else hashes[self._scale - 1::self._scale]
+        return self.coordinator.single_type_managers[0].full_block_hashes(request)
+
+    def _out(self, groups: GroupBlocks) -> list[KVCacheBlock] | KVCacheBlocks:
+        return list(groups[0]) if len(groups) == 1 else KVCacheBlocks(tuple(list(g) for g in groups))
 
     # ----------------------------------------------------------------- prefix-cache lookup
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[list[KVCacheBlock], int, int]:
-        """The cached blocks of the request's longest cached prefix, their tokens, and 0 (vLLM's three values).
+    ) -> tuple[list[KVCacheBlock] | KVCacheBlocks, int, int]:
+        """The cached blocks of the request's longest cached prefix, their tokens, and vLLM's shared-prefix boundary.
 
         At most ``max_cache_hit_length`` tokens hit, by default ``num_tokens - 1``: a fully
         cached prompt still computes its last token, and since hits end on hash boundaries, that
-        means the last block (or hash block) is recomputed. The third value is vLLM's
-        ``shared_prefix_boundary``, which only hybrid models set. The lookup changes nothing
-        in the pool; the first one hashes the request with this manager's seed.
+        means the last block (or hash block) is recomputed. With several groups the hit is the
+        longest prefix every group can serve, and the third value is vLLM's
+        ``shared_prefix_boundary``: where the longest single group's hit ended when that was
+        further (else 0). The lookup changes nothing in the pool; the first one hashes the
+        request with this manager's seed.
         """
         self._check_request(request)
         if max_cache_hit_length is not None:
             max_cache_hit_length = non_negative_int("max_cache_hit_length", max_cache_hit_length)
         if not self.enable_caching:
-            return [], 0, 0
+            return self._out(self.coordinator.empty()), 0, 0
         self._ensure_block_hashes(request)
         limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
-        get = self.block_pool.cached_block_hash_to_block.get_one_block
-        hits = find_longest_cache_hit(self.full_block_hashes(request), limit, self.block_size, get)
-        hit_length = len(hits) * self.block_size
-        if self._scale > 1:  # phase 2: the longest hash boundary inside the next block, probed high to low
-            first = len(hits) * self._scale
-            last = min(first + self._scale - 1, limit // self.hash_block_size, len(request.block_hashes))
-            for fine_idx in range(last - 1, first - 1, -1):
-                block = get(request.block_hashes[fine_idx])
-                if block is not None:
-                    hits.append(block)
-                    hit_length = (fine_idx + 1) * self.hash_block_size
-                    break
+        groups, hit_length, uncached = self.coordinator.find_longest_cache_hit(request.block_hashes, limit)
         if self.verify_hits:
-            hits = self._verified(request, hits)
-            hit_length = len(hits) * self.block_size
-        return hits, hit_length, 0
+            groups = (self._verified(request, groups[0]),)
+            hit_length = len(groups[0]) * self.block_size
+        return self._out(groups), hit_length, (hit_length + uncached if uncached else 0)
 
     # ----------------------------------------------------------------- allocation
 
@@ -216,7 +230,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        new_computed_blocks: Sequence[KVCacheBlock] | KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
@@ -225,104 +239,65 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
-    ) -> list[KVCacheBlock] | None:
+    ) -> list[KVCacheBlock] | KVCacheBlocks | None:
         """Give ``request`` slots for ``num_new_tokens`` tokens to compute; return the new blocks, or None.
 
         ``new_computed_blocks`` (``num_new_computed_tokens`` tokens) are the hits from
         ``get_computed_blocks``, and ``num_external_computed_tokens`` the tokens a KV connector
         (the CPU tier of notebook 07) will load, both for a request that holds no blocks yet.
-        The pool must supply the new blocks *and* the hit blocks that sit in the free queue
+        A running request first lets go of the blocks its sliding windows no longer reach. The
+        pool must then supply the new blocks *and* the hit blocks that sit in the free queue
         (taking them out of it is what keeps them from eviction), and still leave
         ``reserved_blocks`` free (plus the ``watermark`` when admitting while others run); if it
-        cannot, the call returns None and changes nothing. ``full_sequence_must_fit`` asks that
-        the whole request fit. Full blocks of tokens already known are cached (hashed and
+        cannot, the call returns None and changes nothing more. ``full_sequence_must_fit`` asks
+        that the whole request fit. Full blocks of tokens already known are cached (hashed and
         indexed) at once, unless ``delay_cache_blocks``. ``num_lookahead_tokens`` reserves slots
-        for tokens not yet known (speculative decoding). The returned list holds the copy of a
-        partial hit's tail block first, then the fresh blocks, as vLLM's does (blocks for
-        external tokens are in the table but not in the list). ``num_encoder_tokens`` and
+        for tokens not yet known (speculative decoding). The returned blocks hold the copy of a
+        partial hit's tail block first, then the fresh blocks, as vLLM's do (blocks for
+        external tokens are in the table but not returned). ``num_encoder_tokens`` and
         ``skip_zeroing_group_ids`` are vLLM's too; kvlab has no encoder and no zeroing, so they
         must keep their defaults.
         """
-        computed, partial = self._check_allocation(
+        computed, _ = self._check_allocation(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, num_encoder_tokens, reserved_blocks, skip_zeroing_group_ids)
-        held = self.req_to_blocks.get(request.request_id)
+        rid = request.request_id
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = self._cap(num_local_computed_tokens + num_external_computed_tokens)
         watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in
                      (RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0)
-        free = self.block_pool.get_num_free_blocks()
+        coordinator = self.coordinator
         if full_sequence_must_fit:
-            need = self._num_blocks_to_allocate(held, self._cap(request.num_tokens), computed, partial)
-            if need + watermark > free:
+            need = coordinator.get_num_blocks_to_allocate(rid, self._cap(request.num_tokens), computed,
+                                                          total_computed_tokens, num_local_computed_tokens, True)
+            if need + watermark > self.block_pool.get_num_free_blocks():
                 return None
         num_tokens_need_slot = self._cap(total_computed_tokens + num_new_tokens + num_lookahead_tokens)
-        if self._num_blocks_to_allocate(held, num_tokens_need_slot, computed, partial) + watermark > \
-                free - reserved_blocks:
+        # Blocks outside every sliding window go first, whatever happens next (vLLM frees them even when the
+        # request then does not fit: they are dead, and freeing them first spares an eviction).
+        coordinator.remove_skipped_blocks(rid, total_computed_tokens)
+        need = coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, computed,
+                                                      num_local_computed_tokens + num_external_computed_tokens,
+                                                      num_local_computed_tokens)
+        if need + watermark > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
 
-        return self._commit_allocation(request, held, computed, partial, num_tokens_need_slot,
-                                       num_new_computed_tokens, num_external_computed_tokens,
-                                       None if delay_cache_blocks else min(total_computed_tokens + num_new_tokens,
-                                                                           request.num_tokens))
-
-    def _commit_allocation(self, request: Request, held: list[KVCacheBlock] | None, computed: list[KVCacheBlock],
-                           partial: int, num_tokens_need_slot: int, num_new_computed_tokens: int,
-                           num_external_computed_tokens: int, num_tokens_to_cache: int | None) -> list[KVCacheBlock]:
-        """``allocate_slots`` once every check passed: from here on the call succeeds.
-
-        The pool takes the hits and every new block in one step (external-token blocks, the partial
-        hit's copy, the fresh blocks, in vLLM's order); then the table, the copy, the stats, the cache.
-        """
-        request_id, admitted = request.request_id, held is None
-        num_table = (0 if held is None else len(held)) + len(computed)
-        num_external_blocks = 0
-        if admitted and num_external_computed_tokens:
-            num_external_blocks = max(0, cdiv(request.num_computed_tokens + num_new_computed_tokens +
-                                              num_external_computed_tokens, self.block_size) - num_table)
-        num_fresh = max(cdiv(num_tokens_need_slot, self.block_size) - num_table - num_external_blocks, 0)
-        num_taken = num_external_blocks + partial + num_fresh
-        if num_taken or computed:  # (a decode step inside its last block takes nothing: no pool call, as in vLLM)
-            with self._eviction_counter.counting():
-                taken = self.block_pool.touch_and_get_new_blocks(computed, num_taken)
-        else:
-            taken = []
-        if held is None:
-            held = self.req_to_blocks[request_id] = list(computed)
-            self._requests[request_id] = request
-            self.num_cached_block[request_id] = len(computed) - partial
+        admitted = rid not in self.req_to_blocks
+        plans = coordinator.plan_allocation(rid, computed, num_local_computed_tokens, num_external_computed_tokens,
+                                            num_tokens_need_slot)
+        with self._eviction_counter.counting():
+            new_blocks = coordinator.allocate_new_blocks(rid, plans, computed)
+        if admitted:
+            self._requests[rid] = request
             if self.enable_caching:
                 self._ensure_block_hashes(request)
-        held.extend(taken[:num_external_blocks])
-        new_blocks = taken[num_external_blocks:]
-        if partial:
-            self._apply_cow(held, len(computed) - 1, new_blocks[0])
-        held.extend(new_blocks[partial:])
-        if admitted and self.enable_caching:
-            self._record_admission(request, num_new_computed_tokens, len(computed))
-        if self.enable_caching and num_tokens_to_cache is not None:
-            self.cache_blocks(request, num_tokens_to_cache)
-        return new_blocks
+                self._record_admission(request, num_new_computed_tokens, len(computed[0]))
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, min(total_computed_tokens + num_new_tokens, request.num_tokens))
+        return self._out(new_blocks)
 
     def _cap(self, num_tokens: int) -> int:
         return num_tokens if self.max_model_len is None else min(num_tokens, self.max_model_len)
-
-    def _num_blocks_to_allocate(self, held: list[KVCacheBlock] | None, num_tokens: int,
-                                computed: list[KVCacheBlock], partial: int) -> int:
-        """Free blocks the call takes (vLLM's ``get_num_blocks_to_allocate``): new ones, plus hits in the queue."""
-        num_required = cdiv(num_tokens, self.block_size)
-        if held is not None:  # a running request: no new hits
-            return max(num_required - len(held), 0)
-        # A hit block that nobody holds sits in the free queue: taking it costs a free block too.
-        num_evictable = sum(block.ref_cnt == 0 for block in computed)
-        return max(num_required - len(computed), 0) + partial + num_evictable
-
-    def _apply_cow(self, blocks: list[KVCacheBlock], index: int, copy: KVCacheBlock) -> None:
-        """Point a partial hit's tail at its private copy; source and copy stay referenced until taken."""
-        source = blocks[index]
-        blocks[index] = copy
-        copy.ref_cnt += 1
-        self._pending_cow_copies.append((source, copy))
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """The copies queued since the last call, and the blocks they retain (vLLM's name).
@@ -330,7 +305,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         The caller hands the copies to the worker and, once they are made, frees the retained
         blocks with ``block_pool.free_blocks`` (kvlab's synchronous scheduler does so at once).
         """
-        pending, self._pending_cow_copies = self._pending_cow_copies, []
+        pending = self.coordinator.take_pending_cow_copies()
         copies = [KVCacheBlockCopy(source.block_id, copy.block_id) for source, copy in pending]
         return copies, [block for pair in pending for block in pair]
 
@@ -338,31 +313,14 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """Hash and index the request's full blocks among its first ``num_tokens`` tokens (and its partial tail)."""
         if not self.enable_caching:
             return
-        request_id = request.request_id
-        num_cached_blocks = self.num_cached_block.get(request_id, 0)
-        num_hashed_tokens = len(request.block_hashes) * self.hash_block_size
-        num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size
-        blocks = self.req_to_blocks[request_id]
-        if num_cached_blocks < num_full_blocks:
-            hashes = self.full_block_hashes(request)
-            self.block_pool.cache_full_blocks(blocks, hashes, num_cached_blocks, num_full_blocks, self.block_size)
-            for i in range(num_cached_blocks, num_full_blocks):
-                self._eviction_counter.evicted_hashes.discard(hashes[i])
+        blocks = self.req_to_blocks[request.request_id]
+        for group_id, cached in self.coordinator.cache_blocks(request, num_tokens):
+            manager = self.coordinator.single_type_managers[group_id]
+            hashes = manager.full_block_hashes(request)
+            for i in cached:
+                self._eviction_counter.evicted_hashes.discard(manager.cache_key(hashes[i]))
                 if self.verify_hits:
                     self._block_content[blocks[i].block_id] = self._content(request, i)
-            self.num_cached_block[request_id] = num_full_blocks
-        if self._scale > 1:
-            self._cache_partial_tail_block(request, num_tokens, blocks)
-
-    def _cache_partial_tail_block(self, request: Request, num_tokens: int, blocks: list[KVCacheBlock]) -> None:
-        """Register the prompt's last hash boundary when it ends inside a block (vLLM's partial entry)."""
-        hbs = self.hash_block_size
-        boundary = min((request.num_prompt_tokens - 1) // hbs, len(request.block_hashes)) * hbs
-        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
-            return
-        index = boundary // self.block_size
-        if index < len(blocks):
-            self.block_pool.cache_partial_block(blocks[index], request.block_hashes[boundary // hbs - 1], boundary)
 
     def _record_admission(self, request: Request, num_hits: int, num_hit_blocks: int) -> None:
         """Count the request's lookup once, when it is admitted (vLLM counts at admission too)."""
@@ -372,12 +330,13 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted)
         self._interval_stats.record(request.num_tokens, num_hits, preempted)
         self.caching_metrics.observe(stats)
-        self._eviction_counter.missed(self.full_block_hashes(request)[num_hit_blocks:])
+        self._eviction_counter.missed([m.cache_key(h) for m in self.coordinator.single_type_managers
+                                       for h in m.full_block_hashes(request)[num_hit_blocks:]])
 
     # ----------------------------------------------------------------- freeing
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, last block first, so its prompt's start is evicted last.
+        """Release the request's blocks, group by group, last block first, so its prompt's start is evicted last.
 
         Blocks still shared with another request only lose a reference; full blocks keep their
         hashes in the free queue and can still be hit. Freeing a request that holds nothing
@@ -386,10 +345,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         if not isinstance(request, Request):
             raise KvlabValueError(f"request must be a kvlab Request, got {type(request).__name__}")
         self._check_same_object(request)
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
-        self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
+        self.coordinator.free(request.request_id)
         self._requests.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> bool:

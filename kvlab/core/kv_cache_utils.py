@@ -8,6 +8,7 @@ takes a cached block out of the middle of the queue in O(1).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -59,6 +60,27 @@ class KVCacheBlock:
         cached = "" if self._block_hash is None else f", hash={short_hash(self._block_hash)}"
         null = ", null" if self.is_null else ""
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached}{null})"
+
+
+@dataclasses.dataclass
+class KVCacheBlocks:
+    """Blocks of one request, one list per KV cache group (vLLM's ``KVCacheBlocks``, from ``kv_cache_manager.py``).
+
+    ``blocks[i][j]`` is block ``j`` of group ``i``. ``KVCacheManager`` returns this only when it
+    manages several groups; with one group it returns the group's list itself (kvlab's shortcut).
+    """
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Each group's block ids: one block table per group (the null block is id 0)."""
+        return tuple([block.block_id for block in group] for group in self.blocks)
+
+    def __bool__(self) -> bool:
+        return any(self.blocks)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)))
 
 
 class KVCacheBlockCopy(NamedTuple):

@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab._validate import non_negative_int, positive_int
 from kvlab.core.hashing import generate_block_hash_extra_keys
-from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlocks
 from kvlab.core.request import FINISHED, Request
 from kvlab.errors import KvlabValueError, RequestStateError
+from kvlab.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 from kvlab.units import cdiv
 
 if TYPE_CHECKING:
     from kvlab.core.block_pool import BlockPool
+    from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 
 
 class AllocationChecks:
@@ -29,6 +31,8 @@ class AllocationChecks:
     hash_block_size: int
     enable_caching: bool
     block_pool: BlockPool
+    coordinator: KVCacheCoordinator
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
     req_to_blocks: dict[str, list[KVCacheBlock]]
     _requests: dict[str, Request]
     _pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]]
@@ -45,6 +49,15 @@ class AllocationChecks:
         if verify_hits and hash_block_size != self.block_size:
             raise KvlabValueError("verify_hits compares whole blocks: it needs hash_block_size == block_size")
         return hash_block_size
+
+    def _check_groups(self, groups: tuple[KVCacheGroupSpec, ...], verify_hits: bool) -> None:
+        """Several groups, or a sliding window, need block-sized hashes (no partial hits) and no verify_hits."""
+        sliding = any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
+        if (len(groups) > 1 or sliding) and self.hash_block_size != self.block_size:
+            raise KvlabValueError(f"hash_block_size={self.hash_block_size} must equal block_size={self.block_size} "
+                                  "with several KV cache groups or a sliding window: their hits end on whole blocks")
+        if len(groups) > 1 and verify_hits:
+            raise KvlabValueError("verify_hits compares one block table's tokens: it needs one KV cache group")
 
     @staticmethod
     def _check_watermark(watermark: float, num_blocks: int) -> int:
@@ -71,6 +84,23 @@ class AllocationChecks:
     def _is_retained(self, block: KVCacheBlock) -> bool:
         """True for a partial hit's copy still waiting for ``take_kv_cache_block_copies`` (its extra reference)."""
         return any(copy is block for _, copy in self._pending_cow_copies)
+
+    def _group_hits(self, new_computed_blocks: object) -> tuple[list[KVCacheBlock], ...]:
+        """The hits as one list per group: a list (one group), a ``KVCacheBlocks`` or a tuple of lists (several)."""
+        n = len(self.kv_cache_groups)
+        if new_computed_blocks is None or (isinstance(new_computed_blocks, (list, tuple)) and not new_computed_blocks):
+            return tuple([] for _ in range(n))
+        if isinstance(new_computed_blocks, KVCacheBlocks):
+            groups = new_computed_blocks.blocks
+        elif n == 1:
+            groups = (new_computed_blocks,)
+        else:
+            groups = new_computed_blocks  # type: ignore[assignment]
+        if not isinstance(groups, (list, tuple)) or len(groups) != n or \
+                not all(isinstance(g, (list, tuple)) for g in groups):
+            raise KvlabValueError(f"new_computed_blocks must hold one list of blocks per KV cache group ({n}); pass "
+                                  "what get_computed_blocks returned")
+        return tuple(list(g) for g in groups)
 
     def _verified(self, request: Request, hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """Cut ``hits`` at the first block whose recorded tokens or extra keys differ from the request's."""
@@ -103,6 +133,9 @@ class AllocationChecks:
             raise RequestStateError(f"request {parent.request_id!r} holds no blocks: there is nothing to fork")
         if child.request_id in self.req_to_blocks or child.num_computed_tokens:
             raise RequestStateError(f"request {child.request_id!r} already holds blocks; fork into a new request")
+        if len(self.kv_cache_groups) > 1:
+            raise KvlabValueError("fork shares one block table: it needs one KV cache group (a hybrid model's "
+                                  "parallel samples are separate requests that share the prompt through the cache)")
         if child._hasher_owner not in (None, self):
             raise RequestStateError(f"request {child.request_id!r} was hashed by another KVCacheManager")
         computed = parent.num_computed_tokens
@@ -123,11 +156,11 @@ class AllocationChecks:
         num_encoder_tokens: int,
         reserved_blocks: int,
         skip_zeroing_group_ids: tuple[int, ...],
-    ) -> tuple[list[KVCacheBlock], int]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Validate an ``allocate_slots`` call completely before anything changes.
 
-        Returns the hit blocks and 1 if the hit ends inside its last block (a partial hit to
-        copy), else 0.
+        Returns the hit blocks (one list per group) and 1 if the hit ends inside its last block (a
+        partial hit to copy), else 0.
         """
         self._check_request(request)
         num_new_tokens = _count("num_new_tokens", num_new_tokens)
@@ -148,8 +181,8 @@ class AllocationChecks:
                 f"{request.num_computed_tokens}: it was freed. A preempted request restarts from "
                 "num_computed_tokens = 0"
             )
-        computed = list(new_computed_blocks) if new_computed_blocks else []
-        if held is not None and (computed or num_new_computed_tokens or num_external):
+        computed = self._group_hits(new_computed_blocks)
+        if held is not None and (any(computed) or num_new_computed_tokens or num_external):
             raise RequestStateError(
                 f"request {request.request_id!r} already holds blocks; prefix hits and external tokens are taken "
                 "only at admission"
@@ -166,34 +199,53 @@ class AllocationChecks:
             self._check_not_writing_shared(request, held)
         return computed, partial
 
-    def _check_hits(self, request: Request, computed: list[KVCacheBlock], num_tokens: int) -> int:
-        """The hits must be exactly what ``get_computed_blocks`` returned for this request."""
-        if cdiv(num_tokens, self.block_size) != len(computed) or num_tokens % self.hash_block_size:
-            raise KvlabValueError(
-                f"num_new_computed_tokens={num_tokens} does not fit len(new_computed_blocks)={len(computed)} blocks of "
-                f"{self.block_size} tokens (hits end on a multiple of hash_block_size={self.hash_block_size}); pass "
-                "exactly what get_computed_blocks returned"
-            )
-        if not computed:
+    def _check_hits(self, request: Request, groups: tuple[list[KVCacheBlock], ...], num_tokens: int) -> int:
+        """The hits must be exactly what ``get_computed_blocks`` returned for this request, in every group."""
+        for g, computed in enumerate(groups):
+            if cdiv(num_tokens, self.block_size) != len(computed) or num_tokens % self.hash_block_size:
+                where = f"new_computed_blocks[{g}]" if len(groups) > 1 else "new_computed_blocks"
+                raise KvlabValueError(
+                    f"num_new_computed_tokens={num_tokens} does not fit len({where})={len(computed)} blocks of "
+                    f"{self.block_size} tokens (hits end on a multiple of hash_block_size={self.hash_block_size}); "
+                    "pass exactly what get_computed_blocks returned"
+                )
+        if not any(groups):
             return 0
         if not self.enable_caching:
             raise KvlabValueError("new_computed_blocks must be empty when prefix caching is disabled")
         if request._hasher_owner is not self:
             raise KvlabValueError(f"request {request.request_id!r} was not looked up by this manager: pass the blocks "
                                   "get_computed_blocks returned for it")
+        real = [b for computed in groups for b in computed if not getattr(b, "is_null", False)]
+        for g, computed in enumerate(groups):
+            self._check_group_hits(request, g, computed, num_tokens, len(groups) > 1)
+        if len({b.block_id for b in real}) != len(real):
+            raise KvlabValueError("new_computed_blocks lists a block twice; pass what get_computed_blocks returned")
+        return int(num_tokens % self.block_size != 0)
+
+    def _check_group_hits(self, request: Request, g: int, computed: list[KVCacheBlock], num_tokens: int,
+                          several: bool) -> None:
+        """Each hit is a cached block of this pool for its position; a sliding window's may be null, but not the
+        last ``cdiv(W - 1, block_size)``: those its next token reads."""
+        manager = self.coordinator.single_type_managers[g]
+        spec = manager.kv_cache_spec
+        must_be_real = len(computed) - min(spec.num_contiguous_blocks_for_hit(), len(computed)) \
+            if isinstance(spec, SlidingWindowSpec) else 0
         scale = self.block_size // self.hash_block_size
         index = self.block_pool.cached_block_hash_to_block
         for i, block in enumerate(computed):
             fine = min((i + 1) * scale, num_tokens // self.hash_block_size) - 1
-            if not (isinstance(block, KVCacheBlock) and block._pool is self.block_pool
-                    and fine < len(request.block_hashes) and index.contain(request.block_hashes[fine], block.block_id)):
+            if isinstance(block, KVCacheBlock) and block.is_null and block._pool is self.block_pool and \
+                    i < must_be_real:
+                continue  # slid out of the window: a placeholder
+            if not (isinstance(block, KVCacheBlock) and block._pool is self.block_pool and not block.is_null
+                    and fine < len(request.block_hashes)
+                    and index.contain(manager.cache_key(request.block_hashes[fine]), block.block_id)):
+                where = f"new_computed_blocks[{g}][{i}]" if several else f"new_computed_blocks[{i}]"
                 raise KvlabValueError(
-                    f"new_computed_blocks[{i}] ({block!r}) is not a cached block of this pool for the request's "
+                    f"{where} ({block!r}) is not a cached block of this pool for the request's "
                     f"block {i}; pass exactly what get_computed_blocks returned"
                 )
-        if len({b.block_id for b in computed}) != len(computed):
-            raise KvlabValueError("new_computed_blocks lists a block twice; pass what get_computed_blocks returned")
-        return int(num_tokens % self.block_size != 0)
 
     def _check_not_writing_shared(self, request: Request, held: list[KVCacheBlock]) -> None:
         """A running request writes its next token in place: that block must be its own (fork: copy first)."""

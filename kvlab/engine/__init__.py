@@ -1,7 +1,8 @@
 """kvlab.engine: a real Llama-family model generating through kvlab's paged cache, scheduler and kernels.
 
 ``LLMEngine`` is the serving loop, built from an ``EngineConfig``; ``load_model`` builds the decoder
-from a checkpoint; ``save_tiny_llama`` writes the small seeded checkpoint tests and notebooks use offline.
+from a checkpoint; ``save_tiny_llama`` writes the small seeded checkpoint tests and notebooks use offline,
+``save_tiny_ministral`` its hybrid sibling (sliding-window layers beside full ones; ``kvlab.engine.hybrid``).
 MLA: ``load_deepseek`` builds a DeepSeek-V3-style decoder over one latent cache per layer
 (``allocate_mla_kv_caches``); ``save_tiny_deepseek`` writes its small seeded checkpoint.
 """
@@ -16,7 +17,7 @@ from kvlab.engine.loader import load_model
 from kvlab.engine.mla import MLAAttention, allocate_mla_kv_caches
 from kvlab.engine.model import LlamaForCausalLM
 from kvlab.engine.model_runner import ModelRunner, copy_blocks, prepare_inputs
-from kvlab.engine.toy import save_tiny_llama
+from kvlab.engine.toy import save_tiny_llama, save_tiny_ministral
 from kvlab.engine.toy_mla import save_tiny_deepseek
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "prepare_inputs",
     "save_tiny_deepseek",
     "save_tiny_llama",
+    "save_tiny_ministral",
 ]

@@ -48,11 +48,16 @@ class Attention(torch.nn.Module):
     unless calibrated); for a cache in the model's own dtype they are 1.0 and unused.
     ``kernel_config`` and ``decode_kv_splits`` are kvlab's knobs on the kernel (set through
     ``ModelRunner``): fixed tiles for every step, and a split count forced on decode-only steps.
+    ``sliding_window`` W (a sliding-window layer): the query at position q sees keys q - W + 1 .. q,
+    and the kernel skips the tiles before that, which is why the block table may hold the null
+    block there (the blocks that slid out, freed by ``SlidingWindowManager``).
     """
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+        self.sliding_window = sliding_window
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.kernel_config: kernels.KernelConfig | None = None  # None: the kernel chooses per step
@@ -84,4 +89,5 @@ class Attention(torch.nn.Module):
             v_scale=self.v_scale,
             num_kv_splits=self.decode_kv_splits if decode_only else None,
             config=self.kernel_config,
+            sliding_window=self.sliding_window,
         )

@@ -1,14 +1,16 @@
 """What the forward pass needs from a checkpoint's ``config.json``, checked before any weight is read.
 
-The Llama family (Llama 2/3, Mistral without a sliding window, Qwen2, Qwen3, SmolLM) shares
-one decoder: RMSNorm, rotary embeddings, grouped-query attention, a SwiGLU MLP. The
-differences kvlab supports are data, not code: biases on q/k/v (Qwen2) are read from the
-weights when present, per-head q/k RMSNorm (Qwen3) is switched on by ``model_type``, and the
-rotary frequencies follow ``rope_parameters`` (transformers 5) or ``rope_theta`` /
-``rope_scaling`` (older files). Everything else is refused with a message that says why, and
-so is a value the forward could not use: a size that is not a positive integer (a string "64"
-included), an ``rms_norm_eps`` or ``rope_theta`` that is not a positive number (with either at or
-below 0 the forward would produce NaN, which would then be sampled as token 0).
+The Llama family (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, SmolLM) shares one decoder:
+RMSNorm, rotary embeddings, grouped-query attention, a SwiGLU MLP. The differences kvlab
+supports are data, not code: biases on q/k/v (Qwen2) are read from the weights when present,
+per-head q/k RMSNorm (Qwen3) is switched on by ``model_type``, the rotary frequencies follow
+``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (older files), and
+sliding-window layers follow ``sliding_window`` with ``layer_types`` (Ministral alternates them
+with full attention; Mistral slides in every layer). Everything else is refused with a message
+that says why, and so is a value the forward could not use: a size that is not a positive
+integer (a string "64" included), an ``rms_norm_eps`` or ``rope_theta`` that is not a positive
+number (with either at or below 0 the forward would produce NaN, which would then be sampled
+as token 0).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from kvlab.capacity.models import ModelSpec
 from kvlab.errors import CheckpointError, KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 #: ``model_type`` values whose decoder is the one ``kvlab.engine.model`` implements.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
+#: ``model_type`` values whose ``sliding_window`` kvlab serves (Qwen's windows follow other rules: refused).
+SLIDING_WINDOW_MODEL_TYPES = ("mistral", "ministral")
 #: Rotary variants kvlab computes exactly as transformers does.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -63,6 +67,20 @@ class DecoderConfig:
     spec: ModelSpec  # the same file read by kvlab.capacity.models, for KV sizing
 
     @property
+    def layer_types(self) -> tuple[str, ...]:
+        """Each layer's attention, ``"full_attention"`` or ``"sliding_attention"`` (``config.json``'s names)."""
+        return self.spec.layer_types
+
+    @property
+    def sliding_window(self) -> int | None:
+        """W: a sliding layer's query at position q sees keys q - W + 1 .. q (None: no sliding layer)."""
+        return self.spec.sliding_window
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of layer ``layer``, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
     def num_queries_per_kv(self) -> int:
         """Query heads that share one KV head (GQA group size)."""
         return self.num_attention_heads // self.num_key_value_heads
@@ -78,10 +96,11 @@ class DecoderConfig:
             raise UnknownNameError("model_type", model_type, SUPPORTED_MODEL_TYPES)
         if cfg.get("hidden_act", "silu") != "silu":
             raise KvlabValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; the SwiGLU MLP needs 'silu'")
-        if _uses_sliding_window(cfg):
+        if _uses_sliding_window(cfg) and model_type not in SLIDING_WINDOW_MODEL_TYPES:
             raise KvlabValueError(
-                f"sliding_window={cfg.get('sliding_window')!r} is set: kvlab's engine implements full attention "
-                "only (set use_sliding_window=false or sliding_window=null to run this checkpoint)"
+                f"sliding_window={cfg.get('sliding_window')!r} is set: kvlab's engine serves sliding windows for "
+                f"{', '.join(SLIDING_WINDOW_MODEL_TYPES)} only (set use_sliding_window=false or sliding_window=null "
+                "to run this checkpoint with full attention)"
             )
 
         def need(key: str) -> int:

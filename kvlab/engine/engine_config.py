@@ -113,6 +113,7 @@ class EngineConfig:
     kv_cache_metrics: bool = False                  # ObservabilityConfig.kv_cache_metrics
     kv_cache_metrics_sample: float = 1.0            # ObservabilityConfig.kv_cache_metrics_sample
     keep_logits: bool = False                       # kvlab: keep each sampled row of logits
+    disable_hybrid_kv_cache_manager: bool = False   # SchedulerConfig.disable_hybrid_kv_cache_manager
     device: Any = None                              # DeviceConfig.device: "cpu", "cuda", or where the kernels run
     model_config: DecoderConfig = dataclasses.field(init=False, repr=False)
     scheduler_config: SchedulerConfig = dataclasses.field(init=False, repr=False)
@@ -136,6 +137,15 @@ class EngineConfig:
                                                        self.max_model_len, self.preemption_mode))
         if self.scheduler_config.needs_cpu_tier and not self.cpu_offload_blocks:
             raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: set cpu_offload_blocks")
+        if self.cpu_offload_blocks and self.hybrid_kv_cache:
+            raise KvlabValueError("cpu_offload_blocks: kvlab's CPU tier copies one block table per request, and this "
+                                  "model's sliding-window layers get KV cache groups of their own; set "
+                                  "disable_hybrid_kv_cache_manager=True to offload it")
+
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        """Whether the model's sliding-window layers get KV cache groups of their own (vLLM's default)."""
+        return bool(self.model_config.spec.num_sliding_layers) and not self.disable_hybrid_kv_cache_manager
 
     def _check_arguments(self) -> None:
         """The checks that need no file: types, ranges, and arguments that exclude each other."""
@@ -152,5 +162,5 @@ class EngineConfig:
             positive_number("kv_cache_memory_gib", self.kv_cache_memory_gib)
         non_negative_int("cpu_offload_blocks", self.cpu_offload_blocks)
         fraction_in_unit_interval("kv_cache_metrics_sample", self.kv_cache_metrics_sample)
-        for name in ("enable_prefix_caching", "kv_cache_metrics", "keep_logits"):
+        for name in ("enable_prefix_caching", "kv_cache_metrics", "keep_logits", "disable_hybrid_kv_cache_manager"):
             _flag(name, getattr(self, name))

@@ -6,6 +6,13 @@ in ``vllm/v1/worker/gpu_worker.py``), cuts it into blocks (``get_kv_cache_config
 (``GPUModelRunner.initialize_kv_cache``). kvlab does not profile: the pool is a block count, a
 memory budget (``kvlab.capacity.budget`` cuts it), or by default what ``max_num_seqs`` requests
 of ``max_model_len`` tokens need, within ``DEFAULT_KV_CACHE_MEMORY_GIB``.
+
+A model with sliding-window layers gets vLLM's KV cache groups (``kv_cache_groups``,
+``kvlab.capacity.hybrid``): every group has the same number of layers, and the groups share
+the tensors, layer slot by layer slot, as vLLM's do, since a block id belongs to one group at a
+time. So the pool holds ``layers_per_group`` K and V tensors, not one per layer, and a block
+costs that many pages. ``disable_hybrid_kv_cache_manager`` gives every layer full attention's
+allocation instead (one group, one tensor per layer), while the layers still attend in windows.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ import os
 import torch
 
 from kvlab.capacity.budget import KVCachePlan, plan_kv_cache
+from kvlab.capacity.hybrid import HybridKVCachePlan, get_kv_cache_groups, layer_specs, plan_hybrid_kv_cache
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.engine.engine_config import EngineConfig
 from kvlab.errors import KvlabValueError
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from kvlab.units import GiB, cdiv
 
 _SIZING_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -36,10 +45,38 @@ def _device_memory_gib(device: torch.device) -> float:
         return 16.0
 
 
-def plan_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int) -> KVCachePlan:
-    """How many blocks the pool gets: ``num_gpu_blocks``, or what ``kv_cache_memory_gib`` buys, or by default
-    room for ``max_num_seqs`` requests of ``max_model_len`` tokens within ``DEFAULT_KV_CACHE_MEMORY_GIB``."""
+def kv_cache_groups(config: EngineConfig, cache_dtype: torch.dtype) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's KV cache groups: vLLM's grouping of its layers, or one full-attention group for all of them
+    (a model without sliding windows, or ``disable_hybrid_kv_cache_manager``)."""
     spec, block_size = config.model_config.spec, config.block_size
+    specs = layer_specs(spec, block_size, _SIZING_NAMES[cache_dtype])
+    if config.disable_hybrid_kv_cache_manager or not spec.num_sliding_layers:
+        page = next(iter(specs.values())).page_size_bytes
+        return (KVCacheGroupSpec(tuple(specs), FullAttentionSpec(block_size, page)),)
+    return get_kv_cache_groups(specs)
+
+
+def layer_groups(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[list[int], list[int]]:
+    """Per layer: its group, and its slot in the group (the slot picks the tensors it shares with other groups)."""
+    group_of, slot_of = {}, {}
+    for g, group in enumerate(groups):
+        for slot, name in enumerate(group.layer_names):
+            layer = int(name.split(".")[2])
+            group_of[layer], slot_of[layer] = g, slot
+    return [group_of[i] for i in range(len(group_of))], [slot_of[i] for i in range(len(slot_of))]
+
+
+def plan_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int,
+              groups: tuple[KVCacheGroupSpec, ...] | None = None) -> KVCachePlan | HybridKVCachePlan:
+    """How many blocks the pool gets: ``num_gpu_blocks``, or what ``kv_cache_memory_gib`` buys, or by default
+    room for ``max_num_seqs`` requests of ``max_model_len`` tokens within ``DEFAULT_KV_CACHE_MEMORY_GIB``.
+
+    With KV cache groups of sliding windows (``groups``) the plan is ``plan_hybrid_kv_cache``'s, counted for
+    kvlab's synchronous scheduler: one batch of ``max_num_batched_tokens`` in flight."""
+    spec, block_size = config.model_config.spec, config.block_size
+    hybrid = groups is not None and any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
+    if hybrid:
+        return _plan_hybrid_pool(config, cache_dtype, weights_bytes, groups)  # type: ignore[arg-type]
     per_block = kv_bytes_per_token(spec, _SIZING_NAMES[cache_dtype]) * block_size
     num_gpu_blocks, memory_gib = config.num_gpu_blocks, config.kv_cache_memory_gib
     if num_gpu_blocks is None and memory_gib is None:
@@ -60,12 +97,47 @@ def plan_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int
     return plan
 
 
-def allocate_kv_caches(config: EngineConfig, num_blocks: int, dtype: torch.dtype
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed K and one V tensor per layer, each ``[num_blocks, block_size, num_kv_heads, head_size]``."""
+def _plan_hybrid_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int,
+                      groups: tuple[KVCacheGroupSpec, ...]) -> HybridKVCachePlan:
+    """``plan_pool`` for KV cache groups: a block is ``layers_per_group`` pages; the default counts each group."""
+    in_flight = config.max_num_batched_tokens
+    layers_per_group = max(len(g.layer_names) for g in groups)
+    per_block = layers_per_group * groups[0].kv_cache_spec.page_size_bytes
+    num_gpu_blocks, memory_gib = config.num_gpu_blocks, config.kv_cache_memory_gib
+    if num_gpu_blocks is None and memory_gib is None:
+        per_request = sum(g.kv_cache_spec.max_num_blocks_per_request(config.max_model_len, in_flight) for g in groups)
+        wanted = 1 + config.max_num_seqs * per_request
+        num_gpu_blocks = max(2, min(wanted, int(DEFAULT_KV_CACHE_MEMORY_GIB * GiB) // per_block))
+    if num_gpu_blocks is not None:
+        memory_gib = num_gpu_blocks * per_block / GiB
+    plan = plan_hybrid_kv_cache(
+        config.model_config.spec, max_model_len=config.max_model_len, block_size=config.block_size,
+        kv_dtype=_SIZING_NAMES[cache_dtype], max_num_batched_tokens=in_flight, async_scheduling=False,
+        gpu_memory_gib=_device_memory_gib(config.device), weights_gib=weights_bytes / GiB,
+        kv_cache_memory_gib=memory_gib)
+    assert plan.kv_cache_groups == groups
+    if plan.num_blocks < 2:
+        raise KvlabValueError(f"the KV pool would hold {plan.num_blocks} block(s) of {per_block} bytes; it needs at "
+                              "least 2 (block 0 is the null block): raise num_gpu_blocks or kv_cache_memory_gib")
+    return plan
+
+
+def allocate_kv_caches(config: EngineConfig, num_blocks: int, dtype: torch.dtype,
+                       groups: tuple[KVCacheGroupSpec, ...] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed K and V tensors, each ``[num_blocks, block_size, num_kv_heads, head_size]``, listed per layer.
+
+    One pair per layer; with KV cache ``groups``, one pair per layer slot of a group, which layer
+    ``j`` of every group shares (vLLM's ``KVCacheTensor(shared_by=...)``): ``kv_caches[i]`` of two
+    layers in different groups may be the same tensors.
+    """
     model = config.model_config
     shape = (num_blocks, config.block_size, model.num_key_value_heads, model.head_dim)
+
     def zeros() -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=config.device)
 
-    return [(zeros(), zeros()) for _ in range(model.num_hidden_layers)]  # per layer: (K, V)
+    if groups is None:
+        return [(zeros(), zeros()) for _ in range(model.num_hidden_layers)]  # per layer: (K, V)
+    _, slots = layer_groups(groups)
+    shared = [(zeros(), zeros()) for _ in range(max(len(g.layer_names) for g in groups))]
+    return [shared[slot] for slot in slots]

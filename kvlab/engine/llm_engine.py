@@ -25,11 +25,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvlab.capacity.budget import KVCachePlan
+from kvlab.capacity.hybrid import HybridKVCachePlan
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector
 from kvlab.core.request import RequestStatus
-from kvlab.core.sched.config import check_request_fits
 from kvlab.core.sched.loop import step
 from kvlab.core.sched.output import (
     GenerationRequest,
@@ -42,7 +42,7 @@ from kvlab.core.sched.output import (
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches
-from kvlab.engine.kv_pool import allocate_kv_caches, plan_pool
+from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_groups, layer_groups, plan_pool
 from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
@@ -86,14 +86,19 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - started
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or next(self.model.parameters()).dtype
-        # 4. Pool plan: how many blocks, from a count, a memory budget, or the default.
-        self.plan: KVCachePlan = plan_pool(config, self.cache_dtype, self.weights_bytes)
+        # 4. Pool plan: the KV cache groups (sliding-window layers apart), and how many blocks, from a count,
+        #    a memory budget, or the default.
+        self.kv_cache_groups = kv_cache_groups(config, self.cache_dtype)
+        self.plan: KVCachePlan | HybridKVCachePlan = plan_pool(config, self.cache_dtype, self.weights_bytes,
+                                                               self.kv_cache_groups)
         self.num_gpu_blocks, self.bytes_per_block = self.plan.num_blocks, self.plan.bytes_per_block
-        # 5. Tensors: per layer one K and one V cache, [num_blocks, block_size, num_kv_heads, head_size].
-        self.kv_caches = allocate_kv_caches(config, self.num_gpu_blocks, self.cache_dtype)
-        # 6. Manager: the block pool and prefix cache, and vLLM's --kv-cache-metrics on its blocks.
+        # 5. Tensors: per layer one K and one V cache, [num_blocks, block_size, num_kv_heads, head_size]
+        #    (with several groups, layer j of every group shares one pair).
+        self.kv_caches = allocate_kv_caches(config, self.num_gpu_blocks, self.cache_dtype, self.kv_cache_groups)
+        # 6. Manager: the block pool and prefix cache (a manager per group), and vLLM's --kv-cache-metrics.
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, config.block_size,
-                                               enable_caching=config.enable_prefix_caching)
+                                               enable_caching=config.enable_prefix_caching,
+                                               kv_cache_groups=self.kv_cache_groups)
         self.kv_cache_metrics = (KVCacheMetricsCollector(config.kv_cache_metrics_sample)
                                  if config.kv_cache_metrics else None)
         self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
@@ -107,7 +112,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, **dataclasses.asdict(config.scheduler_config),
                                    connector=self.connector)
         # 9. Executor: the model runner, behind the CPU tier's copies when there is one.
-        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits)
+        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits,
+                                        layer_groups=layer_groups(self.kv_cache_groups)[0])
         self.executor = (self.model_runner if self.connector is None else
                          OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
         # What the engine has served: metrics, per-step history, and each request's tokens and end.
@@ -126,8 +132,9 @@ class LLMEngine:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of all K and V tensors (what ``kv_cache_dtype`` halves or quarters)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+        """Bytes of all K and V tensors (what ``kv_cache_dtype`` halves or quarters; shared tensors count once)."""
+        unique = {id(k): (k, v) for k, v in self.kv_caches}.values()
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in unique)
 
     def startup_log(self) -> list[str]:
         """The start-up lines a vLLM user reads: weights, KV cache size, maximum concurrency."""
@@ -169,7 +176,7 @@ class LLMEngine:
             raise RequestStateError(f"request id {request_id!r} was used already")
         request = GenerationRequest(request_id, self.encode(prompt), params, eos_token_id=self.config.eos_token_id,
                                     cache_salt=cache_salt)
-        check_request_fits(request, self.max_model_len, self.scheduler.num_usable_blocks, self.block_size)
+        self.scheduler.check_admissible(request)
         return request
 
     def add_request(

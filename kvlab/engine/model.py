@@ -14,7 +14,7 @@ belongs to. No layer ever sees a padded ``[batch, seq]`` tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,7 +60,8 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Project to q, k, v; (Qwen3: normalise each head); rotate; paged attention; project out."""
 
-    def __init__(self, config: DecoderConfig, qkv_bias: bool = False, o_bias: bool = False) -> None:
+    def __init__(self, config: DecoderConfig, qkv_bias: bool = False, o_bias: bool = False,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -73,7 +74,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, self.head_dim)
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5,
+                              sliding_window=sliding_window)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
@@ -92,10 +94,11 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
 
-    def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+    def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, mlp_bias)
 
@@ -109,13 +112,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, the decoder layers (layer ``i`` owns ``kv_caches[i]``), final norm."""
+    """Embedding, the decoder layers (layer ``i`` owns ``kv_caches[i]``), final norm.
+
+    Layer ``i`` slides if ``config.layer_types[i]`` says so (Mistral, Ministral). The attention
+    metadata is one for every layer, or one per layer: a hybrid model's groups have block tables
+    of their own, so a layer reads its group's (the runner hands each layer its group's metadata).
+    """
 
     def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias, config.layer_sliding_window(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -124,13 +133,18 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | Sequence[AttentionMetadata],
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         if len(kv_caches) != len(self.layers):
             raise KvlabValueError(f"kv_caches has {len(kv_caches)} entries; the model has {len(self.layers)} layers")
+        per_layer = [attn_metadata] * len(self.layers) if isinstance(attn_metadata, AttentionMetadata) else \
+            list(attn_metadata)
+        if len(per_layer) != len(self.layers):
+            raise KvlabValueError(f"attn_metadata has {len(per_layer)} entries; the model has {len(self.layers)} "
+                                  "layers")
         hidden_states = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
+        for layer, kv_cache, metadata in zip(self.layers, kv_caches, per_layer, strict=True):
+            hidden_states = layer(positions, hidden_states, kv_cache, metadata)
         return self.norm(hidden_states)
 
 
@@ -148,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Embedding(config.vocab_size, config.hidden_size)  # only .weight is used
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` of the flat batch; K/V are written to ``kv_caches``."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 

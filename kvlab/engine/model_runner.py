@@ -27,35 +27,45 @@ from kvlab.errors import KvlabValueError, RequestFailedError
 
 def prepare_inputs(
     scheduler_output: SchedulerOutput, block_size: int, device: str | torch.device = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | tuple[AttentionMetadata, ...]]:
     """``input_ids [num_tokens]``, ``positions [num_tokens]`` and the attention metadata of a step, on ``device``.
 
     Token ``j`` of request ``i`` sits at position ``num_computed_tokens + j`` and its K/V go to
     ``slot_mapping`` of that position through the request's block table. Block-table rows
-    are padded with block 0, the null block, which no kernel reads past ``seq_lens``.
+    are padded with block 0, the null block, which no kernel reads past ``seq_lens``. With
+    several KV cache groups each has its own block tables, hence its own ``slot_mapping`` and
+    ``block_table``: the metadata is then one per group (``seq_lens`` and ``query_start_loc`` shared).
     """
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[int] = []
     seq_lens: list[int] = []
     query_start_loc = [0]
+    num_groups = len(scheduler_output.scheduled[0].block_tables)
+    slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
     for s in scheduler_output.scheduled:
         step_positions = range(s.num_computed_tokens, s.num_computed_tokens + s.num_tokens)
         input_ids += s.token_ids
         positions += step_positions
-        slot_mapping += compute_slot_mapping(s.block_ids, block_size, step_positions)
+        for slots, table in zip(slot_mappings, s.block_tables, strict=True):
+            slots += compute_slot_mapping(table, block_size, step_positions)
         seq_lens.append(s.num_computed_tokens + s.num_tokens)
         query_start_loc.append(query_start_loc[-1] + s.num_tokens)
-    width = max(len(s.block_ids) for s in scheduler_output.scheduled)
-    block_table = [list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in scheduler_output.scheduled]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),  # [num_tokens]
-        block_table=torch.tensor(block_table, dtype=torch.int32, device=device),  # [num_seqs, max_blocks_per_seq]
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),  # [num_seqs]
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),  # [num_seqs + 1]
-    )
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)  # [num_seqs]
+    query_start_loc_t = torch.tensor(query_start_loc, dtype=torch.int32, device=device)  # [num_seqs + 1]
+    metadata = []
+    for g, slots in enumerate(slot_mappings):
+        tables = [s.block_tables[g] for s in scheduler_output.scheduled]
+        width = max(len(t) for t in tables)
+        metadata.append(AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),  # [num_tokens]
+            block_table=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                     device=device),  # [num_seqs, max_blocks_per_seq]
+            seq_lens=seq_lens_t,
+            query_start_loc=query_start_loc_t,
+        ))
     input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)  # [num_tokens]
-    return input_ids_t, torch.tensor(positions, dtype=torch.int64, device=device), metadata
+    positions_t = torch.tensor(positions, dtype=torch.int64, device=device)  # [num_tokens]
+    return input_ids_t, positions_t, metadata[0] if num_groups == 1 else tuple(metadata)
 
 
 def copy_blocks(kv_caches: Sequence[KVCache], blocks_to_copy: Sequence[BlockCopy]) -> None:
@@ -65,7 +75,8 @@ def copy_blocks(kv_caches: Sequence[KVCache], blocks_to_copy: Sequence[BlockCopy
     device = kv_caches[0][0].device
     src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64, device=device)
     dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64, device=device)
-    for key_cache, value_cache in kv_caches:  # each [num_blocks, block_size, num_kv_heads, head_size]
+    unique = {id(pair[0]): pair for pair in kv_caches}.values()  # a hybrid model's groups share tensors
+    for key_cache, value_cache in unique:  # each [num_blocks, block_size, num_kv_heads, head_size]
         key_cache[dst] = key_cache[src]
         value_cache[dst] = value_cache[src]
 
@@ -82,13 +93,15 @@ class ModelRunner:
     every step (smaller tiles: short contexts span several), and ``decode_kv_splits`` forces the
     split count of decode-only steps (split-KV, which the automatic choice never uses on a CPU).
     Both may be set on a running engine (``engine.model_runner.kernel_config = ...``); they are
-    handed to every ``Attention`` layer of the model.
+    handed to every ``Attention`` layer of the model. ``layer_groups[i]`` is the KV cache group of
+    layer ``i`` (a hybrid model's: each layer reads its group's block tables); by default one group.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
                  keep_logits: bool = False, kernel_config: kernels.KernelConfig | None = None,
-                 decode_kv_splits: int | None = None) -> None:
+                 decode_kv_splits: int | None = None, layer_groups: Sequence[int] | None = None) -> None:
         self.model = model
+        self.layer_groups = None if layer_groups is None else tuple(layer_groups)
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
         self.block_size = block_size
@@ -134,8 +147,11 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return ModelRunnerOutput({})
         input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size, self.device)
-        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden_states[metadata.logits_indices])  # [num_seqs, vocab]
+        per_layer = metadata if isinstance(metadata, AttentionMetadata) else \
+            [metadata[g] for g in self.layer_groups or [0] * len(self.kv_caches)]
+        first = metadata if isinstance(metadata, AttentionMetadata) else metadata[0]
+        hidden_states = self.model(input_ids, positions, self.kv_caches, per_layer)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden_states[first.logits_indices])  # [num_seqs, vocab]
         sampled: dict[str, int] = {}
         errors: dict[str, BaseException] = {}  # requests that cannot be sampled; the others go on
         for row, s in zip(logits, scheduler_output.scheduled, strict=True):

@@ -53,15 +53,55 @@ def save_tiny_llama(
     with torch.random.fork_rng():  # seed the init without touching the caller's random state
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+    _sharpen(model, attention_gain, logit_gain)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+#: The tiny hybrid model: ``TINY_LLAMA``'s shapes in four layers, sliding and full attention in turn (Ministral).
+TINY_MINISTRAL_LAYER_TYPES = ("sliding_attention", "full_attention") * 2
+
+
+def save_tiny_ministral(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    sliding_window: int = 16,
+    layer_types: tuple[str, ...] | None = None,
+    attention_gain: float = 8.0,
+    logit_gain: float = 20.0,
+) -> Path:
+    """Write a seeded tiny Ministral (a Mistral whose layers alternate a sliding window with full attention).
+
+    The weights are those ``save_tiny_llama`` would draw for ``TINY_LLAMA``'s shapes with four layers
+    and the same ``seed``, sharpened the same way, so the window matters to the tokens: the same
+    weights saved with every layer full attention (``layer_types``) generate differently once a
+    context is longer than ``sliding_window``.
+    """
+    from transformers import MinistralConfig, MinistralForCausalLM  # heavy import, only when a model is built
+
+    positive_int("sliding_window", sliding_window)
+    types = list(layer_types or TINY_MINISTRAL_LAYER_TYPES)
+    config = MinistralConfig(**{**TINY_LLAMA, "num_hidden_layers": len(types)}, sliding_window=sliding_window,
+                             layer_types=types, bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = MinistralForCausalLM(config)
+    _sharpen(model, positive_number("attention_gain", attention_gain), positive_number("logit_gain", logit_gain))
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+def _sharpen(model: torch.nn.Module, attention_gain: float, logit_gain: float) -> None:
+    """Scale q, k, v and o by ``attention_gain`` and the final norm by ``logit_gain`` (see the module's docstring)."""
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
             for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
                 proj.weight.mul_(attention_gain)
         model.model.norm.weight.mul_(logit_gain)
-    path = Path(path)
-    model.save_pretrained(path)
-    return path
 
 
 def random_token_ids(length: int, seed: int, vocab_size: int = TINY_LLAMA["vocab_size"]) -> list[int]:

@@ -41,3 +41,20 @@ def hf_deepseek(tiny_deepseek_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_deepseek_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_ministral_dir(tmp_path_factory):
+    """A 4-layer Ministral (sliding window of 8 and full attention in turn) written by save_pretrained."""
+    from kvlab.engine.toy import save_tiny_ministral
+
+    return save_tiny_ministral(tmp_path_factory.mktemp("tiny-ministral"), sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def hf_ministral_greedy(tiny_ministral_dir):
+    """transformers' greedy generate on the tiny Ministral: the reference of the hybrid engine tests."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_ministral_dir).eval()
+    return functools.partial(evaluation.hf_greedy, model)

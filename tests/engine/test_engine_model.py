@@ -68,12 +68,22 @@ def test_rotary_frequencies_equal_transformers(rope):
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, UnknownNameError, "rope_type"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6}}, MissingConfigKeyError, "factor"),
     ({"hidden_act": "gelu"}, KvlabValueError, "hidden_act"),
-    ({"model_type": "mistral", "sliding_window": 4096}, KvlabValueError, "sliding_window"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, KvlabValueError,
+     "sliding_window"),
 ])
 def test_architectures_kvlab_cannot_run_are_refused_by_name(tiny_llama_dir, change, error, words):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     with pytest.raises(error, match=words):
         DecoderConfig.from_dict({**config, **change})
+
+
+def test_mistral_and_ministral_windows_are_read_layer_by_layer(tiny_llama_dir):
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    mistral = DecoderConfig.from_dict({**config, "model_type": "mistral", "sliding_window": 64})
+    assert mistral.layer_types == ("sliding_attention",) * 2 and mistral.layer_sliding_window(1) == 64
+    ministral = DecoderConfig.from_dict({**config, "model_type": "ministral", "sliding_window": 8,
+                                         "layer_types": ["sliding_attention", "full_attention"]})
+    assert (ministral.layer_sliding_window(0), ministral.layer_sliding_window(1)) == (8, None)
 
 
 def test_a_qwen2_config_with_its_window_switched_off_is_accepted(tiny_llama_dir):

@@ -17,7 +17,7 @@ pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM 0.33.0 is not 
 from traces import Config, generate, run_trace  # noqa: E402
 from twin import HASH_FUNCTIONS, Divergence, Twin  # noqa: E402
 
-import kvlab.core.kv_cache_manager as kvlab_manager  # noqa: E402
+import kvlab.core.single_type_kv_cache_manager as single_type  # noqa: E402
 from kvlab.core.block_pool import BlockPool  # noqa: E402
 from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue  # noqa: E402
 from kvlab.errors import KvlabError  # noqa: E402
@@ -146,6 +146,47 @@ def test_caching_off_places_every_freed_block_at_the_head_and_reports_no_evictio
     assert not any(call[0] == "evicted" for call in t.v_rec.calls)
 
 
+def test_a_sliding_window_frees_what_slid_out_and_hits_through_the_free_queue():
+    t = Twin(30, 4, groups=(8, "full"))
+    t.add("a", list(range(20)))
+    assert t.admit("a", 20)
+    for _ in range(6):
+        t.run("a", 1)
+    assert t.k.get_block_ids("a")[0][:4] == [0, 0, 0, 0]  # the null block where the window left
+    t.add("b", list(range(20)) + [99] * 5)
+    hits, _, hit = t.lookup("b")
+    assert hit == 20 and [b.is_null for b in hits.blocks[0]] == [True] * 3 + [False] * 2
+    assert t.admit("b", 5)
+    t.finish("a")
+    t.finish("b")
+
+
+def test_the_hybrid_hit_is_where_both_kinds_agree():
+    t = Twin(40, 4, groups=(8, "full"))
+    t.add("a", list(range(41)))
+    assert t.admit("a", 41)
+    sliding = t.k.get_blocks("a")[0]
+    t.k.block_pool.evict_blocks([sliding[8].block_id])
+    t.v.block_pool.evict_blocks([sliding[8].block_id])
+    t._done("evict the window's block 8")
+    t.add("b", list(range(41)) + [7])
+    assert t.lookup("b")[2] == 32  # the third value, vLLM's shared-prefix boundary (40), is compared too
+    assert t.admit("b", 10)
+
+
+def test_three_groups_two_windows_agree_by_a_fixed_point():
+    t = Twin(100, 4, groups=(4, 12, "full"))
+    t.add("a", list(range(49)))
+    assert t.admit("a", 49)
+    small, large, _ = t.k.get_blocks("a")
+    for pool in (t.k.block_pool, t.v.block_pool):
+        pool.evict_blocks([large[10].block_id, small[9].block_id, large[6].block_id])
+    t._done("evict three window blocks")
+    t.add("b", list(range(49)))
+    assert t.lookup("b")[2] == 24
+    assert t.admit("b", 1000)
+
+
 def test_vllm_033_tags_its_extra_keys_as_the_ported_tests_expect():
     """tests/test_vllm_ported.py expects tagged keys where the stored vLLM test revisions still had bare ones."""
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
@@ -167,9 +208,14 @@ CONFIGS = [
     Config(30, 16, hash_block_size=4), Config(12, 16, hash_block_size=8), Config(60, 16, "xxhash_cbor",
                                                                                   hash_block_size=4),
     Config(60, 16, watermark=0.1),
+    # hybrid models: sliding-window groups beside full attention (and one sliding group alone)
+    Config(24, 4, groups=(8, "full")), Config(40, 4, groups=("full", 5)), Config(60, 16, groups=(32, "full")),
+    Config(40, 4, groups=(4, 13, "full")), Config(24, 4, groups=(6,)), Config(16, 4, enable_caching=False,
+                                                                            groups=(8, "full")),
+    Config(40, 4, "xxhash", groups=(8, "full")), Config(60, 4, watermark=0.1, groups=(3, "full")),
 ]
 SEEDS = range(6)
-OPS = 1000  # 17 configurations x 6 seeds x 1000 = 102,000 compared operations
+OPS = 1000  # 25 configurations x 6 seeds x 1000 = 150,000 compared operations
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
@@ -186,24 +232,21 @@ def _lru_broken(monkeypatch):  # cached blocks freed to the head: the LRU order 
 
 
 def _last_token_hits(monkeypatch):  # a fully cached prompt no longer recomputes its last block
-    original = kvlab_manager.find_longest_cache_hit
-    monkeypatch.setattr(kvlab_manager, "find_longest_cache_hit",
+    original = single_type.find_longest_cache_hit
+    monkeypatch.setattr(single_type, "find_longest_cache_hit",
                         lambda hashes, limit, bs, get: original(hashes, limit + 1, bs, get))
 
 
 def _free_in_table_order(monkeypatch):  # a request's blocks freed head first, not tail first
-    def free(self, request):
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(blocks)
-        self.num_cached_block.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
-    monkeypatch.setattr(kvlab_manager.KVCacheManager, "free", free)
+    def free(self, request_id):
+        self.block_pool.free_blocks(self.pop_blocks_for_free(request_id))
+    monkeypatch.setattr(single_type.SingleTypeKVCacheManager, "free", free)
 
 
 def _free_hits_not_counted(monkeypatch):  # hits waiting in the free queue are not counted against free blocks
-    original = kvlab_manager.KVCacheManager._num_blocks_to_allocate
-    monkeypatch.setattr(kvlab_manager.KVCacheManager, "_num_blocks_to_allocate",
-                        lambda self, held, n, computed, partial: original(self, held, n, [], partial))
+    original = single_type.SingleTypeKVCacheManager.get_num_blocks_to_allocate
+    monkeypatch.setattr(single_type.SingleTypeKVCacheManager, "get_num_blocks_to_allocate",
+                        lambda self, rid, n, computed, *args, **kw: original(self, rid, n, [], *args, **kw))
 
 
 def _eviction_keeps_index(monkeypatch):  # an evicted block's hash stays in the index: stale hits

@@ -20,10 +20,11 @@ class Config:
     hash_block_size: int | None = None
     seed: str | None = None
     watermark: float = 0.0
+    groups: tuple = ("full",)  # a hybrid model's KV cache groups: "full" or a sliding window's size each
 
     def twin(self) -> Twin:
         return Twin(self.num_blocks, self.block_size, self.enable_caching, self.hash_fn, self.hash_block_size,
-                    self.seed, watermark=self.watermark)
+                    self.seed, watermark=self.watermark, groups=self.groups)
 
 
 def generate(config: Config, rng: random.Random, num_ops: int, twin: Twin | None = None) -> tuple[list[tuple], Twin]:

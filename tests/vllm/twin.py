@@ -6,7 +6,10 @@ block hasher, ``init_none_hash`` for the chain's seed. For hashes finer than blo
 (``hash_block_size`` < ``block_size``, the partial hits with copy-on-write), 0.33.0 uses its
 ``HybridKVCacheCoordinator`` (it turns partial hits on only beside a Mamba "align" group); the
 twin builds that coordinator for the one full-attention group and turns them on, so both
-sides run the same ``FullAttentionManager`` code path.
+sides run the same ``FullAttentionManager`` code path. ``groups`` gives a hybrid model's KV cache
+groups instead (``"full"`` or a sliding window's size W per group): both sides then build their
+``HybridKVCacheCoordinator`` over ``SlidingWindowSpec`` and ``FullAttentionSpec`` groups, and every
+block table, hit and allocation is compared group by group, keys (hash + group id) byte for byte.
 
 An operation that does not apply to the current state (a request that is not waiting, say)
 is skipped on both sides, so a trace stays valid when a shrinker drops some of its steps.
@@ -30,12 +33,14 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils import hashing as vllm_hashing
 from vllm.v1.core import kv_cache_utils as vllm_utils
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus as VllmStatus
 
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import MultiModalFeatureSpec, PlaceholderRange, Request, RequestStatus
+from kvlab.kv_cache_interface import FullAttentionSpec as KFullAttentionSpec
+from kvlab.kv_cache_interface import SlidingWindowSpec as KSlidingWindowSpec
 
 HASH_FUNCTIONS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 logging.getLogger("vllm").setLevel(logging.ERROR)  # its warnings (a refused reset, a random seed) are expected here
@@ -100,16 +105,20 @@ class Twin:
     seed: str | None = None  # PYTHONHASHSEED for both (None: vLLM 0.33.0's default rule)
     max_model_len: int = 8192
     watermark: float = 0.0
+    groups: tuple = ("full",)  # per KV cache group: "full", or a sliding window's size
     ops: int = 0
     pairs: dict[str, Pair] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.hbs = self.hash_block_size or self.block_size
         self.num_copies = 0  # partial-hit copies seen (both sides agreed on each)
+        self.keyed = len(self.groups) > 1  # several groups: keys carry the group id on both sides
         self.k_rec, self.v_rec = Recorder(), Recorder()
+        k_specs = [KFullAttentionSpec(self.block_size) if g == "full" else
+                   KSlidingWindowSpec(self.block_size, sliding_window=g) for g in self.groups]
         self.k = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching, self.hash_fn,
                                 hash_seed=self.seed, hash_block_size=self.hbs, max_model_len=self.max_model_len,
-                                watermark=self.watermark, metrics_collector=self.k_rec)
+                                watermark=self.watermark, metrics_collector=self.k_rec, kv_cache_groups=k_specs)
         self.v_fn = vllm_hashing.get_hash_fn_by_name(self.hash_fn)
         with python_hash_seed(self.seed):
             vllm_utils.init_none_hash(self.v_fn)
@@ -118,9 +127,10 @@ class Twin:
         self.exact_hashes = self.k.none_hash == vllm_utils.NONE_HASH
         self.k_to_v: dict[bytes, bytes] = {}
         self.v_to_k: dict[bytes, bytes] = {}
+        shape = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         config = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-            ["layer"], FullAttentionSpec(block_size=self.block_size, num_kv_heads=1, head_size=1,
-                                         dtype=torch.float32))])
+            [f"layer{i}"], FullAttentionSpec(**shape) if g == "full" else SlidingWindowSpec(**shape, sliding_window=g))
+            for i, g in enumerate(self.groups)])
         with self._fine_grained_coordinator():
             self.v = vllm_kv_cache_manager.KVCacheManager(
                 config, max_model_len=self.max_model_len, scheduler_block_size=self.block_size,
@@ -173,7 +183,8 @@ class Twin:
         pair = self.pairs[rid]
         k_hits, k_n, k_b = self.k.get_computed_blocks(pair.k, max_cache_hit_length)
         v_hits, v_n, v_b = self.v.get_computed_blocks(pair.v, max_cache_hit_length)
-        self._same("hit blocks", [b.block_id for b in k_hits], v_hits.get_block_ids()[0])
+        k_ids = k_hits.get_block_ids() if self.keyed else ([b.block_id for b in k_hits],)
+        self._same("hit blocks", k_ids, v_hits.get_block_ids())
         self._same("hit tokens", (k_n, k_b), (v_n, v_b))
         return k_hits, v_hits, k_n
 
@@ -274,8 +285,8 @@ class Twin:
         self.v.block_pool.free_blocks(v_retained)
 
     def _same_allocation(self, k_new, v_new) -> None:
-        self._same("allocation", None if k_new is None else [b.block_id for b in k_new],
-                   None if v_new is None else v_new.get_block_ids()[0])
+        k_ids = None if k_new is None else k_new.get_block_ids() if self.keyed else ([b.block_id for b in k_new],)
+        self._same("allocation", k_ids, None if v_new is None else v_new.get_block_ids())
 
     def _done(self, what: str) -> None:
         self.ops += 1
@@ -292,7 +303,7 @@ class Twin:
             raise Divergence(f"after {self.ops} operations: hash {k_hash!r} against vLLM key {v_key!r}")
         if k_hash is None:
             return
-        v_hash = vllm_utils.get_block_hash(v_key) if len(v_key) == len(k_hash) + 4 else v_key
+        v_hash = vllm_utils.get_block_hash(v_key) if len(v_key) == len(k_hash) + 4 else v_key  # kvlab: bare
         if self.exact_hashes:
             self._same("hash bytes", k_hash, v_hash)
         elif self.k_to_v.setdefault(k_hash, v_hash) != v_hash or self.v_to_k.setdefault(v_hash, k_hash) != k_hash:
@@ -303,8 +314,9 @@ class Twin:
         kp, vp = self.k.block_pool, self.v.block_pool
         try:
             for rid, pair in self.pairs.items():  # first: every hash a block or the index can hold comes from here
-                k_ids = self.k.get_block_ids(rid) if rid in self.k.req_to_blocks else []
-                self._same(f"block table of {rid}", k_ids, self.v.get_block_ids(rid)[0])
+                k_ids = self.k.get_block_ids_per_group(rid) if rid in self.k.req_to_blocks else \
+                    tuple([] for _ in self.groups)
+                self._same(f"block tables of {rid}", k_ids, self.v.get_block_ids(rid))
                 if pair.k._hasher_owner is None:  # kvlab hashes at the first lookup, vLLM at construction
                     continue
                 self._same(f"hash count of {rid}", len(pair.k.block_hashes), len(pair.v.block_hashes))
@@ -338,11 +350,11 @@ class Twin:
         self._same("index size", len(k_index), len(v_index))
         by_v = {}
         for key, ids in v_index.items():
-            by_v[vllm_utils.get_block_hash(key)] = ids
+            by_v[key if self.keyed else vllm_utils.get_block_hash(key)] = ids
         for k_hash, ids in k_index.items():
             v_hash = k_hash if self.exact_hashes else self.k_to_v.get(k_hash)
             self._same(f"index entry {k_hash[:4].hex()}", ids, by_v.get(v_hash))
-        v_secondary = {i: {vllm_utils.get_block_hash(key) for key in keys}
+        v_secondary = {i: {key if self.keyed else vllm_utils.get_block_hash(key) for key in keys}
                        for i, keys in vp.cached_block_hashes_by_block.items() if keys}
         k_secondary = {i: {h if self.exact_hashes else self.k_to_v.get(h) for h in keys}
                        for i, keys in kp.cached_block_hashes_by_block.items() if keys}

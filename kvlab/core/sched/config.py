@@ -20,6 +20,7 @@ chunked. ``max_num_seqs`` keeps EngineArgs' 256 of most GPUs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from kvlab._validate import one_of, positive_int
 from kvlab.core.request import Request
@@ -61,13 +62,16 @@ class SchedulerConfig:
         return self.preemption_mode == "swap"
 
 
-def check_request_fits(request: Request, max_model_len: int, num_usable_blocks: int, block_size: int) -> None:
+def check_request_fits(request: Request, max_model_len: int, num_usable_blocks: int, block_size: int,
+                       blocks_for: Callable[[int], int] | None = None) -> None:
     """Refuse a request whose prompt passes ``max_model_len``, or whose KV could never fit the whole pool.
 
     A request that needs more blocks than the pool has would, once alone, preempt itself
     forever; vLLM prevents it at start-up by checking ``max_model_len`` against the pool, and
     kvlab checks each request, so a tiny teaching pool can still serve the requests that fit.
-    The last sampled token needs no slot: it is never fed back.
+    The last sampled token needs no slot: it is never fed back. ``blocks_for(tokens)`` counts the blocks
+    a request of ``tokens`` tokens holds at most (``Scheduler.blocks_for``: sliding windows hold fewer);
+    by default ``cdiv(tokens, block_size)``, one group of full attention.
     """
     if request.num_prompt_tokens >= max_model_len:
         raise RequestTooLongError(
@@ -76,7 +80,7 @@ def check_request_fits(request: Request, max_model_len: int, num_usable_blocks: 
         )
     max_tokens = getattr(request, "max_tokens", 1)
     tokens_with_kv = min(request.num_prompt_tokens + max_tokens, max_model_len) - 1
-    needed = cdiv(tokens_with_kv, block_size)
+    needed = cdiv(tokens_with_kv, block_size) if blocks_for is None else blocks_for(tokens_with_kv)
     if needed > num_usable_blocks:
         raise RequestTooLongError(
             f"request {request.request_id!r} needs {needed} blocks of {block_size} tokens for its "

@@ -136,10 +136,17 @@ class ScheduledRequest:
     request_id: str
     token_ids: tuple[int, ...]  # tokens whose KV this step computes
     num_computed_tokens: int  # tokens already cached: the position of token_ids[0]
-    block_ids: tuple[int, ...]  # the request's block table after this step's allocation
+    block_ids: tuple[int, ...]  # the request's block table after this step's allocation (the first group's)
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     sampling_params: SamplingParams
     forked: tuple[tuple[str, SamplingParams], ...] = ()  # children forked now, sampled from the same logits
+    # One block table per KV cache group (vLLM's tuple of lists), block_ids first; () means (block_ids,).
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def block_tables(self) -> tuple[tuple[int, ...], ...]:
+        """The request's block table in every KV cache group (one group: ``(block_ids,)``)."""
+        return self.group_block_ids or (self.block_ids,)
 
     @property
     def num_tokens(self) -> int:

@@ -114,9 +114,27 @@ class Scheduler:
             raise RequestStateError(f"request id {request.request_id!r} is already in use")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise RequestStateError(f"request {request.request_id!r} is {request.status.value}; add a new request")
-        check_request_fits(request, self.max_model_len, self.num_usable_blocks, self.block_size)
+        self.check_admissible(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def check_admissible(self, request: GenerationRequest) -> None:
+        """Refuse a request this scheduler could never run: too long for the pool or ``max_model_len``, or
+        parallel samples (``n > 1``, served by fork) over several KV cache groups, which fork cannot share."""
+        if request.sampling_params.n > 1 and self.kv_cache_manager.num_kv_cache_groups > 1:
+            raise KvlabValueError(
+                f"request {request.request_id!r} asks for n={request.sampling_params.n} samples: kvlab forks them, "
+                "and a fork shares one block table, but this model has several KV cache groups; send n requests")
+        check_request_fits(request, self.max_model_len, self.num_usable_blocks, self.block_size, self.blocks_for)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once, all KV cache groups together.
+
+        Full attention holds every block; a sliding window W at most ``cdiv(W - 1 + budget, block_size) + 1``,
+        where the budget bounds the tokens one step adds (kvlab's scheduler is synchronous: one batch in flight).
+        """
+        return sum(g.kv_cache_spec.max_num_blocks_per_request(num_tokens, self.max_num_scheduled_tokens)
+                   for g in self.kv_cache_manager.kv_cache_groups)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -252,14 +270,16 @@ class Scheduler:
             sample = request.num_computed_tokens == request.num_tokens
             forked = self._fork_children(request) if sample and request.num_pending_forks else ()
             copies += self._pending_copies.pop(request.request_id, [])
+            tables = tuple(tuple(ids) for ids in self.kv_cache_manager.get_block_ids_per_group(request.request_id))
             scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.token_ids(start, start + num_new),
                 num_computed_tokens=start,
-                block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
+                block_ids=tables[0],
                 sample=sample,
                 sampling_params=request.sampling_params.for_sample(0) if forked else request.sampling_params,
                 forked=forked,
+                group_block_ids=tables if len(tables) > 1 else (),
             ))
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -346,7 +366,8 @@ class Scheduler:
         untrusted: set[int] = set()
         failed: dict[str, BaseException] = {}
         for s in scheduler_output.scheduled:
-            untrusted.update(s.block_ids[s.num_computed_tokens // self.block_size:])
+            for table in s.block_tables:
+                untrusted.update(table[s.num_computed_tokens // self.block_size:])
             failed.update(dict.fromkeys((s.request_id, *(child for child, _ in s.forked)), error))
         self.kv_cache_manager.block_pool.evict_blocks(untrusted, notify=False)
         self.finished_req_ids |= scheduler_output.finished_req_ids  # the executor may not have seen them

@@ -1,0 +1,358 @@
+"""Notebook 08's exercises (what a window frees, the hybrid hit, blocks per group, chunked layers) and self-test."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from kvlab.capacity.hybrid import plan_hybrid_kv_cache
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.request import Request
+from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from kvlab.sim.hybrid_hits import hit_walkthrough
+from kvlab.units import cdiv
+
+# ----------------------------------------------------------------- 08.freed_blocks
+
+
+def freed_blocks(num_computed_tokens: int, sliding_window: int, block_size: int) -> list[int]:
+    """Reference, kvlab's SlidingWindowManager: compute the tokens, allocate the next one, read the null blocks."""
+    manager = KVCacheManager(cdiv(num_computed_tokens + 1, block_size) + 2, block_size, hash_seed="08",
+                             kv_cache_groups=[SlidingWindowSpec(block_size, sliding_window=sliding_window)])
+    request = Request("r", [5] * (num_computed_tokens + 1))
+    if num_computed_tokens:
+        manager.allocate_slots(request, num_computed_tokens)
+        request.num_computed_tokens = num_computed_tokens
+    manager.allocate_slots(request, 1)  # frees what the next token's window no longer reaches, then adds its slot
+    return [i for i, block in enumerate(manager.get_blocks("r")) if block.is_null]
+
+
+def _explain_freed(case: Case, expected: Any, actual: Any) -> str | None:
+    computed, window, block_size = case.args
+    if type(actual) not in (list, tuple):
+        return "return the list of logical block indices that are freed (replaced by the null block)"
+    actual = list(actual)
+    fewer = list(range(max(0, computed - window) // block_size))
+    partial = list(range(cdiv(max(0, computed - window + 1), block_size)))
+    if actual == fewer != expected:
+        return ("the window includes the query itself: the token at position p sees p - W + 1 .. p, so W - 1 "
+                "earlier tokens, and everything before p - W + 1 is skipped")
+    if actual == partial != expected:
+        return "a block is freed only when every token in it is outside the window; one still partly inside stays"
+    return None
+
+
+def _random_freed_case(rng: random.Random) -> Case:
+    block_size = rng.choice([2, 4, 16])
+    return Case((rng.randint(0, 12 * block_size), rng.randint(1, 6 * block_size), block_size),
+                probes="a random request, window and block size")
+
+
+register(Exercise(
+    id="08.freed_blocks",
+    title="which blocks a sliding-window layer frees",
+    task=(
+        "A request has `num_computed_tokens` tokens in a sliding-window group of window `sliding_window` (W) and "
+        "`block_size` tokens per block; the query at position p sees keys p - W + 1 .. p. Its next token, at position "
+        "`num_computed_tokens`, is about to be computed. Which of its logical blocks does vLLM's "
+        "`SlidingWindowManager` free (and replace by the null block) first? Return their indices in ascending order."
+    ),
+    signature="def freed_blocks(num_computed_tokens: int, sliding_window: int, block_size: int) -> list:",
+    reference=freed_blocks,
+    edge_cases=[
+        Case((7, 4, 4), probes="the docstring's example: tokens 0..3 are skipped for token 7, one block goes"),
+        Case((6, 4, 4), probes="token 6 still sees token 3, so block 0 stays"),
+        Case((40, 8, 4), probes="40 computed, window 8: token 40 sees 33..40, blocks 0..7 end before 33"),
+        Case((3, 8, 4), probes="shorter than the window: nothing is freed"),
+        Case((0, 4, 4), probes="nothing computed yet"),
+        Case((9, 1, 4), probes="a window of one token: every earlier full block goes"),
+        Case((100, 16, 16), probes="window and block of 16: token 100 sees 85..100, blocks 0..4 go"),
+    ],
+    random_case=_random_freed_case,
+    explain=_explain_freed,
+    hints=[
+        "First count the tokens the next token no longer sees: all positions before p - W + 1, with p the next "
+        "token's position.",
+        "Only whole blocks are freed: a block holding any position the window still reaches stays.",
+        "A count of skipped tokens s frees the blocks that end at or before s: s // block_size of them, from block 0.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 08.hybrid_hit
+
+
+def hybrid_hit(num_prompt_tokens: int, sliding_window: int, block_size: int, evicted_sliding: list[int],
+               evicted_full: list[int]) -> int:
+    """Reference, kvlab's HybridKVCacheCoordinator: the tokens B hits after A's evictions (``hit_walkthrough``)."""
+    return hit_walkthrough(num_prompt_tokens, sliding_window, block_size, tuple(evicted_sliding),
+                           tuple(evicted_full)).hit_tokens
+
+
+def _min_of_alone(num_prompt_tokens, sliding_window, block_size, evicted_sliding, evicted_full) -> int:
+    walk = hit_walkthrough(num_prompt_tokens, sliding_window, block_size, tuple(evicted_sliding), tuple(evicted_full))
+    return min(walk.alone)
+
+
+def _explain_hybrid_hit(case: Case, expected: Any, actual: Any) -> str | None:
+    if type(actual) is not int:
+        return "return a number of tokens (an int)"
+    num_prompt_tokens, _, block_size, evicted_sliding, evicted_full = case.args
+    if actual == _min_of_alone(*case.args) != expected:
+        return ("the smaller of the two kinds' own hits is not always a hit: a window's hit is not downward-closed, "
+                "at a shorter length it needs other blocks, which may be gone. Ask the window again at full "
+                "attention's length")
+    as_full = min([num_prompt_tokens // block_size, *evicted_sliding, *evicted_full]) * block_size
+    if actual == as_full != expected:
+        return "a sliding window needs only the blocks its window reaches, not every block from the start"
+    return None
+
+
+def _random_hit_case(rng: random.Random) -> Case:
+    block_size = rng.choice([2, 4])
+    tokens = rng.randint(3, 16) * block_size + rng.choice([0, 1])
+    blocks = tokens // block_size
+    evicted_sliding = sorted(rng.sample(range(blocks), rng.randint(0, 3)))
+    evicted_full = sorted(rng.sample(range(blocks), rng.randint(0, 1)))
+    return Case((tokens, rng.randint(2, 5 * block_size), block_size, evicted_sliding, evicted_full),
+                probes="a random prompt and evictions")
+
+
+register(Exercise(
+    id="08.hybrid_hit",
+    title="the hybrid prefix hit",
+    task=(
+        "A model has one sliding-window group (window `sliding_window`) and one full-attention group, `block_size` "
+        "tokens per block. Request A computed a prompt of `num_prompt_tokens` tokens; then its logical blocks "
+        "`evicted_sliding` (in the window's group) and `evicted_full` (in full attention's) lost their place in the "
+        "prefix cache. Request B is A's prompt plus one token. How many tokens does B hit? Hits are whole blocks, "
+        "at most B's length minus one, and must be served by both groups."
+    ),
+    signature=("def hybrid_hit(num_prompt_tokens: int, sliding_window: int, block_size: int, evicted_sliding: list, "
+               "evicted_full: list) -> int:"),
+    reference=hybrid_hit,
+    edge_cases=[
+        Case((40, 8, 4, [], []), probes="nothing evicted: B hits A's whole prompt, 40 tokens"),
+        Case((40, 8, 4, [8], []), probes="the window's block 8 is gone: the window needs blocks 6 and 7 at 32"),
+        Case((40, 8, 4, [], [5]), probes="full attention stops at block 5; the window must serve 20 tokens"),
+        Case((40, 8, 4, [8, 3], [6]), probes="full attention offers 24; at 24 the window needs blocks 4 and 5"),
+        Case((40, 8, 4, [4], [6]), probes="at 24 the window's block 4 is gone: it offers blocks 2 and 3, 16 tokens"),
+        Case((41, 20, 4, [1, 7], []), probes="a window of 20 needs 5 blocks in a row; block 7 is gone: 2..6, 28"),
+        Case((12, 3, 4, [0, 1], [2]), probes="full attention offers 8; at 8 the window needs block 1, gone: nothing"),
+    ],
+    random_case=_random_hit_case,
+    explain=_explain_hybrid_hit,
+    hints=[
+        "Each kind has its own rule: full attention needs every block before the hit's end; a window of W needs only "
+        "the cdiv(W - 1, block_size) blocks just before it (or every block, when the hit is shorter than that).",
+        "Start from the longest length B may hit, and let full attention answer first: it can only lower it.",
+        "Then ask the window at that length. If it cannot serve it, it offers a shorter one, which full attention "
+        "accepts too: a full-attention hit stays a hit at any shorter length.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 08.blocks_per_group
+
+
+def blocks_per_group(num_tokens: int, num_hit_tokens: int, sliding_window: int, block_size: int,
+                     hits_are_free: bool) -> list[int]:
+    """Reference, kvlab's managers: free blocks a new request's first allocation takes, [window group, full group]."""
+    specs = [SlidingWindowSpec(block_size, sliding_window=sliding_window), FullAttentionSpec(block_size)]
+    manager = KVCacheManager(2 * cdiv(num_tokens, block_size) + 4, block_size, hash_seed="08", kv_cache_groups=specs)
+    prompt = [(3 * t + 1) % 97 for t in range(num_tokens)]
+    if num_hit_tokens:
+        first = Request("first", prompt[:num_hit_tokens] + [99])
+        manager.allocate_slots(first, num_hit_tokens + 1)
+        if hits_are_free:
+            manager.free(first)
+    request = Request("new", prompt)
+    hits, n, _ = manager.get_computed_blocks(request, max_cache_hit_length=num_hit_tokens)
+    assert n == num_hit_tokens
+    return [m.get_num_blocks_to_allocate("new", num_tokens, hits.blocks[g], n, n)
+            for g, m in enumerate(manager.coordinator.single_type_managers)]
+
+
+def _explain_blocks(case: Case, expected: Any, actual: Any) -> str | None:
+    num_tokens, hit, window, block_size, free = case.args
+    if type(actual) not in (list, tuple) or len(actual) != 2:
+        return "return two numbers: [blocks for the sliding-window group, blocks for the full-attention group]"
+    actual = list(actual)
+    if free and hit and actual == blocks_per_group(num_tokens, hit, window, block_size, False) != expected:
+        return ("a hit block that sits in the free queue (nobody holds it) costs a free block too: taking it out of "
+                "the queue is what keeps it from being evicted")
+    if actual[0] < expected[0]:
+        return ("the window's group needs a slot for every new token of this allocation: blocks are freed only "
+                "behind what is computed, so a prefill in one chunk holds the whole chunk")
+    return None
+
+
+def _random_blocks_case(rng: random.Random) -> Case:
+    block_size = rng.choice([2, 4, 8])
+    num_tokens = rng.randint(2, 20) * block_size + rng.randint(0, block_size - 1)
+    hit = rng.randint(0, (num_tokens - 1) // block_size) * block_size
+    return Case((num_tokens, hit, rng.randint(2, 6 * block_size), block_size, rng.random() < 0.5),
+                probes="a random prompt, hit, window and block size")
+
+
+register(Exercise(
+    id="08.blocks_per_group",
+    title="the blocks a new request takes in each group",
+    task=(
+        "A new request of `num_tokens` prompt tokens hits its first `num_hit_tokens` tokens (a multiple of "
+        "`block_size`) in a model with one sliding-window group (window `sliding_window`) and one full-attention "
+        "group, and asks for slots for its whole prompt in one chunk. The hit blocks are held by a running request, "
+        "or, if `hits_are_free`, sit in the free queue. How many free blocks does its allocation take in each group, "
+        "as vLLM's `get_num_blocks_to_allocate` counts them? Return [window group, full-attention group]."
+    ),
+    signature=("def blocks_per_group(num_tokens: int, num_hit_tokens: int, sliding_window: int, block_size: int, "
+               "hits_are_free: bool) -> list:"),
+    reference=blocks_per_group,
+    edge_cases=[
+        Case((40, 0, 8, 4, False), probes="no hit: both groups need all ten blocks for this chunk"),
+        Case((40, 32, 8, 4, False), probes="32 hit tokens held by another request: two new blocks each"),
+        Case((40, 32, 8, 4, True), probes="the same hit from the free queue: each hit block the group keeps costs one"),
+        Case((41, 24, 4, 4, True), probes="a window of 4 keeps one hit block: it costs one, the others are skipped"),
+        Case((16, 8, 32, 4, True), probes="a window longer than the request keeps every hit block"),
+    ],
+    random_case=_random_blocks_case,
+    explain=_explain_blocks,
+    hints=[
+        "Both groups need a block for every block of tokens the chunk ends at that the hit does not cover.",
+        "Hit blocks that nobody holds sit in the free queue: taking them costs free blocks too. Which hit blocks does "
+        "each group actually take?",
+        "The window's group skips the hit blocks wholly before the next token's window: get_num_skipped_tokens of "
+        "the hit tokens, in whole blocks.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- 08.chunked_local_freed (transfer)
+
+
+def chunked_local_freed(num_computed_tokens: int, attention_chunk_size: int, block_size: int) -> list[int]:
+    """Reference: vLLM's ``ChunkedLocalAttentionManager.get_num_skipped_tokens``, in whole blocks."""
+    skipped = num_computed_tokens // attention_chunk_size * attention_chunk_size
+    return list(range(skipped // block_size))
+
+
+def _explain_chunked(case: Case, expected: Any, actual: Any) -> str | None:
+    computed, chunk, block_size = case.args
+    if type(actual) not in (list, tuple):
+        return "return the list of logical block indices that are freed"
+    if list(actual) == freed_blocks(computed, chunk, block_size) != expected:
+        return ("a chunked layer is not a sliding window: the next token sees the tokens of its own chunk only, "
+                "from the chunk's start, however few they are")
+    if list(actual) == list(range(max(0, computed // chunk - 1) * chunk // block_size)) != expected:
+        return "once a chunk is complete, the next token starts a new chunk and sees none of it"
+    return None
+
+
+def _random_chunked_case(rng: random.Random) -> Case:
+    block_size = rng.choice([2, 4, 16])
+    chunk = block_size * rng.randint(1, 4) + rng.choice([0, 0, 1])
+    return Case((rng.randint(0, 10 * chunk), chunk, block_size), probes="a random request and chunk size")
+
+
+register(Exercise(
+    id="08.chunked_local_freed",
+    title="what a chunked local attention layer frees",
+    task=(
+        "Llama 4 alternates full attention with chunked local attention: the sequence is cut into chunks of "
+        "`attention_chunk_size` tokens, and a token attends only to the tokens of its own chunk up to itself. vLLM "
+        "manages such layers like a sliding window (a `ChunkedLocalAttentionManager`, null blocks for what is "
+        "skipped). A request has `num_computed_tokens` tokens; which of its logical blocks (of `block_size` tokens) "
+        "can be freed before its next token is computed? Return their indices in ascending order."
+    ),
+    signature="def chunked_local_freed(num_computed_tokens: int, attention_chunk_size: int, block_size: int) -> list:",
+    reference=chunked_local_freed,
+    edge_cases=[
+        Case((13, 8, 4), probes="vLLM's example: token 13 is in chunk 8..15, so tokens 0..7 go: two blocks"),
+        Case((8, 8, 4), probes="the first chunk is complete: token 8 starts a new one and sees none of it"),
+        Case((7, 8, 4), probes="token 7 is still in the first chunk: nothing goes"),
+        Case((30, 10, 4), probes="token 30 starts a chunk: 30 tokens go, block 7 (28..31) stays"),
+        Case((100, 16, 16), probes="a chunk of one block"),
+    ],
+    random_case=_random_chunked_case,
+    explain=_explain_chunked,
+    transfer=True,
+    hints=[
+        "Where does the chunk of the next token (position num_computed_tokens) start?",
+        "Every token before that start is invisible to the next token, and to every later one.",
+        "As for a sliding window, only whole blocks are freed: a block holding any position of the current chunk "
+        "stays.",
+    ],
+))
+
+
+# ----------------------------------------------------------------- self-test
+
+
+def _gpt_oss_question() -> dict[str, Any]:
+    plan = plan_hybrid_kv_cache("gpt-oss-20b", max_model_len=131072, gpu_memory_gib=80, kv_cache_memory_gib=40)
+    return {"groups": [len(g.layer_names) for g in plan.kv_cache_groups], "gain": plan.concurrency_gain,
+            "blocks": plan.blocks_per_request, "concurrency": plan.max_concurrency,
+            "full_concurrency": plan.full_attention.max_concurrency}
+
+
+ask(
+    "08.q1",
+    ("gpt-oss-20b (12 layers with a 128-token window, 12 full ones) gets 40 GiB of KV cache, max_model_len 131,072. "
+     "How many more requests of that length fit with vLLM 0.33.0's hybrid manager than with every layer as full "
+     "attention, and why not twice as many?"),
+    _gpt_oss_question,
+    lambda v: (
+        f"{v['gain']:.2f}x ({v['concurrency']:.2f} against {v['full_concurrency']:.2f}). The layers form two groups "
+        f"of {v['groups'][0]}, so a block holds 12 layers' pages, not 24: twice the blocks. A request holds "
+        f"{v['blocks'][1]:,} blocks in the full group, but {v['blocks'][0]:,} in the window's, not 9: vLLM reserves "
+        "for the tokens in flight too (two batches of 8,192 with async scheduling)."),
+)
+
+
+def _gemma_question() -> dict[str, Any]:
+    default = plan_hybrid_kv_cache("gemma-2-9b", max_model_len=8192, gpu_memory_gib=80, kv_cache_memory_gib=40)
+    return {"gain": default.concurrency_gain, "blocks": default.blocks_per_request}
+
+
+ask(
+    "08.q2",
+    "And Gemma 2 9B (window 4,096, max_model_len 8,192) under the same defaults?",
+    _gemma_question,
+    lambda v: (
+        f"{v['gain']:.3f}x: nothing gained, slightly worse. The window plus 16,384 tokens in flight exceeds the "
+        f"context, so a request is counted at {v['blocks'][0]} blocks in the window's group, one more than the "
+        f"{v['blocks'][1]} of full attention. A window pays when it is short next to max_model_len."),
+)
+
+
+def _hit_question() -> dict[str, Any]:
+    walk = hit_walkthrough(40, 8, 4, evict_sliding=(4,), evict_full=(6,))
+    return {"alone": walk.alone, "hit": walk.hit_tokens, "rounds": walk.rounds}
+
+
+ask(
+    "08.q3",
+    ("A 40-token prompt is cached (block size 4) in a window-8 group and a full-attention group; then the window's "
+     "block 4 and full attention's block 6 are evicted. What does each kind hit alone, and what is the hybrid hit?"),
+    _hit_question,
+    lambda v: (
+        f"The window alone {v['alone'][0]} tokens, full attention alone {v['alone'][1]}, together {v['hit']}: at "
+        f"{v['alone'][1]} tokens the window needs blocks 4 and 5, and block 4 is gone, so the window offers "
+        f"{v['hit']} instead, which full attention accepts. The smaller of the two alone would be wrong."),
+    transfer=True,
+)
+
+
+def _freed_question() -> dict[str, Any]:
+    return {"gpt_oss": len(freed_blocks(4096, 128, 16)), "total": 4096 // 16}
+
+
+ask(
+    "08.q4",
+    "A gpt-oss request has computed 4,096 tokens (block size 16). How many of its blocks has a sliding layer freed?",
+    _freed_question,
+    lambda v: (
+        f"{v['gpt_oss']} of its {v['total']}: token 4,096 sees 3,969..4,096, so every block ending at or before "
+        "3,969 is gone and only the last 9 hold KV. A full-attention layer keeps all 256."),
+)
