@@ -86,7 +86,8 @@ class Phase:
 class Scratch:
     """A scratch copy of the package, its environment and its logs."""
 
-    def __init__(self, base: Path, name: str, snapshot: dict[str, bytes], pristine_kernels: Path) -> None:
+    def __init__(self, base: Path, name: str, snapshot: dict[str, bytes], pristine_kernels: Path,
+                 seed: int | None = None) -> None:
         self.root = base / name
         self.snapshot = snapshot
         for repo_path, content in snapshot.items():
@@ -97,6 +98,7 @@ class Scratch:
         for helper in SITE_DIR.glob("*.py"):
             shutil.copy(helper, self.root / helper.name)
         self.pristine_kernels = pristine_kernels
+        self.seed = seed
         self.runs = 0
         self.last_junit: Path | None = None
 
@@ -110,6 +112,8 @@ class Scratch:
             HYPOTHESIS_STORAGE_DIRECTORY=str(self.root / ".hypothesis" / label),  # no examples kept between runs
             KVLAB_MUTATION_FIRST=os.pathsep.join(first), KVLAB_MUTATION_LAST=os.pathsep.join(SLOW_LAST),
         )
+        if self.seed is not None:                              # sitecustomize seeds random in every process
+            env["KVLAB_MUTATION_SEED"] = str(self.seed)
         return env
 
     def write(self, mutant: Mutant | None) -> None:
@@ -299,7 +303,7 @@ def scores(results: list[Result]) -> dict:
 
 
 def save(results: list[Result], wall: float, loads: list[tuple[float, float, float]], jobs: int,
-         baseline: dict | None, not_run: list[str]) -> Path:
+         baseline: dict | None, not_run: list[str], seed: int | None) -> Path:
     sys.path.insert(0, str(ROOT))
     from kvlab.machine import save_measurement
 
@@ -307,10 +311,12 @@ def save(results: list[Result], wall: float, loads: list[tuple[float, float, flo
               "imported first on PYTHONPATH (checked in every process); nbval over notebooks/ first, hinted "
               "notebooks first, stopping at the first failing cell; if no notebook failed, pytest over tests/ "
               "(-m 'not ui', hinted files first, tests/engine last), stopping at the first failure; each killing "
-              "test and notebook then rerun on the unmutated copy, where the killer must pass. Seconds are wall "
-              f"time per mutant, {jobs} mutant(s) at a time, on a machine shared with other work (load below).")
+              "test and notebook then rerun on the unmutated copy, where the killer must pass; Python's random "
+              "seeded alike in every process (python_random_seed), so a kill only some draws give shows there too. "
+              f"Seconds are wall time per mutant, {jobs} mutant(s) at a time, on a shared machine (load below).")
     payload = {"complete": not not_run, "not_run": not_run,   # --stop-after: the mutants never started
                "scores": scores(results), "wall_seconds": round(wall, 1), "jobs": jobs,
+               "python_random_seed": seed,
                "load_average_1min": {"start": loads[0][0], "end": loads[-1][0],
                                      "max": max(load[0] for load in loads)},
                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(time.time() - wall)),
@@ -328,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", action="store_true", help="first run everything on the unmutated copy")
     parser.add_argument("--stop-after", type=float, metavar="SECONDS",
                         help="start no mutant after this many seconds; those run are saved, the rest listed as not run")
+    parser.add_argument("--seed", type=int, default=20261201,
+                        help="seed of Python's random in every process (fresh_seed's draws repeat; -1: unseeded)")
     parser.add_argument("--no-save", action="store_true", help="do not write data/measurements/mutants.json")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copies and their logs")
     args = parser.parse_args(argv)
@@ -357,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             (pristine / repo_path[len("kernels/"):]).write_bytes(content)
     workers: queue.Queue[Scratch] = queue.Queue()
     for i in range(max(1, args.jobs)):
-        workers.put(Scratch(base, f"copy-{i}", snapshot, pristine))
+        workers.put(Scratch(base, f"copy-{i}", snapshot, pristine, None if args.seed == -1 else args.seed))
     print(f"{len(chosen)} mutants, scratch copies in {base}, {args.jobs} at a time")
     start, loads, results, lock = time.monotonic(), [os.getloadavg()], {}, threading.Lock()
     baseline = run_baseline(workers.queue[0], args.timeout) if args.baseline else None
@@ -397,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall time {wall / 60:.1f} min, load average (1 min) {loads[0][0]:.1f} at start, "
           f"{max(load[0] for load in loads):.1f} at most, {os.cpu_count()} cores")
     if not args.only and not args.no_save:
-        print(f"saved to {save(ordered, wall, loads, args.jobs, baseline, not_run)}")
+        seed = None if args.seed == -1 else args.seed
+        print(f"saved to {save(ordered, wall, loads, args.jobs, baseline, not_run, seed)}")
     if not args.keep:
         shutil.rmtree(base, ignore_errors=True)
     unconfirmed = [r.mutant.name for r in ordered if r.confirmed is False]

@@ -3,8 +3,8 @@ mutant's run (pytest, each notebook's Jupyter kernel, each subprocess a test sta
 ``kvlab`` and ``kvlab.kernels`` from, and refuses to import them from anywhere but the scratch copy.
 
 A mutant "killed" by the unmutated package would be worse than none, so the runner reads the log after
-every run and stops the whole suite on any ``FAIL`` line. Outside a mutation run (no
-``KVLAB_MUTATION_SCRATCH``) this file does nothing.
+every run and stops the whole suite on any ``FAIL`` line. With ``KVLAB_MUTATION_SEED`` it also seeds
+``random`` in every process. Outside a mutation run (no ``KVLAB_MUTATION_SCRATCH``) this file does nothing.
 """
 
 import os
@@ -51,3 +51,9 @@ class _ScratchWatch:
 
 if _ROOT and _LOG:
     sys.meta_path.insert(0, _ScratchWatch)
+    if os.environ.get("KVLAB_MUTATION_SEED"):
+        # Fresh seeds (kvlab.kernels.batches.fresh_seed, random draws in tests) repeat from run to run: a kill
+        # that only some seeds give then shows again when the killer is rerun on the unmutated copy (unconfirmed).
+        import random
+
+        random.seed(int(os.environ["KVLAB_MUTATION_SEED"]))
