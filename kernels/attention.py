@@ -221,7 +221,7 @@ def reduce_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
 
 
-def _compute_dtype(dtype: torch.dtype):
+def compute_dtype(dtype: torch.dtype):
     """float32 in the interpreter (no bf16 arithmetic there); the activations' dtype on a GPU."""
     if backend() == TRITON_INTERPRETER:
         return tl.float32
@@ -249,7 +249,7 @@ def kernel_constants(plan: LaunchPlan, query_dtype: torch.dtype, trace: bool = F
         HEAD_SIZE=b.head_size, HEAD_PAD=max(16, next_power_of_2(b.head_size)), BLOCK_SIZE=b.block_size,
         BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=plan.num_kv_splits,
         CAUSAL=b.causal, SLIDING_WINDOW=b.sliding_window or 0, KV_FP8=b.fp8,
-        COMPUTE_DTYPE=_compute_dtype(query_dtype),
+        COMPUTE_DTYPE=compute_dtype(query_dtype),
         TRACE=trace, MAX_TILES=plan.max_tiles if trace else 1,
     )
 

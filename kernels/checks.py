@@ -137,6 +137,51 @@ def check_kernel_device(backend_name: str, device: torch.device) -> None:
         )
 
 
+def check_slot_mapping(slot_mapping: object, num_tokens: int, num_blocks: int, block_size: int) -> None:
+    """One slot per token, each in ``[0, num_blocks * block_size)`` or -1 (padding), no slot twice."""
+    check_index_tensor("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    if slot_mapping.shape[0] != num_tokens:
+        raise KernelInputError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens: one slot per token "
+            "(-1 for a padding token)"
+        )
+    num_slots = num_blocks * block_size
+    outside = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()
+    if len(outside):
+        token = int(outside[0])
+        raise KernelInputError(
+            f"slot_mapping[{token}] = {int(slot_mapping[token])} is outside the cache: slots are "
+            f"0..{num_slots - 1} ({num_blocks} blocks of {block_size}), or -1 for padding"
+        )
+    written = slot_mapping[slot_mapping >= 0].sort().values
+    twice = written[1:][written[1:] == written[:-1]]
+    if len(twice):
+        raise KernelInputError(
+            f"slot_mapping names slot {int(twice[0])} more than once: two tokens cannot share a slot"
+        )
+
+
+def check_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], block_size: int,
+                      num_blocks: int) -> None:
+    """Each sequence's table row covers its length, and every entry it uses names a block of the cache."""
+    max_blocks = block_table.shape[1]
+    for i, length in enumerate(lens):
+        if cdiv(length, block_size) > max_blocks:
+            raise KernelInputError(
+                f"seq_lens[{i}] = {length} needs {cdiv(length, block_size)} blocks of {block_size}, but "
+                f"block_table has only {max_blocks} columns: the sequence is longer than its table covers"
+            )
+    used = torch.arange(max_blocks, device=block_table.device)[None, :] < (
+        (seq_lens.to(torch.int64) + block_size - 1) // block_size)[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        seq, col = (int(i) for i in bad.nonzero()[0].tolist())
+        raise KernelInputError(
+            f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the cache: block ids must be "
+            f"in [0, {num_blocks}) for a cache of {num_blocks} blocks"
+        )
+
+
 # --------------------------------------------------------------------------- cache write
 
 
@@ -177,25 +222,7 @@ def check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale=
             f"key is [num_tokens, {num_kv_heads}, {head_size}] but key_cache holds "
             f"[.., .., {cache_heads}, {cache_head_size}]: num_kv_heads and head_size must agree"
         )
-    if slot_mapping.shape[0] != num_tokens:
-        raise KernelInputError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens: one slot per token "
-            "(-1 for a padding token)"
-        )
-    num_slots = num_blocks * block_size
-    outside = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()
-    if len(outside):
-        token = int(outside[0])
-        raise KernelInputError(
-            f"slot_mapping[{token}] = {int(slot_mapping[token])} is outside the cache: slots are "
-            f"0..{num_slots - 1} ({num_blocks} blocks of {block_size}), or -1 for padding"
-        )
-    written = slot_mapping[slot_mapping >= 0].sort().values
-    twice = written[1:][written[1:] == written[:-1]]
-    if len(twice):
-        raise KernelInputError(
-            f"slot_mapping names slot {int(twice[0])} more than once: two tokens cannot share a slot"
-        )
+    check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
     ks, vs = check_kv_scales(key_cache.dtype, k_scale, v_scale)
     return CacheWrite(num_tokens, num_kv_heads, head_size, num_blocks, block_size,
                       key_cache.dtype == FP8_DTYPE, ks, vs)
@@ -331,27 +358,13 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
             f"query_start_loc[-1] = {starts[-1]} must equal the number of query tokens, {num_tokens}"
         )
     lens = seq_lens.tolist()
-    max_blocks = block_table.shape[1]
     for i, (length, start, end) in enumerate(zip(lens, starts, starts[1:], strict=False)):
         if length < end - start:
             raise KernelInputError(
                 f"seq_lens[{i}] = {length} is shorter than its {end - start} query tokens: the query tokens "
                 "are the last tokens of their sequence"
             )
-        if cdiv(length, block_size) > max_blocks:
-            raise KernelInputError(
-                f"seq_lens[{i}] = {length} needs {cdiv(length, block_size)} blocks of {block_size}, but "
-                f"block_table has only {max_blocks} columns: the sequence is longer than its table covers"
-            )
-    used = torch.arange(max_blocks, device=block_table.device)[None, :] < (
-        (seq_lens.to(torch.int64) + block_size - 1) // block_size)[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_blocks))
-    if bool(bad.any()):
-        seq, col = (int(i) for i in bad.nonzero()[0].tolist())
-        raise KernelInputError(
-            f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the cache: block ids must be "
-            f"in [0, {num_blocks}) for caches of {num_blocks} blocks"
-        )
+    check_block_table(block_table, seq_lens, lens, block_size, num_blocks)
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:

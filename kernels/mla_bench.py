@@ -120,7 +120,8 @@ def naive_decode(s: MLAShape, x: MLAInputs) -> torch.Tensor:
 def bench_shape(s: MLAShape, device: str) -> dict[str, Any]:
     """Time one shape; a row of the results table (times in microseconds)."""
     from kvlab.kernels.attention import num_sms
-    from kvlab.kernels.mla_decode import launch_mla_decode, plan_mla_decode  # importing them needs Triton
+    from kvlab.kernels.mla_decode import launch_mla_decode  # importing it needs Triton
+    from kvlab.kernels.mla_grid import plan_mla_decode
 
     g = torch.Generator().manual_seed(0)
     per_set = s.batch * s.context * (s.kv_lora_rank + s.rope_dim) * s.dtype.itemsize

@@ -18,12 +18,13 @@ import torch
 from kvlab.kernels.checks import (
     FP8_DTYPE,
     _name,
-    cdiv,
+    check_block_table,
     check_float_activations,
     check_index_tensor,
     check_kv_scales,
     check_ndim,
     check_same_device,
+    check_slot_mapping,
 )
 
 from kvlab.errors import KernelInputError
@@ -49,30 +50,6 @@ def check_mla_cache(kv_cache: object, compute_dtype: torch.dtype, latent_size: i
         raise KernelInputError(
             f"kv_cache holds vectors of {kv_cache.shape[2]} values, but kv_lora_rank + qk_rope_head_dim of the "
             f"inputs is {latent_size}: the cache is c_kv followed by k_pe"
-        )
-
-
-def check_slot_mapping(slot_mapping: object, num_tokens: int, num_blocks: int, block_size: int) -> None:
-    """One slot per token, each in ``[0, num_blocks * block_size)`` or -1 (padding), no slot twice."""
-    check_index_tensor("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    if slot_mapping.shape[0] != num_tokens:
-        raise KernelInputError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens: one slot per token "
-            "(-1 for a padding token)"
-        )
-    num_slots = num_blocks * block_size
-    outside = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()
-    if len(outside):
-        token = int(outside[0])
-        raise KernelInputError(
-            f"slot_mapping[{token}] = {int(slot_mapping[token])} is outside the cache: slots are "
-            f"0..{num_slots - 1} ({num_blocks} blocks of {block_size}), or -1 for padding"
-        )
-    written = slot_mapping[slot_mapping >= 0].sort().values
-    twice = written[1:][written[1:] == written[:-1]]
-    if len(twice):
-        raise KernelInputError(
-            f"slot_mapping names slot {int(twice[0])} more than once: two tokens cannot share a slot"
         )
 
 
@@ -134,27 +111,6 @@ class MLADecodeBatch:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens)
-
-
-def check_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], block_size: int,
-                      num_blocks: int) -> None:
-    """Each sequence's table row covers its length, and every entry it uses names a block of the cache."""
-    max_blocks = block_table.shape[1]
-    for i, length in enumerate(lens):
-        if cdiv(length, block_size) > max_blocks:
-            raise KernelInputError(
-                f"seq_lens[{i}] = {length} needs {cdiv(length, block_size)} blocks of {block_size}, but "
-                f"block_table has only {max_blocks} columns: the sequence is longer than its table covers"
-            )
-    used = torch.arange(max_blocks, device=block_table.device)[None, :] < (
-        (seq_lens.to(torch.int64) + block_size - 1) // block_size)[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_blocks))
-    if bool(bad.any()):
-        seq, col = (int(i) for i in bad.nonzero()[0].tolist())
-        raise KernelInputError(
-            f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the cache: block ids must be "
-            f"in [0, {num_blocks}) for a cache of {num_blocks} blocks"
-        )
 
 
 def _check_queries(q_latent: object, q_pe: object) -> tuple[int, int, int, int]:

@@ -24,25 +24,20 @@ serves both kernels.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from kvlab.kernels._backend import backend, require_triton
-from kvlab.kernels.attention import _compute_dtype, dot, num_sms, online_softmax_update, reduce_splits_kernel
-from kvlab.kernels.checks import cdiv, check_kernel_device
-from kvlab.kernels.grid import KernelConfig, choose_num_kv_splits, next_power_of_2
-from kvlab.kernels.mla_checks import MLADecodeBatch, check_mla_decode
-
-from kvlab.errors import KernelInputError
+from kvlab.kernels.attention import compute_dtype, dot, num_sms, online_softmax_update, reduce_splits_kernel
+from kvlab.kernels.checks import check_kernel_device
+from kvlab.kernels.grid import KernelConfig, next_power_of_2
+from kvlab.kernels.mla_checks import check_mla_decode
+from kvlab.kernels.mla_grid import MLADecodePlan, plan_mla_decode
 
 require_triton()  # sets TRITON_INTERPRET (or not) before the decorators below run
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-#: vLLM's tiles for MLA decode: 16 heads per program, 32 latent positions per tile, 2 pipeline stages.
-DEFAULT_MLA_CONFIG = KernelConfig(block_q=1, block_m=16, tile_n=32, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -129,41 +124,6 @@ def mla_decode_kernel(
         tl.store(split_sum_ptr + row_split, l_i, mask=head_ok)
 
 
-@dataclasses.dataclass(frozen=True)
-class MLADecodePlan:
-    """What the launcher decides on the host: tiles (``block_m`` = heads per program) and the split count."""
-
-    batch: MLADecodeBatch
-    config: KernelConfig
-    num_kv_splits: int
-
-    @property
-    def num_head_blocks(self) -> int:
-        return cdiv(self.batch.num_heads, self.config.block_m)
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return (self.batch.num_seqs, self.num_head_blocks, self.num_kv_splits)
-
-
-def plan_mla_decode(batch: MLADecodeBatch, num_kv_splits: int | None = None, config: KernelConfig | None = None,
-                    num_sms: int = 1) -> MLADecodePlan:
-    """Tiles and split count for ``batch`` (``num_sms`` = 1 on CPU: no automatic split).
-
-    ``config.block_m`` is the number of heads one program serves (``block_q`` must be 1: one
-    query token per sequence). The split count follows ``choose_num_kv_splits`` with one
-    "KV head" per head block.
-    """
-    config = config or DEFAULT_MLA_CONFIG
-    if config.block_q != 1:
-        raise KernelInputError(f"mla_decode serves one query token per sequence: KernelConfig.block_q must be 1, "
-                               f"got {config.block_q}")
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(batch.num_seqs, cdiv(batch.num_heads, config.block_m), 1,
-                                             batch.max_seq_len, config.tile_n, num_sms)
-    return MLADecodePlan(batch, config, num_kv_splits)
-
-
 def mla_kernel_constants(plan: MLADecodePlan, query_dtype: torch.dtype) -> dict[str, Any]:
     """The ``tl.constexpr`` arguments of ``mla_decode_kernel``: model shapes and tiles, never sequence lengths."""
     b, cfg = plan.batch, plan.config
@@ -171,7 +131,7 @@ def mla_kernel_constants(plan: MLADecodePlan, query_dtype: torch.dtype) -> dict[
         NUM_HEADS=b.num_heads, KV_LORA_RANK=b.kv_lora_rank, ROPE_DIM=b.rope_dim,
         LATENT_PAD=max(16, next_power_of_2(b.kv_lora_rank)), ROPE_PAD=max(16, next_power_of_2(b.rope_dim)),
         BLOCK_SIZE=b.block_size, BLOCK_H=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=plan.num_kv_splits,
-        KV_FP8=b.fp8, COMPUTE_DTYPE=_compute_dtype(query_dtype),
+        KV_FP8=b.fp8, COMPUTE_DTYPE=compute_dtype(query_dtype),
     )
 
 

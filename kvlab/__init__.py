@@ -74,6 +74,12 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
                                         ``vllm/v1/attention/ops/triton_decode_attention.py``)
 09  engine.mla, engine.deepseek         ``MLAAttention``, ``DeepseekV2ForCausalLM`` (``vllm/model_executor/models/
                                         deepseek_v2.py``) over one latent cache per layer (``MLAAttentionSpec``)
+09  kernels.mla_grid                    the MLA decode's grid and split ranges (``triton_decode_attention.py``'s launch)
+09  engine.kv_cache_interface,          ``FullAttentionSpec``, ``MLAAttentionSpec`` (``vllm/v1/kv_cache_interface.py``);
+    engine.registry                     the architectures the engine serves, by ``model_type``
+                                        (``vllm/model_executor/models/registry.py``)
+09  capacity.parallel                   TP against data-parallel attention per GPU (``max_tp_shards``;
+                                        ``data_parallel_size``, ``enable_expert_parallel``: ``vllm/config/parallel.py``)
 ==  ==================================  ==========================================================
 
 The names below are importable from ``kvlab`` itself; they load on first use, so importing

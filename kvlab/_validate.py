@@ -1,10 +1,34 @@
-"""Small argument checks shared by every module, so messages read the same everywhere."""
+"""Small argument checks shared by every module, so messages read the same everywhere.
+
+``checked`` (below) reads the same kind of rule from type hints: a decorated function refuses a wrong type
+before its body runs.
+
+kvlab's public functions promise a kvlab error naming the parameter for bad input, never a ``TypeError``
+or ``AttributeError`` from deep inside. ``@checked`` reads the function's annotations once and, on each
+call, checks the arguments the caller passed: ``int`` (bools refused), ``float`` (finite: NaN and infinity
+refused), ``str``, ``bool``, ``Literal[...]``, ``None`` only where ``| None`` says so, kvlab's own classes,
+containers (``Sequence``, ``Iterable``, ``Mapping``: the container, not its items) and unions of these.
+The checks guard the door: a call from inside kvlab (one kvlab module calling another) is not checked
+again, so the allocator's hot paths pay one frame lookup, not a check per argument.
+In kvlab an ``int`` or ``float`` parameter is a count, a size, an index or a share, so it must be >= 0
+unless the function names it in ``signed=``. Range rules beyond that (> 0, <= 1, fits the pool) stay
+in the function, next to what they protect.
+"""
 
 from __future__ import annotations
 
+import collections.abc as abc
+import dataclasses
+import functools
+import inspect
 import math
 import numbers
-from collections.abc import Iterable
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from sys import _getframe
+from typing import Any, TypeVar
 
 from kvlab.errors import KvlabValueError, UnknownNameError
 
@@ -60,3 +84,258 @@ def one_of(name: str, value: object, allowed: Iterable[str]) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise UnknownNameError(name, value, allowed)
     return value
+
+
+# --- checks read from type hints -----------------------------------------------------------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+# The most Python objects (blocks, requests, tokens, repeats) one kvlab call builds: about a GiB on a laptop.
+MAX_OBJECTS = 10**7
+Check = Callable[[object], bool]
+
+_CONTAINERS: dict[Any, tuple[type, str]] = {
+    abc.Sequence: (abc.Sequence, "a sequence"),
+    abc.Iterable: (abc.Iterable, "an iterable"),
+    abc.Mapping: (abc.Mapping, "a mapping"),
+    abc.Collection: (abc.Collection, "a collection"),
+    list: (list, "a list"),
+    tuple: (tuple, "a tuple"),
+    dict: (dict, "a dict"),
+    set: (set, "a set"),
+    frozenset: (frozenset, "a frozenset"),
+}
+
+
+def _is_int(value: object) -> bool:
+    kind = type(value)
+    return kind is int or (kind is not bool and isinstance(value, numbers.Integral))
+
+
+def _is_real(value: object) -> bool:
+    kind = type(value)
+    return kind is float or kind is int or (kind is not bool and isinstance(value, numbers.Real))
+
+
+def _number_check(kind: str, signed: bool) -> tuple[Check, str]:
+    is_int = kind == "int"
+
+    def check(value: object) -> bool:
+        ok = _is_int(value) if is_int else _is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
+        return ok and (signed or value >= 0)  # type: ignore[operator]
+
+    what = "an integer" if kind == "int" else "a finite number"
+    return check, what if signed else f"{what} >= 0"
+
+
+def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
+    """A predicate and its description for ``annotation``, or None where kvlab cannot check it cheaply."""
+    if annotation is Any or isinstance(annotation, (TypeVar, str, typing.ForwardRef)):
+        return None
+    if annotation is type(None) or annotation is None:
+        return (lambda v: v is None), "None"
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_checker(arg, signed) for arg in typing.get_args(annotation)]
+        if any(p is None for p in parts):
+            return None
+        checks = [p[0] for p in parts]  # type: ignore[index]
+        text = " or ".join(dict.fromkeys(p[1] for p in parts))  # type: ignore[index]
+        return (lambda v: any(c(v) for c in checks)), text
+    if origin is typing.Literal:
+        allowed = typing.get_args(annotation)
+        what = _Names("one of " + ", ".join(repr(a) for a in allowed))
+        what.allowed = tuple(str(a) for a in allowed)
+        return (lambda v: any(v == a and type(v) is type(a) for a in allowed)), what
+    if origin is typing.Annotated:
+        return _checker(typing.get_args(annotation)[0], signed)
+    base = origin if origin is not None else annotation
+    if base is bool:
+        return (lambda v: isinstance(v, bool)), "True or False"
+    if base is int:
+        return _number_check("int", signed)
+    if base is float:
+        return _number_check("float", signed)
+    if base is str:
+        return (lambda v: isinstance(v, str)), "a str"
+    if base is abc.Hashable:
+        return (lambda v: v is not None and isinstance(v, abc.Hashable)), "a hashable value (not None)"
+    if base in _CONTAINERS:
+        kind, text = _CONTAINERS[base]
+        return (lambda v: isinstance(v, kind) and not isinstance(v, str)), text
+    if base is abc.Callable:
+        return callable, "a callable"
+    if inspect.isclass(base) and getattr(base, "_is_protocol", False):
+        methods = [n for n, v in vars(base).items() if not n.startswith("_") and callable(v)]
+        return (lambda v: all(callable(getattr(v, n, None)) for n in methods)), \
+            f"a {base.__name__} (with {', '.join(methods)})"
+    if inspect.isclass(base):
+        owner = "kvlab " if base.__module__.startswith("kvlab") else ""
+        return (lambda v: isinstance(v, base)), f"a {owner}{base.__name__}"
+    return None
+
+
+def _resolve(func: Callable[..., Any]) -> dict[str, Any]:
+    """The function's annotations as objects; one that names what only type checkers import is skipped."""
+    raw = getattr(func, "__annotations__", {})
+    namespace = {**_kvlab_classes(), **getattr(func, "__globals__", {})}
+    out: dict[str, Any] = {}
+    for name, annotation in raw.items():
+        if isinstance(annotation, str):
+            try:
+                annotation = eval(annotation, namespace)  # noqa: S307 - the module's own annotation text
+            except Exception:  # noqa: BLE001 - a name only imported under TYPE_CHECKING
+                continue
+        out[name] = annotation
+    return out
+
+
+def _kvlab_classes() -> dict[str, type]:
+    """kvlab's loaded classes by name, for annotations that name a class only imported for type checkers.
+
+    A name two modules define is left out (ambiguous), so only a unique kvlab class can stand in.
+    """
+    found: dict[str, type | None] = {}
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("kvlab.") or module is None:
+            continue
+        for name, value in list(vars(module).items()):
+            if inspect.isclass(value) and value.__module__ == module_name and not name.startswith("_"):
+                found[name] = value if found.get(name, value) is value else None
+    return {name: value for name, value in found.items() if value is not None}
+
+
+class _Names(str):
+    """A description listing names (a ``Literal``): refused with ``UnknownNameError``."""
+
+    allowed: tuple[str, ...] = ()
+
+
+def describe_refusal(name: str, what: str, value: object) -> KvlabValueError:
+    """The error every check raises: the parameter, what it accepts and what it got."""
+    if isinstance(what, _Names):
+        return UnknownNameError(name, value, what.allowed)
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return KvlabValueError(f"{name} must be {what}, got {shown}")
+
+
+def _bounded(made: tuple[Check, str], limit: int) -> tuple[Check, str]:
+    check, what = made
+    return (lambda v: check(v) and (v is None or v <= limit)), f"{what} and <= {limit:,}"
+
+
+def _rules_for(fn: Callable[..., Any], signed: tuple[str, ...], skip_first: bool,
+               at_most: Mapping[str, int] | None = None) -> list[tuple[str, int, Check, str]]:
+    """(name, position, predicate, description) for each parameter ``@checked`` can check."""
+    hints = _resolve(fn)
+    rules = []
+    for position, (name, param) in enumerate(inspect.signature(fn).parameters.items()):
+        if (skip_first and position == 0) or name not in hints:
+            continue
+        made = _checker(hints[name], name in signed)
+        if made is not None and at_most and name in at_most:
+            made = _bounded(made, at_most[name])
+        if made is not None:
+            index = position if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) else 1 << 30
+            rules.append((name, index, *made))
+    return rules
+
+
+def _checked_function(fn: F, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None) -> F:
+    plan: list[tuple[str, int, Check, str]] | None = None
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal plan
+        if plan is None:  # resolved at the first call, when every name the annotations use exists
+            plan = _rules_for(fn, signed, skip_first=False, at_most=at_most)
+        if not plan or _getframe(1).f_globals.get("__name__", "").startswith("kvlab."):
+            return fn(*args, **kwargs)  # nothing to check, or kvlab calling itself (checked at the door)
+        for name, index, check, what in plan:
+            if index < len(args):
+                value = args[index]
+            elif name in kwargs:
+                value = kwargs[name]
+            else:
+                continue
+            if not check(value):
+                raise describe_refusal(name, what, value)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _checked_class(cls: type, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None) -> type:
+    if dataclasses.is_dataclass(cls) and hasattr(cls, "__post_init__"):
+        post_init = cls.__post_init__  # the generated __init__ calls it once the fields are set
+
+        def check_then_post_init(self: Any) -> None:
+            check_fields(self, signed=signed)
+            post_init(self)
+
+        cls.__post_init__ = check_then_post_init  # type: ignore[attr-defined]
+    elif dataclasses.is_dataclass(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def init_then_check(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            check_fields(self, signed=signed)
+
+        cls.__init__ = init_then_check  # type: ignore[method-assign]
+    else:
+        init = cls.__init__
+        cls.__init__ = _checked_function(init, signed, at_most)  # type: ignore[method-assign]
+    return cls
+
+
+def checked(func: Any = None, *, signed: tuple[str, ...] = (), at_most: Mapping[str, int] | None = None) -> Any:
+    """Check each argument against its annotation before the call (a class: its constructor's arguments).
+
+    ``at_most`` caps sizes that kvlab would build in memory (``MAX_OBJECTS``), so 10**15 blocks is refused
+    at once instead of filling the laptop. On a dataclass the fields are checked once built (``check_fields``).
+    """
+
+    def decorate(obj: Any) -> Any:
+        if inspect.isclass(obj):
+            return _checked_class(obj, signed, at_most)
+        return _checked_function(obj, signed, at_most)
+
+    return decorate(func) if func is not None else decorate
+
+
+_FIELD_RULES: dict[tuple[type, tuple[str, ...]], list[tuple[str, Check, str]]] = {}
+
+
+def _field_rules(klass: type, signed: tuple[str, ...]) -> list[tuple[str, Check, str]]:
+    hints: dict[str, Any] = {}
+    for base in reversed(klass.__mro__):
+        if dataclasses.is_dataclass(base):
+            namespace = {**_kvlab_classes(), **vars(sys.modules[base.__module__])}
+            for name, annotation in vars(base).get("__annotations__", {}).items():
+                if isinstance(annotation, str):
+                    try:
+                        annotation = eval(annotation, namespace)  # noqa: S307 - the module's own annotation
+                    except Exception:  # noqa: BLE001 - a name only type checkers import
+                        continue
+                hints[name] = annotation
+    rules = []
+    for f in dataclasses.fields(klass):
+        if f.name in hints:
+            made = _checker(hints[f.name], f.name in signed)
+            if made is not None:
+                rules.append((f.name, *made))
+    return rules
+
+
+def check_fields(obj: object, *, signed: tuple[str, ...] = ()) -> None:
+    """``@checked`` for a dataclass: every field against its annotation (the rules are built once per class)."""
+    key = (type(obj), signed)
+    rules = _FIELD_RULES.get(key)
+    if rules is None:
+        rules = _FIELD_RULES[key] = _field_rules(type(obj), signed)
+    for name, check, what in rules:
+        value = getattr(obj, name)
+        if not check(value):
+            raise describe_refusal(name, what, value)

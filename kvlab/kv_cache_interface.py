@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import checked, non_negative_int, positive_int
 from kvlab.errors import KvlabValueError
 from kvlab.units import cdiv
 
 __all__ = ["FullAttentionSpec", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheSpec", "SlidingWindowSpec"]
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
     """One layer's KV cache format: ``block_size`` tokens per block and the bytes of one layer's page."""
@@ -42,15 +43,18 @@ class KVCacheSpec:
         """``"full_attention"`` or ``"sliding_attention"``: the name a ``config.json``'s ``layer_types`` uses."""
         raise NotImplementedError
 
+    @checked
     def max_num_blocks_per_request(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         """Blocks one request of ``max_model_len`` tokens can hold at once in a group of this spec."""
         raise NotImplementedError
 
+    @checked
     def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         """vLLM's ``max_memory_usage_bytes``: the most one request's pages take in one layer."""
         return self.max_num_blocks_per_request(max_model_len, max_in_flight_tokens) * self.page_size_bytes
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
     """A layer that attends to every earlier token: a request holds a block for every ``block_size`` tokens."""
@@ -59,11 +63,13 @@ class FullAttentionSpec(KVCacheSpec):
     def kind(self) -> str:
         return "full_attention"
 
+    @checked
     def max_num_blocks_per_request(self, max_model_len: int, max_in_flight_tokens: int = 0) -> int:
         """``cdiv(max_model_len, block_size)``: every block, whatever is in flight."""
         return cdiv(positive_int("max_model_len", max_model_len), self.block_size)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
     """A layer whose query at position ``q`` sees keys ``q - sliding_window + 1 .. q`` (the window includes q)."""
@@ -78,6 +84,7 @@ class SlidingWindowSpec(KVCacheSpec):
     def kind(self) -> str:
         return "sliding_attention"
 
+    @checked
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """vLLM 0.33.0's cap: ``cdiv(min(W - 1 + in_flight, max_model_len), block_size) + 1``.
 
@@ -90,9 +97,11 @@ class SlidingWindowSpec(KVCacheSpec):
         num_tokens = min(self.sliding_window - 1 + in_flight, positive_int("max_model_len", max_model_len))
         return cdiv(num_tokens, self.block_size) + 1
 
+    @checked
     def max_num_blocks_per_request(self, max_model_len: int, max_in_flight_tokens: int) -> int:
         return self.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
 
+    @checked
     def num_contiguous_blocks_for_hit(self) -> int:
         """Blocks a prefix hit must find in a row, those the next token's window reaches: ``cdiv(W - 1, block_size)``.
 
@@ -100,6 +109,7 @@ class SlidingWindowSpec(KVCacheSpec):
         return cdiv(self.sliding_window - 1, self.block_size)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers that share one block table, and their common spec (vLLM's ``KVCacheGroupSpec``)."""
@@ -113,6 +123,7 @@ class KVCacheGroupSpec:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class KVCacheConfig:
     """The pool's block count and its groups (vLLM's ``KVCacheConfig``, without tensors: the engine makes those)."""
@@ -125,6 +136,7 @@ class KVCacheConfig:
         object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
 
 
+@checked
 def as_group_specs(groups: Sequence[KVCacheGroupSpec | KVCacheSpec], block_size: int) -> tuple[KVCacheGroupSpec, ...]:
     """``groups`` as ``KVCacheGroupSpec``s (a bare spec gets no layer names), each checked against ``block_size``.
 

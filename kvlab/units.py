@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import numbers
+
+from kvlab._validate import checked, positive_int
+from kvlab.errors import KvlabValueError
+
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 
 
+@checked(signed=("num_bytes",), at_most={"digits": 20})
 def format_bytes(num_bytes: float, digits: int = 3) -> str:
     """``format_bytes(327680) == '320 KiB'``: the largest binary unit that keeps the value >= 1."""
     value = float(num_bytes)
@@ -17,5 +23,12 @@ def format_bytes(num_bytes: float, digits: int = 3) -> str:
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division, as vLLM's ``cdiv``: the blocks needed for ``a`` tokens in blocks of ``b``."""
+    """Ceiling division, as vLLM's ``cdiv``: the blocks needed for ``a`` tokens in blocks of ``b``.
+
+    Checked inline, not with ``@checked``: the allocator calls it on every step.
+    """
+    if type(a) is not int and (isinstance(a, bool) or not isinstance(a, numbers.Integral)):
+        raise KvlabValueError(f"a must be an integer, got {a!r}")
+    if type(b) is not int or b < 1:
+        b = positive_int("b", b)
     return -(-a // b)

@@ -66,7 +66,7 @@ timeout $((90 * SCALE)) "$PY" benchmarks/bench_mla.py --out "$OUT_DIR" 2>&1 | te
 MLA_BENCH=${PIPESTATUS[0]}
 
 if "$PY" -c "import cbor2, transformers, safetensors" 2>/dev/null; then
-    step "engine tests, natively: tokens against transformers (limit $((100 * SCALE)) s)"
+    step "engine tests, natively: tokens against transformers, the Llama and the MLA model (limit $((100 * SCALE)) s)"
     timeout $((100 * SCALE)) "${PYTEST[@]}" tests/engine 2>&1 | tee "$OUT_DIR/engine_gpu_tests.log" | tail -15
     ENGINE_TESTS=${PIPESTATUS[0]}
 else

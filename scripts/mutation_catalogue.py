@@ -61,8 +61,8 @@ KERNEL_HINTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fp8_scale_direction": (("05", "06"), ("tests/test_kernels_fp8.py", "tests/test_kernels_attention.py")),
     "cache_write_offset": (("05", "06"), ("tests/test_kernels_cache_write.py",)),
     "window_off_by_one": (("05", "01"), ("tests/test_kernels_window.py",)),
-    "mla_rope_dropped": (("06", "05"), ("tests/test_kernels_mla.py", "tests/engine/test_mla_generate.py")),
-    "mla_latent_write_offset": (("06", "05"), ("tests/test_kernels_mla_cache_write.py",
+    "mla_rope_dropped": (("09", "05"), ("tests/test_kernels_mla.py", "tests/engine/test_mla_generate.py")),
+    "mla_latent_write_offset": (("09", "05"), ("tests/test_kernels_mla_cache_write.py",
                                                "tests/engine/test_mla_generate.py")),
 }
 
@@ -203,8 +203,8 @@ OTHER_MUTANTS: list[Mutant] = [
            "a sequence's length is the tokens of this step (its cached context forgotten)",
            ("06",), ("tests/engine/test_engine_generate.py",)),
     Mutant("engine_copy_direction", "engine", "kvlab/engine/model_runner.py",
-           "        key_cache[dst] = key_cache[src]\n        value_cache[dst] = value_cache[src]",
-           "        key_cache[src] = key_cache[dst]\n        value_cache[src] = value_cache[dst]",
+           "        cache[dst] = cache[src]",
+           "        cache[src] = cache[dst]",
            "a block copy goes from the destination to the source",
            ("06",), ("tests/engine/test_engine_generate.py",)),
     # --- the grader and a panel

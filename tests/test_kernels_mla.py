@@ -92,6 +92,19 @@ def test_an_fp8_latent_cache_is_dequantized_with_its_scale():
     assert relative_error(out, unquantized) < FP8_BOUND, f"seed {seed}"     # e4m3 rounding of the latents
 
 
+def test_the_plan_says_which_tiles_each_split_walks_and_some_splits_get_none():
+    from kvlab.kernels.mla_checks import check_mla_decode
+    from kvlab.kernels.mla_grid import plan_mla_decode
+
+    q_latent, q_pe, kv_cache, block_table, seq_lens, _ = mla_batch([130, 47, 1], num_heads=20)
+    batch = check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=SCALE)
+    plan = plan_mla_decode(batch, num_kv_splits=3, config=KernelConfig(block_q=1, block_m=16, tile_n=16))
+    assert plan.grid == (3, 2, 3)                                    # sequences x head blocks (16 + 4) x splits
+    assert plan.tile_ranges(0) == [range(0, 3), range(3, 6), range(6, 9)]      # 130 latents: 9 tiles of 16
+    assert plan.tile_ranges(1) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert plan.tile_ranges(2) == [range(0, 1), range(1, 1), range(1, 1)]      # one tile; two empty splits
+
+
 def test_the_mutant_that_drops_the_rope_part_of_the_score_is_caught():
     # kvlab.kernels.mutants' mla_rope_dropped scores q_latent · c_kv alone: the position part of every score is lost
     from kvlab.kernels import mutants

@@ -100,3 +100,12 @@ def test_dims_can_be_given_directly_and_are_checked():
     assert mla_attention_cost(dims, 1, 10).absorbed == from_config.absorbed
     with pytest.raises(KvlabValueError, match="kv_lora_rank"):
         MLADims(num_heads=16, kv_lora_rank=0, qk_nope_head_dim=P, qk_rope_head_dim=R, v_head_dim=V)
+
+
+@pytest.mark.parametrize(("query_len", "context_len"), [(1, 0), (1, 4095), (64, 0), (64, 4096), (64, 140), (64, 141)])
+def test_absorbing_reads_fewer_bytes_exactly_when_the_cached_k_and_v_outweigh_two_latent_queries(query_len,
+                                                                                                 context_len):
+    cost = mla_attention_cost(DSV3, query_len, context_len, kv_dtype="fp8")
+    s = query_len + context_len
+    assert cost.fewer_bytes_read == ("absorbed" if s * (P + R + V) > 2 * L * query_len else "naive")
+    assert cost.fewer_bytes_read == ("absorbed" if cost.bytes_read_ratio > 1 else "naive")

@@ -5,7 +5,14 @@ import json
 import pytest
 
 from kvlab import GiB, ModelSpec, get_model, list_models
-from kvlab.capacity.models import MODELS_DIR, count_parameters, params_bytes, weights_bytes
+from kvlab.capacity.models import (
+    MODELS_DIR,
+    PARAMETER_PARTS,
+    count_parameters,
+    parameter_parts,
+    params_bytes,
+    weights_bytes,
+)
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 REQUIRED_PRESETS = {"llama-2-7b", "llama-3-8b", "llama-3-70b", "deepseek-v3", "qwen3-8b", "mistral-7b-v0.1"}
@@ -145,3 +152,38 @@ def test_nominal_parameter_counts_are_priced_like_counted_ones():
         params_bytes(70e9, "fp7")
     with pytest.raises(KvlabValueError, match="num_params"):
         params_bytes(-1, "bf16")
+
+
+@pytest.mark.parametrize("q_lora_rank", [48, None])
+def test_deepseek_counts_equal_transformers_model_with_or_without_a_query_latent(q_lora_rank):
+    # without q_lora_rank (DeepSeek-V2-Lite's style) the query is one q_proj of H x heads x (nope + rope)
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from kvlab.engine.toy_mla import TINY_DEEPSEEK
+
+    config = DeepseekV3Config(**{**TINY_DEEPSEEK, "q_lora_rank": q_lora_rank})
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    counted = sum(p.numel() for p in model.parameters())
+    bias = sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert count_parameters(config.to_dict()) == counted + bias      # transformers keeps the router's bias a buffer
+    parts = parameter_parts(config.to_dict())
+    assert sum(parts.values()) == count_parameters(config.to_dict())
+    assert parts["routed_experts"] == sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+
+
+def test_a_deepseek_config_without_a_latent_or_a_field_has_no_count_rather_than_an_error():
+    config = dict(get_model("deepseek-v3").config)
+    assert count_parameters({**config, "kv_lora_rank": None}) is None
+    assert count_parameters({k: v for k, v in config.items() if k != "moe_intermediate_size"}) is None
+    H, heads, r_q = config["hidden_size"], config["num_attention_heads"], config["q_lora_rank"]
+    q_proj, latent_path = H * heads * 192, H * r_q + r_q + r_q * heads * 192    # 192 = nope 128 + rope 64
+    no_latent = count_parameters({**config, "q_lora_rank": None})
+    assert no_latent - count_parameters(config) == config["num_hidden_layers"] * (q_proj - latent_path)
+
+
+def test_expert_parallelism_splits_the_routed_experts_only_and_they_are_most_of_deepseek_v3():
+    parts = parameter_parts(get_model("deepseek-v3").config)
+    assert set(parts) == set(PARAMETER_PARTS) and sum(parts.values()) == get_model("deepseek-v3").num_params
+    assert 0.95 < parts["routed_experts"] / sum(parts.values()) < 0.99

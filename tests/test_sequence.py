@@ -160,7 +160,7 @@ def test_bad_input_names_the_parameter_and_changes_nothing():
     s.extend([5])
     with pytest.raises(KvlabValueError, match="block_size"):
         Sequence(pool, 0)
-    with pytest.raises(KvlabValueError, match="pool must be a kvlab.core.block_pool.BlockPool"):
+    with pytest.raises(KvlabValueError, match="pool must be a kvlab BlockPool"):
         Sequence("pool", 2)
     for bad in ([1, -1], [1, "a"], [True]):
         with pytest.raises(KvlabValueError, match="token_ids"):

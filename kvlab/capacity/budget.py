@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvlab._validate import (
+    checked,
     fraction_in_unit_interval,
     non_negative_int,
     non_negative_number,
@@ -30,7 +31,7 @@ from kvlab._validate import (
     positive_int,
     positive_number,
 )
-from kvlab.capacity.models import ModelSpec, get_model, weights_bytes
+from kvlab.capacity.models import ModelSpec, resolve_model, weights_bytes
 from kvlab.capacity.sizing import canonical_kv_dtype, kv_bytes_per_token
 from kvlab.errors import KvlabValueError
 from kvlab.units import GiB, cdiv, format_bytes
@@ -48,6 +49,7 @@ SOURCE_REVISION_BLOCK_SIZE = 64
 EXTENSIBLE_KV_CACHE_UTILIZATION = 1.0
 
 
+@checked(signed=("available_bytes", "num_usable_blocks", "usable_tokens"))  # over budget: negative
 @dataclasses.dataclass(frozen=True)
 class KVCachePlan:
     """One GPU's KV cache budget, in bytes, blocks and requests (all memory figures per GPU).
@@ -114,10 +116,12 @@ class KVCachePlan:
         """Whether vLLM would start: some KV memory, and one request of ``max_model_len`` fits."""
         return self.available_bytes > 0 and self.concurrency >= 1
 
+    @checked
     def max_model_len_for(self, concurrency: int) -> int:
         """The largest ``max_model_len`` at which ``concurrency`` requests all hold their blocks at once."""
         return max_model_len_for(self.num_blocks, self.block_size, concurrency)
 
+    @checked
     def startup_log(self) -> list[str]:
         """The lines vLLM prints (or raises) at start-up for this plan.
 
@@ -154,13 +158,10 @@ def _gib_to_bytes(name: str, value: object, *, allow_zero: bool = True) -> int:
 
 
 def _resolve_model(model: ModelSpec | str) -> ModelSpec:
-    if isinstance(model, ModelSpec):
-        return model
-    if isinstance(model, str):
-        return get_model(model)
-    raise KvlabValueError(f"model must be a ModelSpec or a preset name, got {type(model).__name__}")
+    return resolve_model(model)
 
 
+@checked
 def plan_kv_cache(
     model: ModelSpec | str,
     *,
@@ -267,6 +268,7 @@ def _warnings(plan: KVCachePlan, spec: ModelSpec) -> list[str]:
     return out
 
 
+@checked
 def resolved_gpu_memory_utilization(gpu_memory_utilization: float | None = None, *,
                                     extensible_kv_cache: bool = False) -> float:
     """The utilization a plan uses, by revision e740bad's rule: a value given wins; unset, 0.92, or 1.0 if extensible.
@@ -282,17 +284,20 @@ def resolved_gpu_memory_utilization(gpu_memory_utilization: float | None = None,
     return EXTENSIBLE_KV_CACHE_UTILIZATION if extensible_kv_cache else DEFAULT_GPU_MEMORY_UTILIZATION
 
 
+@checked(signed=("available_bytes",))
 def num_gpu_blocks(available_bytes: int, bytes_per_block: int) -> int:
     """Blocks the pool gets: ``available // bytes_per_block``, and none when nothing is available."""
     return max(int(available_bytes), 0) // positive_int("bytes_per_block", bytes_per_block)
 
 
+@checked
 def max_concurrency(num_blocks: int, max_model_len: int, block_size: int) -> float:
     """vLLM's "Maximum concurrency": ``num_blocks / ceil(max_model_len / block_size)``, null block included."""
     return non_negative_int("num_blocks", num_blocks) / cdiv(positive_int("max_model_len", max_model_len),
                                                              positive_int("block_size", block_size))
 
 
+@checked
 def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int:
     """The largest ``max_model_len`` for which ``concurrency`` requests all hold their blocks at once.
 
@@ -320,6 +325,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
 }
 
 
+@checked
 def plan_preset(name: str) -> KVCachePlan:
     """The plan of preset ``name`` ("A", "B" or "C")."""
     settings = dict(PRESETS[one_of("name", name, PRESETS)])

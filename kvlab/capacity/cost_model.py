@@ -27,9 +27,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
+from kvlab._validate import checked, fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
 from kvlab.capacity.hardware import GPUSpec, LinkSpec, get_gpu, get_link
-from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, ModelSpec, get_model, params_bytes, weights_bytes
+from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, ModelSpec, params_bytes, resolve_model, weights_bytes
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.errors import KvlabValueError
 
@@ -50,6 +50,7 @@ def _dims(model: ModelSpec) -> tuple[int, int, int, int]:
     return vocab, hidden, model.head_dim, model.head_dim
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Seconds for prefill on ``gpu`` (x ``tp``) and for KV copies over ``link``, for one ``model``."""
@@ -89,6 +90,7 @@ class CostModel:
         tied = self.model.config.get("tie_word_embeddings", False)
         return total - vocab * hidden * (1 if tied else 2)  # type: ignore[operator]
 
+    @checked
     def prefill_flops(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
         """FLOPs to compute ``num_new_tokens`` after ``num_cached_tokens`` whose KV is already in the cache."""
         n = non_negative_int("num_new_tokens", num_new_tokens)
@@ -105,10 +107,12 @@ class CostModel:
         """The assumed prefill rate of the whole TP group: ``tp x dense BF16 peak x prefill_mfu``."""
         return self.tp * self.gpu.bf16_dense_flops * self.prefill_mfu
 
+    @checked
     def prefill_seconds(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
         """Modelled seconds to prefill ``num_new_tokens`` after ``num_cached_tokens`` cached ones (compute only)."""
         return self.prefill_flops(num_new_tokens, num_cached_tokens) / self.flops_per_second
 
+    @checked
     def implied_mfu(self, seconds: float, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
         """The share of the dense peak at which a prefill of these tokens takes ``seconds``."""
         seconds = positive_number("seconds", seconds)
@@ -125,6 +129,7 @@ class CostModel:
             return params_bytes(self.active_params, dtype) // self.tp
         return weights_bytes(self.model, dtype) // self.tp
 
+    @checked
     def memory_read_seconds(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
         """Modelled seconds to read the weights and the KV of every token attended over, once, from HBM."""
         n = non_negative_int("num_new_tokens", num_new_tokens)
@@ -132,11 +137,13 @@ class CostModel:
         read = self.weights_bytes_per_gpu + (n + s) * self.kv_bytes_per_token
         return read / self.gpu.memory_bytes_per_s
 
+    @checked
     def forward_seconds(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
         """The roofline: a prefill takes the longer of its compute and one read of the weights and KV."""
         return max(self.prefill_seconds(num_new_tokens, num_cached_tokens),
                    self.memory_read_seconds(num_new_tokens, num_cached_tokens))
 
+    @checked
     def prefix_hit_speedup(self, prompt_tokens: int, reused_tokens: int) -> float:
         """How many times faster the first token comes when ``reused_tokens`` of the prompt hit the GPU prefix cache.
 
@@ -162,12 +169,14 @@ class CostModel:
         """The assumed copy rate of one GPU's link, one direction."""
         return self.link.bytes_per_s * self.link_efficiency
 
+    @checked
     def copy_seconds(self, num_tokens: int) -> float:
         """Modelled seconds to copy ``num_tokens`` tokens' KV across the link, one direction (the GPUs in parallel)."""
         return non_negative_int("num_tokens", num_tokens) * self.kv_bytes_per_token / self.link_bytes_per_second
 
     # ----------------------------------------------------------------- the questions notebook 07 asks
 
+    @checked
     def ttft(self, prompt_tokens: int, reused_tokens: int, where: Where) -> float:
         """Modelled time to first token of a prompt whose first ``reused_tokens`` tokens' KV exist ``where``.
 
@@ -188,6 +197,7 @@ class CostModel:
             return self.copy_seconds(reused) + self.prefill_seconds(prompt - reused, reused)
         raise KvlabValueError(f"where must be 'recompute', 'gpu' or 'cpu', got {where!r}")
 
+    @checked
     def recompute_seconds(self, computed_tokens: int, hit_tokens: int) -> float:
         """A preempted request resumed by recompute: prefill what the GPU prefix cache no longer holds."""
         computed = non_negative_int("computed_tokens", computed_tokens)
@@ -196,6 +206,7 @@ class CostModel:
             raise KvlabValueError(f"hit_tokens={hits} cannot exceed computed_tokens={computed}")
         return self.prefill_seconds(computed - hits, hits)
 
+    @checked
     def swap_seconds(self, computed_tokens: int, hit_tokens: int = 0) -> float:
         """A preempted request resumed by swap: all its KV out to the CPU, then back what the GPU no longer holds."""
         computed = non_negative_int("computed_tokens", computed_tokens)
@@ -204,11 +215,13 @@ class CostModel:
             raise KvlabValueError(f"hit_tokens={hits} cannot exceed computed_tokens={computed}")
         return self.copy_seconds(computed) + self.copy_seconds(computed - hits)
 
+    @checked
     def swap_or_recompute(self, computed_tokens: int, hit_tokens: int) -> Literal["swap", "recompute"]:
         """The cheaper way to resume a preempted request in this model (ties go to recompute, vLLM V1's way)."""
         swap = self.swap_seconds(computed_tokens, hit_tokens)
         return "swap" if swap < self.recompute_seconds(computed_tokens, hit_tokens) else "recompute"
 
+    @checked(at_most={"resolution": 10**6})
     def crossover_hit_rate(self, computed_tokens: int, resolution: int = 1000) -> float | None:
         """The smallest prefix-hit rate (in steps of ``1 / resolution``) at which recompute is no dearer than swap.
 
@@ -223,6 +236,7 @@ class CostModel:
         return None
 
 
+@checked
 def cost_model(
     model: str | ModelSpec,
     gpu: str | GPUSpec = "H100-SXM-80GB",
@@ -230,6 +244,6 @@ def cost_model(
     **kwargs: object,
 ) -> CostModel:
     """A ``CostModel`` from names: ``link`` defaults to the GPU's own host link."""
-    spec = model if isinstance(model, ModelSpec) else get_model(model)
+    spec = resolve_model(model)
     gpu_spec = get_gpu(gpu)
     return CostModel(spec, gpu_spec, get_link(link or gpu_spec.host_link), **kwargs)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import json
 import re
 from fractions import Fraction
 
+from kvlab._validate import checked
 from kvlab.data import DATA_DIR
 from kvlab.errors import UnknownNameError
 from kvlab.units import GiB, MiB
@@ -23,6 +24,7 @@ HARDWARE_DIR = DATA_DIR / "hardware"
 GB = 10**9  # the decimal gigabyte datasheets and link specifications use
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class GPUSpec:
     """One GPU: its memory (label, reported, bandwidth), FP8 support, dense BF16 compute, SMs and host link."""
@@ -38,6 +40,9 @@ class GPUSpec:
     num_sms: int  # streaming multiprocessors
     host_link: str
     sources: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _known("host_link", self.host_link, "links")
 
     @property
     def bf16_dense_flops(self) -> float:
@@ -71,6 +76,7 @@ class GPUSpec:
         """``memory_bytes`` in GiB, the unit ``kvlab.capacity.budget.plan_kv_cache`` takes."""
         return self.memory_bytes / GiB
 
+    @checked
     def memory_row(self) -> dict[str, object]:
         """The label beside the bytes, read three ways: for the notebook's GB-against-GiB table."""
         return {
@@ -82,6 +88,7 @@ class GPUSpec:
         }
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class LinkSpec:
     """A host link (PCIe generation and width): its theoretical bandwidth per direction."""
@@ -99,6 +106,7 @@ class LinkSpec:
         return float(Fraction(self.gigatransfers_per_s * GB * self.lanes * payload, line * 8))
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class HostSpec:
     """A GPU server: its GPUs, CPU memory and local NVMe SSDs, the tiers below the GPUs' KV caches."""
@@ -113,6 +121,10 @@ class HostSpec:
     ssd_link: str  # each SSD's own link (an NVMe drive: PCIe x4)
     sources: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        _known("gpu", self.gpu, "gpus")
+        _known("ssd_link", self.ssd_link, "links")
+
     @property
     def system_memory_bytes(self) -> int:
         """CPU memory in bytes."""
@@ -122,6 +134,13 @@ class HostSpec:
     def ssd_bytes(self) -> int:
         """All data SSDs together, in bytes."""
         return round(self.num_data_ssds * self.data_ssd_tb * 1000 * GB)
+
+
+def _known(parameter: str, name: str, kind: str) -> None:
+    """Refuse a GPU or link name the hardware tables do not have."""
+    known = _load(kind)
+    if name not in known:
+        raise UnknownNameError(parameter, name, known)
 
 
 def _load(kind: str) -> dict[str, dict]:
@@ -157,31 +176,37 @@ def _find(kind: str, name: object, table: dict[str, object], cls: type) -> objec
     return table[name]  # type: ignore[index]
 
 
+@checked
 def list_gpus() -> list[str]:
     """The GPUs in ``data/hardware/gpus.json``."""
     return list(_gpus())
 
 
+@checked
 def get_gpu(name: str | GPUSpec) -> GPUSpec:
     """The GPU called ``name`` (see ``list_gpus()``); a ``GPUSpec`` is returned as it is."""
     return _find("gpu", name, _gpus(), GPUSpec)  # type: ignore[arg-type, return-value]
 
 
+@checked
 def list_links() -> list[str]:
     """The host links in ``data/hardware/links.json``."""
     return list(_links())
 
 
+@checked
 def get_link(name: str | LinkSpec) -> LinkSpec:
     """The link called ``name`` (see ``list_links()``); a ``LinkSpec`` is returned as it is."""
     return _find("link", name, _links(), LinkSpec)  # type: ignore[arg-type, return-value]
 
 
+@checked
 def list_hosts() -> list[str]:
     """The servers in ``data/hardware/hosts.json``."""
     return list(_hosts())
 
 
+@checked
 def get_host(name: str | HostSpec) -> HostSpec:
     """The server called ``name`` (see ``list_hosts()``); a ``HostSpec`` is returned as it is."""
     return _find("host", name, _hosts(), HostSpec)  # type: ignore[arg-type, return-value]

@@ -28,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.capacity.budget import DEFAULT_BLOCK_SIZE, KVCachePlan, num_gpu_blocks, plan_kv_cache
-from kvlab.capacity.models import ModelSpec, get_model
+from kvlab.capacity.models import ModelSpec, resolve_model
 from kvlab.capacity.sizing import page_size_bytes
 from kvlab.errors import KvlabValueError
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheSpec, SlidingWindowSpec
@@ -42,11 +42,13 @@ __all__ = ["HybridKVCachePlan", "describe_groups", "get_kv_cache_groups", "layer
 VLLM_MAX_NUM_BATCHED_TOKENS = 8192
 
 
+@checked
 def layer_name(index: int) -> str:
     """vLLM's name for layer ``index``'s attention: ``model.layers.{index}.self_attn.attn``."""
     return f"model.layers.{index}.self_attn.attn"
 
 
+@checked
 def layer_specs(model: ModelSpec, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "bf16",
                 tp: int = 1) -> dict[str, KVCacheSpec]:
     """Each layer's spec (vLLM's ``get_kv_cache_spec``): full attention, or a sliding window of the model's size."""
@@ -56,6 +58,7 @@ def layer_specs(model: ModelSpec, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype
             for i, kind in enumerate(model.layer_types)}
 
 
+@checked
 def get_kv_cache_groups(specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec, ...]:
     """Split layers into KV cache groups of one spec and (nearly) one size, as vLLM 0.33.0 does.
 
@@ -85,6 +88,7 @@ def get_kv_cache_groups(specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec
     return tuple(groups)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class HybridKVCachePlan:
     """One GPU's KV pool for a model's KV cache groups, with the all-full-attention plan beside it."""
@@ -117,12 +121,14 @@ class HybridKVCachePlan:
         """Whether vLLM would start: one request of ``max_model_len`` fits beside the null block."""
         return self.num_blocks - 1 >= sum(self.blocks_per_request)
 
+    @checked
     def startup_log(self) -> list[str]:
         """vLLM 0.33.0's one start-up line for the pool (``update_kv_cache_capacity``)."""
         return [f"GPU KV cache size: {self.kv_cache_size_tokens:,} tokens, Maximum concurrency for "
                 f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"]
 
 
+@checked
 def plan_hybrid_kv_cache(
     model: ModelSpec | str,
     *,
@@ -140,7 +146,7 @@ def plan_hybrid_kv_cache(
     ``kv_cache_memory_gib``, ...), which give the bytes available for KV. ``async_scheduling``
     (0.33.0's default) keeps two batches of ``max_num_batched_tokens`` in flight, one without.
     """
-    spec = model if isinstance(model, ModelSpec) else get_model(model)
+    spec = resolve_model(model)
     if not isinstance(async_scheduling, bool):
         raise KvlabValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
     in_flight = (2 if async_scheduling else 1) * positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -160,6 +166,7 @@ def plan_hybrid_kv_cache(
     )
 
 
+@checked
 def describe_groups(plan: HybridKVCachePlan) -> list[dict[str, Any]]:
     """One row per group, for a table: its kind, window, layers, and what one request holds in it."""
     rows = []

@@ -31,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import checked, non_negative_int, positive_int
 from kvlab.capacity.models import ModelSpec
 from kvlab.capacity.sizing import dtype_bytes, vector_bytes
-from kvlab.errors import KvlabValueError, MissingConfigKeyError
+from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class MLADims:
     """The shapes of one MLA layer (vLLM's ``MLADims``, plus the head count on this GPU)."""
@@ -63,6 +64,7 @@ class MLADims:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+@checked
 def mla_dims(model: ModelSpec, tp: int = 1) -> MLADims:
     """The MLA shapes of ``model``, read from its ``config.json``; ``tp`` splits the heads across GPUs."""
     if model.attention != "mla":
@@ -79,6 +81,7 @@ def mla_dims(model: ModelSpec, tp: int = 1) -> MLADims:
                    v_head_dim=cfg["v_head_dim"], q_lora_rank=cfg.get("q_lora_rank"))
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class PathCost:
     """One way of attending: FLOPs, bytes read and bytes written, for one layer and one step."""
@@ -93,6 +96,7 @@ class PathCost:
         return self.flops / (self.bytes_read + self.bytes_written)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class MLACost:
     """Naive against absorbed for one shape of step."""
@@ -119,7 +123,18 @@ class MLACost:
         """``"naive"`` or ``"absorbed"``: the path with fewer FLOPs (naive on a tie: no weights to fold)."""
         return "absorbed" if self.absorbed.flops < self.naive.flops else "naive"
 
+    @property
+    def fewer_bytes_read(self) -> str:
+        """``"naive"`` or ``"absorbed"``: the path that reads fewer bytes (naive on a tie).
 
+        Both read every latent once and the same weights, so the verdict is K and V read back
+        (``S N (P + R + V)`` values) against ``q_latent`` and ``o_latent`` (``2 Sq N L``): absorbing
+        reads less when ``S (P + R + V) > 2 L Sq``, whatever the dtypes.
+        """
+        return "absorbed" if self.absorbed.bytes_read < self.naive.bytes_read else "naive"
+
+
+@checked
 def causal_pairs(query_len: int, context_len: int) -> int:
     """(query, key) pairs causal attention scores: query ``i`` sees ``context_len + i + 1`` keys."""
     return query_len * context_len + query_len * (query_len + 1) // 2
@@ -146,6 +161,7 @@ def _absorbed(d: MLADims, sq: int, pairs: int, s: int, latent: int, a: Fraction)
     return flops, read, written
 
 
+@checked
 def mla_attention_cost(model: ModelSpec | MLADims, query_len: int, context_len: int = 0, *, num_seqs: int = 1,
                        kv_dtype: str = "bf16", act_dtype: str = "bf16", tp: int = 1) -> MLACost:
     """FLOPs and bytes of both paths for one layer: ``num_seqs`` x ``query_len`` queries after ``context_len``."""
@@ -154,7 +170,11 @@ def mla_attention_cost(model: ModelSpec | MLADims, query_len: int, context_len: 
     ctx = non_negative_int("context_len", context_len)
     seqs = positive_int("num_seqs", num_seqs)
     s, pairs = ctx + sq, causal_pairs(sq, ctx)
-    latent, a = vector_bytes(dims.latent_size, kv_dtype), dtype_bytes(act_dtype)
+    latent = vector_bytes(dims.latent_size, kv_dtype)
+    try:
+        a = dtype_bytes(act_dtype)
+    except UnknownNameError as exc:  # dtype_bytes names kv_dtype; the caller passed act_dtype
+        raise UnknownNameError("act_dtype", act_dtype, exc.known) from None
     weights = dims.kv_lora_rank * dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim) * a   # W_UK + W_UV
     paths = {}
     for name, (flops, read, written) in (("naive", _naive(dims, sq, s, pairs, latent, a)),
@@ -164,6 +184,7 @@ def mla_attention_cost(model: ModelSpec | MLADims, query_len: int, context_len: 
     return MLACost(dims, sq, ctx, seqs, paths["naive"], paths["absorbed"])
 
 
+@checked
 def absorb_crossover(model: ModelSpec | MLADims, context_len: int, max_query_len: int = 1 << 20) -> int | None:
     """The fewest query tokens (after ``context_len`` cached) for which naive needs no more FLOPs than absorbed.
 

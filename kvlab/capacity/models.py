@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.data import DATA_DIR
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
@@ -38,6 +38,7 @@ _TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 MODELS_DIR = DATA_DIR / "models"
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """The shape of a decoder's attention, as far as the KV cache is concerned.
@@ -69,6 +70,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
             positive_int(field, getattr(self, field))
+        if self.weights_dtype not in WEIGHT_DTYPE_BYTES:
+            raise UnknownNameError("weights_dtype", self.weights_dtype, WEIGHT_DTYPE_BYTES)
         if self.attention not in ("mha", "gqa", "mqa", "mla"):
             raise UnknownNameError("attention", self.attention, ["mha", "gqa", "mqa", "mla"])
         if not self.layer_types:
@@ -95,6 +98,7 @@ class ModelSpec:
         """Layers that keep every token of the context."""
         return self.num_layers - self.num_sliding_layers
 
+    @checked
     def mha_equivalent(self) -> ModelSpec:
         """The same model with one K/V head per query head (for MLA: heads x ``v_head_dim``)."""
         return dataclasses.replace(
@@ -108,6 +112,7 @@ class ModelSpec:
         )
 
     @classmethod
+    @checked
     def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike, name: str | None = None) -> ModelSpec:
         """Build a spec from a Hugging Face ``config.json`` given as a dict or a path.
 
@@ -218,51 +223,105 @@ def _weights_dtype(cfg: Mapping[str, Any]) -> str:
     return _TORCH_DTYPES.get(str(dtype), "bf16")
 
 
+#: The parts ``parameter_parts`` counts. ``routed_experts`` is what expert parallelism splits across GPUs;
+#: data-parallel attention keeps a copy of every other part on each GPU.
+PARAMETER_PARTS = ("embeddings", "attention", "mlp", "shared_experts", "routed_experts", "router", "norms")
+
+
+@checked
 def count_parameters(cfg: Mapping[str, Any]) -> int | None:
     """Count a decoder's parameters from its config (embeddings, attention, MLP/MoE, norms).
 
     Covers the Llama family (Llama, Mistral, Qwen2/3, Gemma 2), DeepSeek-V3 (MLA + MoE)
-    and gpt-oss (MoE); returns None for families it does not know. Multi-token-prediction
-    layers (``num_nextn_predict_layers``) are not counted: serving loads them separately.
+    and gpt-oss (MoE); returns None for families it does not know, or a config lacking a field
+    the count needs. Multi-token-prediction layers (``num_nextn_predict_layers``) are not counted:
+    serving loads them separately.
+    """
+    parts = parameter_parts(cfg)
+    return None if parts is None else sum(parts.values())
+
+
+@checked
+def parameter_parts(cfg: Mapping[str, Any]) -> dict[str, int] | None:
+    """``count_parameters`` by part (``PARAMETER_PARTS``): where a model's parameters sit, all layers summed.
+
+    ``embeddings`` holds the input embedding, the language-model head (unless tied) and the final
+    norm; ``norms`` the per-layer norms around attention and MLP; ``attention`` its projections and
+    the norms inside it (MLA's ``q_a_layernorm`` / ``kv_a_layernorm``, Qwen3's q/k norms).
     """
     family = cfg.get("model_type", "")
-    try:
-        H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-        nq = cfg["num_attention_heads"]
-    except KeyError:
+    H, V, L, nq = (cfg.get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"))
+    if None in (H, V, L, nq):
         return None
     tied = cfg.get("tie_word_embeddings", family.startswith("gemma"))
-    total = V * H * (1 if tied else 2) + H  # embeddings, lm_head, final norm
+    parts = dict.fromkeys(PARAMETER_PARTS, 0)
+    parts["embeddings"] = V * H * (1 if tied else 2) + H  # embeddings, lm_head, final norm
     if family in ("llama", "mistral", "qwen2", "qwen3", "gemma2"):
-        nkv = cfg.get("num_key_value_heads") or nq
-        hd = cfg.get("head_dim") or H // nq
-        attn = 2 * H * nq * hd + 2 * H * nkv * hd
-        if cfg.get("attention_bias") or family == "qwen2":
-            attn += nq * hd + 2 * nkv * hd + (H if cfg.get("attention_bias") else 0)
-        norms = (4 if family == "gemma2" else 2) * H + (2 * hd if family == "qwen3" else 0)
-        return total + L * (attn + 3 * H * cfg["intermediate_size"] + norms)
-    if family == "deepseek_v3":
-        r_q, r_kv = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-        nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-        attn = (
-            H * r_q + r_q + r_q * nq * (nope + rope)  # q down, norm, q up
-            + H * (r_kv + rope) + r_kv + r_kv * nq * (nope + vd)  # kv down (+ rope key), norm, kv up
-            + nq * vd * H  # o_proj
-        )
-        experts = cfg["n_routed_experts"]
-        moe = (experts + cfg["n_shared_experts"]) * 3 * H * cfg["moe_intermediate_size"] + experts * H + experts
-        dense_layers = cfg["first_k_dense_replace"]
-        mlp = dense_layers * 3 * H * cfg["intermediate_size"] + (L - dense_layers) * moe
-        return total + L * (attn + 2 * H) + mlp
-    if family == "gpt_oss":
-        nkv, hd, inter = cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"]
-        experts = cfg["num_local_experts"]
-        attn = 2 * H * nq * hd + 2 * H * nkv * hd + (nq * hd + 2 * nkv * hd + H) + nq  # + biases, sinks
-        moe = experts * (H * 2 * inter + 2 * inter + inter * H + H) + experts * H + experts
-        return total + L * (attn + moe + 2 * H)
-    return None
+        layer = _llama_layer(cfg, family, H, nq)
+    elif family == "deepseek_v3":
+        layer = _deepseek_layer(cfg, H, nq, L)
+    elif family == "gpt_oss":
+        layer = _gpt_oss_layer(cfg, H, nq)
+    else:
+        return None
+    if layer is None:
+        return None
+    for name, count in layer.items():
+        parts[name] += count if name in ("mlp", "shared_experts", "routed_experts", "router") else L * count
+    return parts
 
 
+def _llama_layer(cfg: Mapping[str, Any], family: str, H: int, nq: int) -> dict[str, int] | None:
+    """One Llama-family layer's attention and norms, and the dense MLPs of all layers."""
+    nkv = cfg.get("num_key_value_heads") or nq
+    hd = cfg.get("head_dim") or H // nq
+    inter = cfg.get("intermediate_size")
+    if inter is None:
+        return None
+    attn = 2 * H * nq * hd + 2 * H * nkv * hd
+    if cfg.get("attention_bias") or family == "qwen2":
+        attn += nq * hd + 2 * nkv * hd + (H if cfg.get("attention_bias") else 0)
+    qk_norms = 2 * hd if family == "qwen3" else 0
+    return {"attention": attn + qk_norms, "norms": (4 if family == "gemma2" else 2) * H,
+            "mlp": cfg["num_hidden_layers"] * 3 * H * inter}
+
+
+def _deepseek_layer(cfg: Mapping[str, Any], H: int, nq: int, L: int) -> dict[str, int] | None:
+    """One DeepSeek-V3 layer's MLA and norms, and the dense MLPs and experts of all layers.
+
+    Without ``q_lora_rank`` (DeepSeek-V2-Lite's style) the query is one projection, ``q_proj``.
+    """
+    names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+             "moe_intermediate_size", "intermediate_size")
+    r_kv, nope, rope, vd, experts, moe_inter, inter = (cfg.get(k) for k in names)
+    if None in (r_kv, nope, rope, vd, experts, moe_inter, inter):
+        return None
+    r_q = cfg.get("q_lora_rank")
+    query = H * r_q + r_q + r_q * nq * (nope + rope) if r_q else H * nq * (nope + rope)  # down, norm, up / q_proj
+    attn = (query + H * (r_kv + rope) + r_kv + r_kv * nq * (nope + vd)  # kv down (+ rope key), norm, kv up
+            + nq * vd * H)  # o_proj
+    dense = min(cfg.get("first_k_dense_replace") or 0, L)
+    expert = 3 * H * moe_inter
+    return {"attention": attn, "norms": 2 * H, "mlp": dense * 3 * H * inter,
+            "shared_experts": (L - dense) * (cfg.get("n_shared_experts") or 0) * expert,
+            "routed_experts": (L - dense) * experts * expert,
+            "router": (L - dense) * (experts * H + experts)}  # gate weight and correction bias
+
+
+def _gpt_oss_layer(cfg: Mapping[str, Any], H: int, nq: int) -> dict[str, int] | None:
+    """One gpt-oss layer's attention (biases and sinks included) and norms, and the experts of all layers."""
+    nkv, hd, inter, experts = (cfg.get(k) for k in ("num_key_value_heads", "head_dim", "intermediate_size",
+                                                    "num_local_experts"))
+    if None in (nkv, hd, inter, experts):
+        return None
+    L = cfg["num_hidden_layers"]
+    attn = 2 * H * nq * hd + 2 * H * nkv * hd + (nq * hd + 2 * nkv * hd + H) + nq  # + biases, sinks
+    return {"attention": attn, "norms": 2 * H,
+            "routed_experts": L * experts * (H * 2 * inter + 2 * inter + inter * H + H),
+            "router": L * (experts * H + experts)}
+
+
+@checked
 def params_bytes(num_params: float, weights_dtype: str) -> int:
     """Bytes of ``num_params`` parameters stored as ``weights_dtype``: how a "70B in bf16 is 130 GiB" is counted.
 
@@ -276,6 +335,7 @@ def params_bytes(num_params: float, weights_dtype: str) -> int:
     return round(num_params * WEIGHT_DTYPE_BYTES[weights_dtype])
 
 
+@checked
 def weights_bytes(model: ModelSpec, weights_dtype: str | None = None) -> int:
     """Estimated bytes of the weights: ``num_params`` (counted from the config) x bytes of the weight dtype."""
     dtype = weights_dtype or model.weights_dtype
@@ -289,11 +349,13 @@ def weights_bytes(model: ModelSpec, weights_dtype: str | None = None) -> int:
     return params_bytes(model.num_params, dtype)
 
 
+@checked
 def list_models() -> list[str]:
     """The names of the presets shipped in ``data/models/``."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
 
 
+@checked
 @functools.cache
 def get_model(name: str) -> ModelSpec:
     """The preset ``name`` (see ``list_models()``), built from its real ``config.json``."""
@@ -301,3 +363,14 @@ def get_model(name: str) -> ModelSpec:
     if name not in known:
         raise UnknownNameError("name", name, known)
     return ModelSpec.from_hf_config(MODELS_DIR / f"{name}.json", name=name)
+
+
+@checked
+def resolve_model(model: ModelSpec | str, parameter: str = "model") -> ModelSpec:
+    """``model`` itself, or the preset it names; an error names ``parameter``, the caller's argument."""
+    if isinstance(model, ModelSpec):
+        return model
+    known = list_models()
+    if not isinstance(model, str) or model not in known:
+        raise UnknownNameError(parameter, model, known)
+    return get_model(model)

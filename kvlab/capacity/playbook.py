@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
-from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int
+from kvlab._validate import checked, fraction_in_unit_interval, non_negative_int, one_of, positive_int
 from kvlab.capacity.budget import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -27,7 +27,7 @@ from kvlab.capacity.budget import (
     plan_kv_cache,
 )
 from kvlab.capacity.hardware import GPUSpec, get_gpu
-from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, ModelSpec, get_model
+from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, ModelSpec, resolve_model
 from kvlab.capacity.sizing import canonical_kv_dtype, dtype_bytes, kv_heads_per_rank
 from kvlab.errors import KvlabValueError
 from kvlab.units import GiB, cdiv, format_bytes
@@ -45,6 +45,7 @@ FP8_CHEAPEST_BELOW = 20
 # ----------------------------------------------------------------- inputs
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What requests look like: mean prompt and output tokens, and the share of the prompt every request shares.
@@ -76,6 +77,7 @@ class Workload:
         return math.floor(self.mean_prompt_tokens * self.shared_prefix)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Deployment:
     """One vLLM instance's settings: model, GPU type, TP, ``max_model_len``, KV dtype, utilization, weights dtype.
@@ -97,7 +99,7 @@ class Deployment:
     def __post_init__(self) -> None:
         get_gpu(self.gpu)
         if isinstance(self.model, str):
-            get_model(self.model)
+            resolve_model(self.model)
         elif not isinstance(self.model, ModelSpec):
             raise KvlabValueError(f"model must be a ModelSpec or a preset name, got {type(self.model).__name__}")
         positive_int("max_model_len", self.max_model_len)
@@ -111,17 +113,19 @@ class Deployment:
     @property
     def spec(self) -> ModelSpec:
         """The model's ``ModelSpec``."""
-        return self.model if isinstance(self.model, ModelSpec) else get_model(self.model)
+        return resolve_model(self.model)
 
     @property
     def gpu_spec(self) -> GPUSpec:
         """The GPU's ``GPUSpec``."""
         return get_gpu(self.gpu)
 
+    @checked
     def replace(self, **changes: Any) -> Deployment:
         """A copy with ``changes`` applied (checked like the original)."""
         return dataclasses.replace(self, **changes)
 
+    @checked
     def plan(self) -> KVCachePlan:
         """One GPU's KV cache plan, as ``kvlab.capacity.budget.plan_kv_cache`` computes it for these settings."""
         return plan_kv_cache(
@@ -134,6 +138,7 @@ class Deployment:
 # ----------------------------------------------------------------- concurrency
 
 
+@checked
 def concurrency_at(num_usable_blocks: int, block_size: int, tokens: int, shared_prefix_tokens: int = 0) -> int:
     """Requests of ``tokens`` tokens that hold all their blocks at once when ``shared_prefix_tokens`` are shared.
 
@@ -157,6 +162,7 @@ def concurrency_at(num_usable_blocks: int, block_size: int, tokens: int, shared_
 # ----------------------------------------------------------------- the decision flow
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The source material's decision flow: a band of the logged concurrency and what to try, in order."""
@@ -178,6 +184,7 @@ DECISION_BANDS: tuple[tuple[float, Decision], ...] = (
 )
 
 
+@checked
 def decide(max_concurrency: float) -> Decision:
     """The band of ``max_concurrency`` (vLLM's logged "Maximum concurrency"): < 10, 10 to 50, or >= 50."""
     if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, (int, float)) or not (
@@ -186,6 +193,7 @@ def decide(max_concurrency: float) -> Decision:
     return next(decision for bound, decision in DECISION_BANDS if max_concurrency < bound)
 
 
+@checked
 def fp8_kv_verdict(max_concurrency: float) -> Literal["not needed", "cheapest doubling", "weigh it"]:
     """The source material's rule for an FP8 KV cache, read off vLLM's logged maximum concurrency.
 
@@ -204,6 +212,7 @@ def fp8_kv_verdict(max_concurrency: float) -> Literal["not needed", "cheapest do
 # ----------------------------------------------------------------- levers
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class LeverResult:
     """One lever applied to a deployment: the new settings and plan, what it buys, and what it costs."""
@@ -307,6 +316,7 @@ LEVERS: tuple[tuple[str, str, LeverFn], ...] = (
 )
 
 
+@checked
 def rank_levers(deployment: Deployment, workload: Workload, rank_by: RankBy = "max_model_len") -> list[LeverResult]:
     """Apply each lever alone to ``deployment`` and rank them by the concurrency they buy.
 
@@ -341,6 +351,7 @@ def _typical(plan: KVCachePlan, workload: Workload) -> int:
 # ----------------------------------------------------------------- the whole answer
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class PlaybookResult:
     """Everything the playbook says about one deployment and workload."""
@@ -357,6 +368,7 @@ class PlaybookResult:
     warnings: tuple[str, ...]
 
 
+@checked
 def startup_log(deployment: Deployment, plan: KVCachePlan | None = None) -> list[str]:
     """The lines vLLM prints at start-up: the weights line, then the two KV cache lines (or its error).
 
@@ -369,6 +381,7 @@ def startup_log(deployment: Deployment, plan: KVCachePlan | None = None) -> list
             *plan.startup_log()]
 
 
+@checked
 def plan_deployment(deployment: Deployment, workload: Workload, rank_by: RankBy = "max_model_len") -> PlaybookResult:
     """The playbook for one deployment and workload: log lines, concurrency, decision band, ranked levers."""
     if not isinstance(deployment, Deployment) or not isinstance(workload, Workload):

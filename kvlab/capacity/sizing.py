@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.capacity.models import ModelSpec
 from kvlab.errors import KvlabValueError, UnknownNameError
 from kvlab.units import cdiv
@@ -43,6 +43,7 @@ KV_DTYPE_ALIASES: Mapping[str, str] = {
 NVFP4_GROUP = 16  # values that share one scale
 
 
+@checked
 def canonical_kv_dtype(kv_dtype: str) -> str:
     """The canonical name of ``kv_dtype`` (aliases resolved); raises listing the known dtypes."""
     name = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
@@ -51,11 +52,13 @@ def canonical_kv_dtype(kv_dtype: str) -> str:
     return name  # type: ignore[return-value]
 
 
+@checked
 def dtype_bytes(kv_dtype: str) -> Fraction:
     """b, the bytes of one stored element, as an exact fraction (nvfp4: 9/16)."""
     return KV_DTYPE_BYTES[canonical_kv_dtype(kv_dtype)]
 
 
+@checked
 def vector_bytes(num_elements: int, kv_dtype: str) -> int:
     """Bytes of one head vector of ``num_elements`` values (nvfp4: one scale per started group of 16)."""
     n = positive_int("num_elements", num_elements)
@@ -65,6 +68,7 @@ def vector_bytes(num_elements: int, kv_dtype: str) -> int:
     return int(n * KV_DTYPE_BYTES[name])
 
 
+@checked
 def kv_heads_per_rank(model: ModelSpec, tp: int = 1) -> int:
     """Hkv on one GPU under tensor parallelism ``tp``.
 
@@ -84,16 +88,19 @@ def kv_heads_per_rank(model: ModelSpec, tp: int = 1) -> int:
     return 1
 
 
+@checked
 def kv_bytes_per_layer_token(model: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> int:
     """Bytes one token's KV takes in one layer on one GPU: f x Hkv x D x b."""
     return model.kv_factor * kv_heads_per_rank(model, tp) * vector_bytes(model.head_dim, kv_dtype)
 
 
+@checked
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> int:
     """Bytes one token's KV takes on one GPU: f x L x Hkv x D x b (summed over all layers)."""
     return model.num_layers * kv_bytes_per_layer_token(model, kv_dtype, tp)
 
 
+@checked
 def page_size_bytes(model: ModelSpec, block_size: int, kv_dtype: str = "bf16", tp: int = 1) -> int:
     """One layer's page of ``block_size`` tokens on one GPU, as vLLM's ``AttentionSpec.page_size_bytes``.
 
@@ -104,6 +111,7 @@ def page_size_bytes(model: ModelSpec, block_size: int, kv_dtype: str = "bf16", t
     return positive_int("block_size", block_size) * kv_bytes_per_layer_token(model, kv_dtype, tp)
 
 
+@checked
 def kv_bytes(
     model: ModelSpec, tokens: int, kv_dtype: str = "bf16", requests: int = 1, tp: int = 1
 ) -> int:
@@ -119,6 +127,7 @@ def kv_bytes(
     return per_layer_token * held * requests
 
 
+@checked
 def tokens_held_per_layer(model: ModelSpec, tokens: int) -> list[int]:
     """How many of ``tokens`` each layer keeps: all of them, or the last ``sliding_window``."""
     tokens = positive_int("tokens", tokens)
@@ -128,6 +137,7 @@ def tokens_held_per_layer(model: ModelSpec, tokens: int) -> list[int]:
     ]
 
 
+@checked
 def breakdown(model: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> dict[str, object]:
     """The factors of the per-token formula, in order, with their product (for tables)."""
     return {
@@ -142,11 +152,13 @@ def breakdown(model: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> dict[str
     }
 
 
+@checked
 def mha_ratio(model: ModelSpec, kv_dtype: str = "bf16") -> float:
     """How many times smaller the model's KV is than the same model with one KV head per query head."""
     return kv_bytes_per_token(model.mha_equivalent(), kv_dtype) / kv_bytes_per_token(model, kv_dtype)
 
 
+@checked
 def kv_cache_tensors(
     model: ModelSpec,
     tokens: int,
@@ -185,16 +197,19 @@ def kv_cache_tensors(
     return out
 
 
+@checked
 def blocks_for_tokens(tokens: int, block_size: int) -> int:
     """Blocks a request of ``tokens`` tokens occupies: ``ceil(tokens / block_size)``."""
     return cdiv(positive_int("tokens", tokens), positive_int("block_size", block_size))
 
 
+@checked
 def tail_waste(tokens: int, block_size: int) -> int:
     """Empty slots in a request's last block: paging wastes at most ``block_size - 1`` per request."""
     return blocks_for_tokens(tokens, block_size) * block_size - tokens
 
 
+@checked
 def reservation_waste(tokens: int, reserved: int) -> int:
     """Slots a contiguous reservation of ``reserved`` tokens never fills when its request ends at ``tokens``.
 
@@ -207,6 +222,7 @@ def reservation_waste(tokens: int, reserved: int) -> int:
     return reserved - tokens
 
 
+@checked
 def mean_tail_waste(block_size: int, lengths: Iterable[int] | None = None) -> Fraction:
     """Mean empty slots in a request's last block: exact for uniform lengths, or measured over ``lengths``.
 

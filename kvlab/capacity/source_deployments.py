@@ -11,12 +11,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from kvlab._validate import one_of
+from kvlab._validate import checked, one_of
 from kvlab.capacity.hardware import GB
 from kvlab.capacity.playbook import Deployment, Workload, plan_deployment
 from kvlab.units import GiB, KiB, format_bytes
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SourceDeployment:
     """A worked deployment from the source material: its settings, its own figures, and our exact reading."""
@@ -33,6 +34,7 @@ class SourceDeployment:
     notes: tuple[str, ...]
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SourceArithmetic:
     """The source material's own division, redone exactly in the unit it used."""
@@ -42,6 +44,7 @@ class SourceArithmetic:
     typical_concurrency: float
 
 
+@checked
 def source_arithmetic(source: SourceDeployment) -> SourceArithmetic:
     """Budget / bytes per token / lengths, in the source's unit, with no blocks and no rounding."""
     unit = GB if source.budget_unit == "GB" else GiB
@@ -109,6 +112,7 @@ SOURCE_DEPLOYMENTS: Mapping[str, SourceDeployment] = {
 }
 
 
+@checked
 def reproduce(key: str) -> dict[str, Any]:
     """One source deployment side by side: its printed figures, its arithmetic redone, and kvlab's exact plan."""
     source = SOURCE_DEPLOYMENTS[one_of("key", key, SOURCE_DEPLOYMENTS)]
@@ -116,6 +120,7 @@ def reproduce(key: str) -> dict[str, Any]:
     return {"source": source, "arithmetic": source_arithmetic(source), "exact": result}
 
 
+@checked
 def comparison_rows(keys: Sequence[str] = ("a", "b", "c")) -> list[dict[str, Any]]:
     """One row per source deployment: the source's figures beside the exact ones (for the notebook's table)."""
     rows = []

@@ -15,10 +15,10 @@ import math
 import re
 from collections.abc import Iterable
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.capacity.budget import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, KVCachePlan, plan_kv_cache
 from kvlab.capacity.hardware import GPUSpec, get_gpu
-from kvlab.capacity.models import ModelSpec, get_model
+from kvlab.capacity.models import ModelSpec, resolve_model
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.errors import KvlabValueError
 from kvlab.units import GiB
@@ -28,6 +28,7 @@ _TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class StartupLog:
     """The numbers a start-up log states."""
@@ -38,6 +39,7 @@ class StartupLog:
     max_concurrency: float  # as printed, two decimals
 
 
+@checked
 def parse_startup_log(lines: Iterable[str] | str) -> StartupLog:
     """The weights, KV cache tokens, ``max_model_len`` and concurrency a start-up log prints."""
     text = lines if isinstance(lines, str) else "\n".join(lines)
@@ -52,6 +54,7 @@ def parse_startup_log(lines: Iterable[str] | str) -> StartupLog:
                       max_concurrency=float(concurrency.group(2)))
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Reconstruction:
     """A plan that logs what a start-up log says, and what it takes to believe it."""
@@ -69,6 +72,7 @@ class Reconstruction:
         return self.pool_bytes / GiB
 
 
+@checked
 def reconstruct(
     model: ModelSpec | str,
     lines: Iterable[str] | str,
@@ -86,7 +90,7 @@ def reconstruct(
     is what the budget ``ceil(total x gpu_memory_utilization)`` must have lost besides the weights
     the log states and the pool (negative: the log cannot come from that GPU).
     """
-    spec = model if isinstance(model, ModelSpec) else get_model(model)
+    spec = resolve_model(model)
     log = parse_startup_log(lines)
     block_size = positive_int("block_size", block_size)
     if log.kv_cache_tokens % block_size:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.capacity.budget import DEFAULT_BLOCK_SIZE, KVCachePlan, plan_kv_cache
 from kvlab.capacity.hardware import HostSpec, get_gpu, get_host, get_link
-from kvlab.capacity.models import ModelSpec, get_model
+from kvlab.capacity.models import ModelSpec, resolve_model
 from kvlab.capacity.sizing import kv_bytes_per_token
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class KVTier:
     """One tier of a server: how many KV bytes it holds and how fast they reach a GPU's attention."""
@@ -29,15 +30,18 @@ class KVTier:
     bytes_per_s: float  # the path from this tier into one GPU's attention
     path: str  # what that bandwidth is
 
+    @checked
     def seconds_for(self, num_bytes: int) -> float:
         """Modelled seconds to bring ``num_bytes`` of KV from this tier to one GPU (or to read them there)."""
         return num_bytes / self.bytes_per_s
 
+    @checked
     def holds(self, num_bytes: int) -> int:
         """How many items of ``num_bytes`` the tier holds."""
         return self.capacity_bytes // positive_int("num_bytes", num_bytes)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class TierTable:
     """A server's three tiers for one model, and the per-GPU plan that sized the top one."""
@@ -48,10 +52,12 @@ class TierTable:
     plan: KVCachePlan  # one GPU's KV cache (one replica per GPU)
     tiers: tuple[KVTier, KVTier, KVTier]  # GPU HBM, CPU DRAM, local SSD
 
+    @checked
     def prefix_bytes(self, prefix_tokens: int) -> int:
         """KV bytes of a prefix of ``prefix_tokens`` tokens."""
         return positive_int("prefix_tokens", prefix_tokens) * kv_bytes_per_token(self.model, self.kv_dtype)
 
+    @checked
     def rows(self, prefix_tokens: int) -> list[dict[str, object]]:
         """Per tier: prefixes of ``prefix_tokens`` tokens held, and modelled seconds to bring one to a GPU."""
         size = self.prefix_bytes(prefix_tokens)
@@ -61,6 +67,7 @@ class TierTable:
                 for t in self.tiers]
 
 
+@checked
 def kv_tiers(
     host: str | HostSpec = "DGX-H100",
     model: str | ModelSpec = "llama-3-8b",
@@ -76,7 +83,7 @@ def kv_tiers(
     bounds too (the operating system and the weights' files need room).
     """
     host = get_host(host)
-    spec = model if isinstance(model, ModelSpec) else get_model(model)
+    spec = resolve_model(model)
     gpu = get_gpu(host.gpu)
     plan = plan_kv_cache(spec, gpu_memory_gib=gpu.memory_gib, kv_dtype=kv_dtype, block_size=block_size,
                          max_model_len=max_model_len)

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
 from kvlab.core.hashing import make_block_hash_with_group_id
 from kvlab.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheBlockCopy
 from kvlab.errors import BlockStateError, KvlabValueError, OutOfBlocksError
@@ -37,6 +37,7 @@ class BlockPoolObserver(Protocol):
     def reset(self) -> None: ...  # reset_prefix_cache is about to succeed
 
 
+@checked
 class BlockHashToBlockMap:
     """The prefix-cache index: block hash -> the blocks holding that content, as vLLM's ``BlockHashToBlockMap``.
 
@@ -93,6 +94,7 @@ class BlockHashToBlockMap:
         return len(self._cache)
 
 
+@checked(at_most={"num_blocks": MAX_OBJECTS})
 class BlockPool:
     """All physical blocks, the free queue, and the index of cached (hashed) blocks.
 
@@ -138,14 +140,17 @@ class BlockPool:
         """Blocks a request can ever hold: all of them but the null block."""
         return self.num_gpu_blocks - (self.null_block is not None)
 
+    @checked
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (cached-but-free ones included: they can be evicted)."""
         return self.free_block_queue.num_free_blocks
 
+    @checked
     def get_usage(self) -> float:
         """Share of usable blocks in use, as vLLM reports ``kv_cache_usage``: 1 - free / usable."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
+    @checked
     def add_observer(self, observer: BlockPoolObserver) -> None:
         """Attach one more observer (kept beside ``metrics_collector``, never instead of it)."""
         for name in ("on_block_allocated", "on_block_accessed", "on_block_evicted", "reset"):
@@ -158,18 +163,25 @@ class BlockPool:
 
     # ----------------------------------------------------------------- allocation
 
+    @checked
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the head of the free queue, each with ``ref_cnt`` 1.
 
         With caching on, a block that still carries a hash is evicted on the way: its hashes
         leave the index. Asking for more than are free raises ``OutOfBlocksError`` and takes nothing.
         """
+        num_blocks = non_negative_int("num_blocks", num_blocks)
+        if num_blocks > self.get_num_free_blocks():
+            raise OutOfBlocksError(f"cannot get num_blocks={num_blocks} blocks: only {self.get_num_free_blocks()} "
+                                   "are free")
         return self.touch_and_get_new_blocks((), num_blocks)
 
+    @checked
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (a prefix hit); a block at 0 leaves the free queue."""
         self.touch_and_get_new_blocks(blocks, 0)
 
+    @checked
     def touch_and_get_new_blocks(self, hit_blocks: Iterable[KVCacheBlock], num_new: int) -> list[KVCacheBlock]:
         """``touch(hit_blocks)`` then ``get_new_blocks(num_new)``, as one step that fails whole or not at all.
 
@@ -179,12 +191,12 @@ class BlockPool:
         allocated) before anything changes.
         """
         hits = list(hit_blocks)
-        num_new = non_negative_int("num_blocks", num_new)
+        num_new = non_negative_int("num_new", num_new)
         self._check_own(hits, "touch")
         leaving = {b.block_id for b in hits if b.ref_cnt == 0}
         if num_new > self.get_num_free_blocks() - len(leaving):
-            raise OutOfBlocksError(f"cannot get {num_new} blocks: only {self.get_num_free_blocks() - len(leaving)} "
-                                   "are free")
+            raise OutOfBlocksError(f"cannot get num_new={num_new} blocks: only "
+                                   f"{self.get_num_free_blocks() - len(leaving)} are free")
         new = self.free_block_queue.peek_n(num_new, frozenset(leaving))
         watchers = self._watchers()
         for watcher in watchers:  # told first: one that raises stops the call with nothing changed
@@ -208,6 +220,7 @@ class BlockPool:
             block.ref_cnt = 1
         return taken
 
+    @checked
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per listed block; blocks that reach 0 return to the free queue.
 
@@ -234,6 +247,7 @@ class BlockPool:
         self.free_block_queue.prepend_n(first)
         self.free_block_queue.append_n(last)
 
+    @checked
     def copy_on_write(self, blocks: list[KVCacheBlock], index: int,
                       copy: KVCacheBlock | None = None) -> KVCacheBlockCopy:
         """Give a holder of the shared block ``blocks[index]`` a private copy: the one copy-on-write.
@@ -255,9 +269,12 @@ class BlockPool:
 
     # ----------------------------------------------------------------- the prefix-cache index
 
-    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int] | None = None) -> Any:
+    @checked
+    def get_cached_block(self, block_hash: BlockHash | None, kv_cache_group_ids: Sequence[int] | None = None) -> Any:
         """A block holding the content ``block_hash`` names, or None (a miss); with ``kv_cache_group_ids``,
         vLLM's form: one block per group, keyed with its group id, or None if any group misses."""
+        if block_hash is None:  # no hash: nothing can match
+            return None
         if kv_cache_group_ids is None:
             return self.cached_block_hash_to_block.get_one_block(block_hash)
         blocks = []
@@ -268,6 +285,7 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    @checked
     def cache_full_blocks(
         self,
         blocks: Sequence[KVCacheBlock],
@@ -313,6 +331,7 @@ class BlockPool:
                 self._remove_cached_block_hashes(block)
             self._insert_block_hash(block_hash, block, end)
 
+    @checked
     def cache_partial_block(self, block: KVCacheBlock, block_hash: BlockHash, num_tokens: int) -> None:
         """Register a partial entry: ``block_hash`` names the prefix of ``num_tokens`` tokens ending inside ``block``.
 
@@ -349,6 +368,7 @@ class BlockPool:
         block.reset_hash()
         return removed
 
+    @checked
     def evict_blocks(self, block_ids: Iterable[int], *, notify: bool = True) -> None:
         """Drop the listed blocks' hashes from the prefix cache (blocks in use stay in use), as vLLM does.
 
@@ -366,6 +386,7 @@ class BlockPool:
                 watcher.on_block_evicted(block)
             self._remove_cached_block_hashes(block)
 
+    @checked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (returns False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_usable_blocks:

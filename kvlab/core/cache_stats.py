@@ -16,13 +16,14 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from kvlab._validate import fraction_in_unit_interval, non_negative_int, positive_int
+from kvlab._validate import checked, fraction_in_unit_interval, non_negative_int, positive_int
 
 if TYPE_CHECKING:
     from kvlab.core.block_pool import BlockPool
     from kvlab.core.kv_cache_utils import KVCacheBlock
 
 
+@checked
 @dataclasses.dataclass
 class PrefixCacheStats:
     """Token counts of prefix-cache lookups: ``queries`` asked for, ``hits`` found, per kind of request."""
@@ -35,6 +36,7 @@ class PrefixCacheStats:
     preempted_queries: int = 0
     preempted_hits: int = 0
 
+    @checked
     def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
         """Add one admitted request: ``num_tokens`` queried, ``num_hits`` of them found in the cache."""
         num_tokens, num_hits = non_negative_int("num_tokens", num_tokens), non_negative_int("num_hits", num_hits)
@@ -53,6 +55,7 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@checked
 class CachingMetrics:
     """Hit rate over the most recent ``max_recent_requests`` requests, as vLLM's logger shows it."""
 
@@ -63,6 +66,7 @@ class CachingMetrics:
         self.aggregated_query_hit = 0
         self.query_queue: deque[tuple[int, int, int]] = deque()
 
+    @checked
     def observe(self, stats: PrefixCacheStats) -> None:
         """Fold in one batch of stats; drop the oldest batches once the window holds too many requests."""
         if stats.reset:
@@ -79,6 +83,7 @@ class CachingMetrics:
             self.aggregated_query_total -= old_queries
             self.aggregated_query_hit -= old_hits
 
+    @checked
     def reset(self) -> None:
         """Forget everything (after ``reset_prefix_cache``)."""
         self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
@@ -96,6 +101,7 @@ class CachingMetrics:
         return self.aggregated_query_hit / self.aggregated_query_total
 
 
+@checked
 class EvictionCounter:
     """A pool observer counting cached blocks whose contents allocation evicts, and the prefixes that come back.
 
@@ -124,9 +130,11 @@ class EvictionCounter:
     def on_block_accessed(self, block: KVCacheBlock) -> None:
         pass
 
+    @checked
     def reset(self) -> None:
         pass
 
+    @checked
     def commit(self) -> None:
         if not self.staged:
             return
@@ -135,6 +143,7 @@ class EvictionCounter:
         self.evicted_hashes.update(h for h, lost in self.staged if lost)
         self.staged = []
 
+    @checked
     def missed(self, block_hashes: Iterable[Hashable]) -> None:
         """A request was admitted without hits on ``block_hashes``: count those it lost to eviction, once each."""
         if self.evicted_hashes:
@@ -153,6 +162,7 @@ class EvictionCounter:
         self.commit()
 
 
+@checked
 def interpret_hit_rate(hit_rate: float, workload_shares_prefixes: bool) -> str:
     """What a measured hit rate says about a deployment, and what to check next.
 

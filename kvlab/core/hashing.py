@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import cbor2
 import xxhash as _xxhash
 
-from kvlab._validate import non_negative_int, one_of, positive_int
+from kvlab._validate import checked, non_negative_int, one_of, positive_int
 from kvlab.errors import KvlabValueError
 
 if TYPE_CHECKING:
@@ -66,11 +66,13 @@ HASH_FUNCTIONS: dict[str, HashFn] = {
 }
 
 
+@checked
 def get_hash_fn_by_name(hash_fn_name: str) -> HashFn:
     """The hash function vLLM's ``--prefix-caching-hash-algo`` names; unknown names list the known."""
     return HASH_FUNCTIONS[one_of("hash_fn_name", hash_fn_name, HASH_FUNCTIONS)]
 
 
+@checked
 def hash_fn_name(hash_fn: HashFn) -> str:
     """The name of ``hash_fn`` (its registry name, else its ``__name__``)."""
     for name, fn in HASH_FUNCTIONS.items():
@@ -87,6 +89,7 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 NON_CRYPTO_HASH_FUNCTIONS = frozenset({xxhash, xxhash_cbor})
 
 
+@checked
 def resolve_none_hash_seed(hash_fn: HashFn, hash_seed: str | None) -> str:
     """The string ``NONE_HASH`` is derived from, by vLLM 0.33.0's rule (``resolve_none_hash_seed``).
 
@@ -105,11 +108,13 @@ def resolve_none_hash_seed(hash_fn: HashFn, hash_seed: str | None) -> str:
     return DEFAULT_NONE_HASH_SEED
 
 
+@checked
 def none_hash_from_seed(hash_fn: HashFn, hash_seed: str | None) -> bytes:
     """``NONE_HASH`` as vLLM 0.33.0 derives it: ``hash_fn`` of the seed ``resolve_none_hash_seed`` picks."""
     return hash_fn(resolve_none_hash_seed(hash_fn, hash_seed))
 
 
+@checked
 def init_none_hash(hash_fn: HashFn) -> bytes:
     """Set this process's ``NONE_HASH`` from ``PYTHONHASHSEED`` (or the default rule) and return it."""
     global NONE_HASH
@@ -124,6 +129,7 @@ init_none_hash(sha256)  # once, at import, as vLLM's engine does at start-up
 # ----------------------------------------------------------------- one block
 
 
+@checked
 def hash_block_tokens(
     hash_function: HashFn,
     parent_block_hash: BlockHash | None,
@@ -140,6 +146,7 @@ def hash_block_tokens(
     return hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
 
 
+@checked
 def hash_token_blocks(
     token_ids: Sequence[int], block_size: int, hash_function: HashFn | None = None, none_hash: BlockHash | None = None
 ) -> list[BlockHash]:
@@ -157,6 +164,7 @@ def hash_token_blocks(
 # ----------------------------------------------------------------- what else a block's identity holds
 
 
+@checked
 def generate_block_hash_extra_keys(
     request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int = 0
 ) -> tuple[tuple[Any, ...] | None, int]:
@@ -213,6 +221,7 @@ def _mm_extra_keys(request: Request, start: int, end: int, mm_idx: int) -> tuple
 # ----------------------------------------------------------------- a request's blocks
 
 
+@checked
 def get_request_block_hasher(
     hash_block_size: int, caching_hash_fn: HashFn, none_hash: BlockHash | None = None
 ) -> Callable[[Request], list[BlockHash]]:
@@ -259,6 +268,10 @@ def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> Any:
     manager with a single group keys by the bare hash (kvlab's simplification, see block_pool).
     """
     group_id = non_negative_int("group_id", group_id)
+    if group_id >= 1 << 32:
+        raise KvlabValueError(f"group_id must fit vLLM's 4 bytes (< 2**32), got {group_id}")
+    if block_hash is None:
+        raise KvlabValueError("block_hash must be a block's hash, got None")
     if isinstance(block_hash, bytes):
         return block_hash + group_id.to_bytes(4, "big", signed=False)
     return (block_hash, group_id)

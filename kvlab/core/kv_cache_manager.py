@@ -34,7 +34,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
 from kvlab.core.block_pool import BlockPool, BlockPoolObserver
 from kvlab.core.cache_stats import CachingMetrics, EvictionCounter, PrefixCacheStats
 from kvlab.core.hashing import (
@@ -57,6 +57,7 @@ from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCach
 __all__ = ["KVCacheBlocks", "KVCacheManager", "Request", "RequestStatus", "find_longest_cache_hit"]
 
 
+@checked(at_most={"num_blocks": MAX_OBJECTS})
 class KVCacheManager(ForkMixin, AllocationChecks):
     """Allocates a pool's blocks to requests and finds their cached prefixes, as vLLM V1's manager does.
 
@@ -161,11 +162,13 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """Evicted blocks a later request asked for again, and recomputed (kvlab's counter)."""
         return self._eviction_counter.num_blocks_evicted_before_reuse
 
+    @checked
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The stats gathered since the previous call (then reset), as vLLM's scheduler takes them each step."""
         stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
         return stats
 
+    @checked
     def get_blocks_per_group(self, request_id: str) -> GroupBlocks:
         """The blocks of a live request in every group, in logical order (one block table per group)."""
         if request_id not in self.req_to_blocks:
@@ -174,20 +177,24 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             )
         return self.coordinator.get_blocks(request_id)
 
+    @checked
     def get_block_ids_per_group(self, request_id: str) -> tuple[list[int], ...]:
         """The block ids of a live request in every group: the rows of the block tables the kernels read."""
         return tuple([b.block_id for b in group] for group in self.get_blocks_per_group(request_id))
 
+    @checked
     def get_blocks(self, request_id: str) -> list[KVCacheBlock] | tuple[list[KVCacheBlock], ...]:
         """The blocks of a live request in logical order (its block table; one per group if there are several)."""
         groups = self.get_blocks_per_group(request_id)
         return groups[0] if len(groups) == 1 else groups
 
+    @checked
     def get_block_ids(self, request_id: str) -> list[int] | tuple[list[int], ...]:
         """The block ids of a live request: the row of the block table the attention kernel reads (per group)."""
         groups = self.get_block_ids_per_group(request_id)
         return groups[0] if len(groups) == 1 else groups
 
+    @checked
     def full_block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's hashes at block granularity: each block is named by the hash at its last boundary."""
         return self.coordinator.single_type_managers[0].full_block_hashes(request)
@@ -197,6 +204,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
 
     # ----------------------------------------------------------------- prefix-cache lookup
 
+    @checked
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[list[KVCacheBlock] | KVCacheBlocks, int, int]:
@@ -225,6 +233,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
 
     # ----------------------------------------------------------------- allocation
 
+    @checked
     def allocate_slots(
         self,
         request: Request,
@@ -299,6 +308,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     def _cap(self, num_tokens: int) -> int:
         return num_tokens if self.max_model_len is None else min(num_tokens, self.max_model_len)
 
+    @checked
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """The copies queued since the last call, and the blocks they retain (vLLM's name).
 
@@ -309,6 +319,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         copies = [KVCacheBlockCopy(source.block_id, copy.block_id) for source, copy in pending]
         return copies, [block for pair in pending for block in pair]
 
+    @checked
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash and index the request's full blocks among its first ``num_tokens`` tokens (and its partial tail)."""
         if not self.enable_caching:
@@ -335,6 +346,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
 
     # ----------------------------------------------------------------- freeing
 
+    @checked
     def free(self, request: Request) -> None:
         """Release the request's blocks, group by group, last block first, so its prompt's start is evicted last.
 
@@ -348,6 +360,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self.coordinator.free(request.request_id)
         self._requests.pop(request.request_id, None)
 
+    @checked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update, say); refused (False) while any block is in use."""
         if not self.block_pool.reset_prefix_cache():

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
-from kvlab._validate import non_negative_int
+from kvlab._validate import checked, non_negative_int, one_of
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.errors import KvlabValueError
 
@@ -55,11 +55,15 @@ METRICS: tuple[tuple[str, str], ...] = (
 )
 
 
+@checked
 def metric_name(metric: str, unit: Unit) -> str:
     """``vllm:kv_block_<metric>_seconds`` as vLLM names it, or kvlab's ``kvlab:kv_block_<metric>_steps``."""
+    one_of("metric", metric, [m for m, _ in METRICS])
+    one_of("unit", unit, ("seconds", "steps"))
     return f"vllm:kv_block_{metric}_seconds" if unit == "seconds" else f"kvlab:kv_block_{metric}_steps"
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Stamp:
     """When something happened: the scheduler step and the clock's seconds."""
@@ -67,11 +71,13 @@ class Stamp:
     step: int
     seconds: float
 
+    @checked
     def since(self, earlier: Stamp, unit: Unit) -> float:
         """The time from ``earlier`` to this stamp, in steps or seconds."""
         return self.step - earlier.step if unit == "steps" else self.seconds - earlier.seconds
 
 
+@checked
 class BlockMetricsState:
     """One sampled block's life so far: when it was allocated, last accessed, and its last four hits."""
 
@@ -82,17 +88,20 @@ class BlockMetricsState:
         self.last_access = now
         self.access_history: deque[Stamp] = deque(maxlen=ACCESS_HISTORY_LEN)
 
+    @checked
     def record_access(self, now: Stamp) -> None:
         """A prefix hit at ``now``."""
         self.last_access = now
         self.access_history.append(now)
 
+    @checked
     def reuse_gaps(self, unit: Unit) -> list[float]:
         """Gaps between consecutive recorded hits (none with fewer than two)."""
         history = list(self.access_history)
         return [b.since(a, unit) for a, b in zip(history, history[1:], strict=False)]
 
 
+@checked
 def nearest_rank(values: Iterable[float], q: float) -> float | None:
     """The ``q`` quantile by nearest rank: the smallest value with at least ``q x n`` values at or below it.
 
@@ -106,6 +115,7 @@ def nearest_rank(values: Iterable[float], q: float) -> float | None:
     return ordered[math.ceil(q * len(ordered)) - 1]
 
 
+@checked
 def prometheus_float(value: float) -> str:
     """A number as Prometheus' Python client writes it: ``3.0``, ``0.25``, ``+Inf``."""
     if value == math.inf:
@@ -115,6 +125,7 @@ def prometheus_float(value: float) -> str:
     return repr(float(value))
 
 
+@checked
 class Histogram:
     """A Prometheus histogram that also keeps its raw values, so exact quantiles sit beside bucket estimates."""
 
@@ -126,6 +137,7 @@ class Histogram:
         self.buckets = tuple(buckets)
         self.values: list[float] = []
 
+    @checked
     def observe(self, value: float) -> None:
         """Record one value."""
         self.values.append(value)
@@ -138,15 +150,18 @@ class Histogram:
     def sum(self) -> float:
         return float(sum(self.values))
 
+    @checked
     def cumulative_counts(self) -> list[int]:
         """Values at or below each bucket's upper bound, then the total (the ``+Inf`` bucket)."""
         ordered = sorted(self.values)
         return [bisect.bisect_right(ordered, bound) for bound in self.buckets] + [len(ordered)]
 
+    @checked
     def quantile(self, q: float) -> float | None:
         """The exact ``q`` quantile of the observed values (nearest rank); None before any observation."""
         return nearest_rank(self.values, q)
 
+    @checked
     def histogram_quantile(self, q: float) -> float | None:
         """Prometheus' ``histogram_quantile`` on the buckets: linear within the bucket holding rank ``q x n``.
 
@@ -165,6 +180,7 @@ class Histogram:
                 return lower + (bound - lower) * (rank - below) / inside if inside else bound
         return self.buckets[-1]
 
+    @checked
     def prometheus_lines(self, labels: dict[str, str] | None = None) -> list[str]:
         """The histogram in Prometheus' text format, as its Python client writes it: ``# HELP``, ``# TYPE``,
         cumulative buckets, ``_count``, ``_sum``; ``labels`` on every sample, sorted with ``le`` among them."""
@@ -182,6 +198,7 @@ class Histogram:
                 sample("_count", self.count), sample("_sum", self.sum)]
 
 
+@checked
 class KVCacheMetricsCollector:
     """Samples blocks and records their lifetimes, idle time before eviction and reuse gaps, in steps and seconds.
 
@@ -211,10 +228,12 @@ class KVCacheMetricsCollector:
 
     # ----------------------------------------------------------------- time
 
+    @checked
     def now(self) -> Stamp:
         """The current step and clock reading."""
         return Stamp(self.step, float(self.clock()))
 
+    @checked
     def advance(self, steps: int = 1) -> None:
         """Count ``steps`` scheduler steps (call once per step)."""
         self.step += non_negative_int("steps", steps)
@@ -246,12 +265,14 @@ class KVCacheMetricsCollector:
             for gap in state.reuse_gaps(unit):
                 self.histograms[metric_name("reuse_gap", unit)].observe(gap)
 
+    @checked
     def reset(self) -> None:
         """Forget the blocks being tracked (the prefix cache was reset); what was observed stays."""
         self.block_metrics.clear()
 
     # ----------------------------------------------------------------- reading
 
+    @checked
     def histogram(self, metric: str, unit: Unit = "steps") -> Histogram:
         """The histogram of ``metric`` ("lifetime", "idle_before_evict", "reuse_gap") in ``unit``."""
         name = metric_name(metric, unit)
@@ -259,16 +280,19 @@ class KVCacheMetricsCollector:
             raise KvlabValueError(f"no histogram {name!r}; metrics are {[m for m, _ in METRICS]}, units seconds/steps")
         return self.histograms[name]
 
+    @checked
     def metrics_text(self) -> str:
         """Every histogram in Prometheus text format."""
         return "\n".join(line for h in self.histograms.values() for line in h.prometheus_lines()) + "\n"
 
+    @checked
     def diagnose(self, unit: Unit = "steps") -> PoolDiagnosis:
         """The source material's test on what was observed: is the pool too small?"""
         return diagnose_pool(self.histogram("reuse_gap", unit).values,
                              self.histogram("idle_before_evict", unit).values, unit)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class PoolDiagnosis:
     """The block-lifetime diagnostic: p90 of reuse gaps against the median idle time before eviction."""
@@ -291,6 +315,7 @@ class PoolDiagnosis:
                 f"{self.idle_before_evict_p50:g} {self.unit}: {verdict}.")
 
 
+@checked
 def pool_too_small(reuse_gaps: Sequence[float], idle_before_evict: Sequence[float]) -> bool:
     """True when the 90th-percentile reuse gap exceeds the median idle time before eviction (nearest rank).
 
@@ -300,6 +325,7 @@ def pool_too_small(reuse_gaps: Sequence[float], idle_before_evict: Sequence[floa
     return p90 is not None and p50 is not None and p90 > p50
 
 
+@checked
 def diagnose_pool(reuse_gaps: Sequence[float], idle_before_evict: Sequence[float],
                   unit: Unit = "steps") -> PoolDiagnosis:
     """``pool_too_small`` with the figures behind it, for a notebook to print."""

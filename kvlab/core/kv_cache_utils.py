@@ -12,12 +12,13 @@ import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from kvlab._validate import non_negative_int
+from kvlab._validate import checked, non_negative_int
 from kvlab.errors import BlockStateError, OutOfBlocksError
 
 BlockHash = Hashable  # bytes from kvlab.core.hashing; any hashable value works for teaching
 
 
+@checked(signed=("block_id",))  # the free queue's sentinels are blocks -1
 class KVCacheBlock:
     """Metadata of one physical KV block: its id, who uses it, what it caches, its queue links."""
 
@@ -90,11 +91,13 @@ class KVCacheBlockCopy(NamedTuple):
     dst_block_id: int
 
 
+@checked
 def short_hash(block_hash: BlockHash) -> str:
     """The first bytes of a hash in hex (or its repr), for pictures and messages."""
     return block_hash[:4].hex() if isinstance(block_hash, bytes) else repr(block_hash)[:10]
 
 
+@checked
 class FreeKVCacheBlockQueue:
     """The free blocks as a doubly linked list: O(1) at both ends and from the middle.
 
@@ -146,7 +149,9 @@ class FreeKVCacheBlockQueue:
 
     def peek_n(self, n: int, skip: frozenset[int] = frozenset()) -> list[KVCacheBlock]:
         """The ``n`` blocks ``popleft_n`` would take, leaving the queue as it is; blocks whose ids are in
-        ``skip`` are passed over (they are about to leave the queue another way). Assumes enough are free."""
+        ``skip`` are passed over (they are about to leave the queue another way)."""
+        if n > self.num_free_blocks:
+            raise OutOfBlocksError(f"peek_n(n={n}): only {self.num_free_blocks} blocks are free")
         out = []
         block = self.fake_free_list_head.next_free_block
         while len(out) < n:

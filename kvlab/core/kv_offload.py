@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.errors import BlockStateError, KvlabValueError
 from kvlab.units import cdiv
@@ -44,6 +44,7 @@ BlockTransfer = tuple[int, int]  # (source block id, destination block id)
 # ----------------------------------------------------------------- the CPU tier's bookkeeping
 
 
+@checked(at_most={"num_blocks": MAX_OBJECTS})
 class CPUOffloadingManager:
     """The CPU tier's blocks: a fixed number of ids, hashed blocks in LRU order, and blocks lent to swap.
 
@@ -81,10 +82,12 @@ class CPUOffloadingManager:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._lru
 
+    @checked
     def lru_order(self) -> list[BlockHash]:
         """The hashes held, least recently used first (the next eviction is the first)."""
         return list(self._lru)
 
+    @checked
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many of ``block_hashes``, from the first, the tier holds: a prefix, like the GPU's lookup."""
         n = 0
@@ -96,12 +99,14 @@ class CPUOffloadingManager:
 
     # ----------------------------------------------------------------- loads
 
+    @checked
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
         """Mark held blocks as just used (the end of the LRU order)."""
         for block_hash in block_hashes:
             if block_hash in self._lru:
                 self._lru.move_to_end(block_hash)
 
+    @checked
     def prepare_load(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """The cpu block ids of ``block_hashes``, protected from eviction until ``complete_load``."""
         missing = [h for h in block_hashes if h not in self._lru]
@@ -112,6 +117,7 @@ class CPUOffloadingManager:
             self._protected[block_hash] = self._protected.get(block_hash, 0) + 1
         return [self._lru[h] for h in block_hashes]
 
+    @checked
     def complete_load(self, block_hashes: Sequence[BlockHash]) -> None:
         """The loads of ``block_hashes`` are done: they may be evicted again.
 
@@ -143,6 +149,7 @@ class CPUOffloadingManager:
                 return block_id
         return None
 
+    @checked
     def prepare_store(self, block_hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
         """Find room for the hashes not held yet; return ``(hash, cpu block id)`` for each block to write.
 
@@ -165,6 +172,7 @@ class CPUOffloadingManager:
 
     # ----------------------------------------------------------------- swap
 
+    @checked
     def swap_out(self, request_id: str, num_blocks: int) -> list[int] | None:
         """Lend ``num_blocks`` blocks to a preempted request (evicting hashed blocks if need be), or None."""
         num_blocks = non_negative_int("num_blocks", num_blocks)
@@ -177,17 +185,20 @@ class CPUOffloadingManager:
         self._swap[request_id] = ids  # type: ignore[assignment]
         return ids  # type: ignore[return-value]
 
+    @checked
     def swapped_blocks(self, request_id: str) -> list[int]:
         """The cpu block ids holding a swapped-out request's KV, in its logical order."""
         if request_id not in self._swap:
             raise BlockStateError(f"request {request_id!r} is not swapped out")
         return list(self._swap[request_id])
 
+    @checked
     def free_swap(self, request_id: str) -> None:
         """Give a swapped-in (or finished) request's blocks back."""
         ids = self._swap.pop(request_id, [])
         self._free.extend(reversed(ids))
 
+    @checked
     def check_invariants(self) -> None:
         """Every block id in exactly one place; protected blocks held; capacity never exceeded."""
         held = list(self._lru.values())
@@ -202,6 +213,7 @@ class CPUOffloadingManager:
 # ----------------------------------------------------------------- what one step transfers
 
 
+@checked
 @dataclasses.dataclass
 class KVConnectorMetadata:
     """One step's copies, in the order the executor makes them: stores (GPU to CPU), then loads (CPU to GPU)."""
@@ -210,6 +222,7 @@ class KVConnectorMetadata:
     loads: list[BlockTransfer] = dataclasses.field(default_factory=list)  # (cpu block id, gpu block id)
 
 
+@checked
 @dataclasses.dataclass
 class OffloadStats:
     """What the CPU tier did since start: queries and hits in tokens (vLLM's external prefix-cache
@@ -225,13 +238,16 @@ class OffloadStats:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
 
+    @checked
     def bytes_to_cpu(self, bytes_per_block: int) -> int:
         return (self.blocks_stored + self.blocks_swapped_out) * bytes_per_block
 
+    @checked
     def bytes_to_gpu(self, bytes_per_block: int) -> int:
         return (self.blocks_loaded + self.blocks_swapped_in) * bytes_per_block
 
 
+@checked
 class OffloadingConnector:
     """The scheduler's link to the CPU tier, called where vLLM's scheduler calls its ``KVConnector``.
 
@@ -266,14 +282,17 @@ class OffloadingConnector:
         if block.block_hash is not None:
             self._evicted.append((block.block_id, block.block_hash))
 
+    @checked
     def reset(self) -> None:
         pass
 
     # ----------------------------------------------------------------- what the scheduler calls
 
+    @checked
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self._swapped_tokens
 
+    @checked
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens beyond the GPU's ``num_computed_tokens`` whose KV the CPU tier can load (whole blocks).
 
@@ -289,6 +308,7 @@ class OffloadingConnector:
         limit = (request.num_tokens - 1) // self.block_size
         return self.cpu.lookup(request.block_hashes[first:limit]) * self.block_size
 
+    @checked
     def update_state_after_alloc(self, request: Request, num_computed_tokens: int, num_external_tokens: int) -> None:
         """The scheduler admitted ``request`` with GPU blocks for ``num_external_tokens`` loaded tokens.
 
@@ -321,6 +341,7 @@ class OffloadingConnector:
             self.stats.blocks_loaded += count
         self._meta.loads += list(zip(cpu_ids, gpu_ids, strict=True))
 
+    @checked
     def swap_out(self, request: Request) -> bool:
         """Copy a preempted request's computed KV to the CPU tier before its GPU blocks are freed; False if no room."""
         if request.num_computed_tokens == 0:
@@ -337,11 +358,13 @@ class OffloadingConnector:
         self.stats.blocks_swapped_out += count
         return True
 
+    @checked
     def request_finished(self, request: Request) -> None:
         """Forget a finished request's swap state (it has none once swapped back in)."""
         self._swapped_tokens.pop(request.request_id, None)
         self.cpu.free_swap(request.request_id)
 
+    @checked
     def build_connector_meta(self) -> KVConnectorMetadata:
         """This step's transfers; the previous step's are complete (kvlab's executor is synchronous).
 
@@ -359,6 +382,7 @@ class OffloadingConnector:
         self._loading, self._swapped_in = [], []
         return meta
 
+    @checked
     def complete_step(self) -> None:
         """The executor made the last metadata's copies: loaded blocks may be evicted, swap blocks freed."""
         loading, swapped_in = self._pending_release

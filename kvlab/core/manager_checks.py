@@ -11,7 +11,7 @@ import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import checked, non_negative_int, positive_int
 from kvlab.core.hashing import generate_block_hash_extra_keys
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlocks
 from kvlab.core.request import FINISHED, Request
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 
 
+@checked
 class AllocationChecks:
     """Argument and state checks of the manager's public calls (a mixin of ``KVCacheManager``)."""
 
@@ -191,8 +192,9 @@ class AllocationChecks:
         total = request.num_computed_tokens + num_new_computed_tokens + num_external + num_new_tokens
         if total > request.num_tokens:
             raise KvlabValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens; computing {num_new_tokens} new "
-                f"after {total - num_new_tokens} computed would pass its end "
+                f"request {request.request_id!r} has {request.num_tokens} tokens; computing num_new_tokens="
+                f"{num_new_tokens} after {total - num_new_tokens} computed (num_new_computed_tokens="
+                f"{num_new_computed_tokens}, num_external_computed_tokens={num_external}) would pass its end "
                 "(reserve slots for future tokens with num_lookahead_tokens)"
             )
         if held is not None:

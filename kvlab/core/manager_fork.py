@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvlab._validate import checked
 from kvlab.core.kv_cache_utils import KVCacheBlockCopy
 from kvlab.core.request import Request
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from kvlab.core.kv_cache_utils import KVCacheBlock
 
 
+@checked
 class ForkMixin:
     """``fork`` and ``copy_on_write`` on a manager's block tables."""
 
@@ -32,6 +34,7 @@ class ForkMixin:
     _requests: dict[str, Request]
     _eviction_counter: EvictionCounter
 
+    @checked
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's block table, sharing every block (each ``ref_cnt`` + 1).
 
@@ -51,6 +54,7 @@ class ForkMixin:
         if self.enable_caching:
             self._ensure_block_hashes(child)
 
+    @checked
     def copy_on_write(self, request: Request) -> list[KVCacheBlockCopy] | None:
         """Before ``request`` writes its next token, give it a private copy of that token's block if it is shared.
 

@@ -14,10 +14,11 @@ import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Sequence
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import checked, non_negative_int, positive_int
 from kvlab.errors import KvlabValueError, RequestStateError
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class PlaceholderRange:
     """Where a multimodal item's placeholder tokens sit in the prompt: ``offset``, ``length``."""
@@ -30,6 +31,7 @@ class PlaceholderRange:
         positive_int("length", self.length)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class MultiModalFeatureSpec:
     """One image (or audio clip...) of a prompt: a content ``identifier`` and its placeholder range.
@@ -65,6 +67,7 @@ class RequestStatus(enum.Enum):
         return status.value.startswith("finished")
 
 
+@checked
 class Request:
     """Token ids, progress and block hashes of one request.
 
@@ -125,6 +128,7 @@ class Request:
         """Prompt then output tokens (a copy: append with ``append_output_token_ids``)."""
         return tuple(self._all_token_ids)
 
+    @checked
     def token_ids(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens ``start .. end - 1`` without copying the whole sequence (one block, say)."""
         return tuple(self._all_token_ids[start:end])
@@ -147,6 +151,7 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self._all_token_ids) - len(self.prompt_token_ids)
 
+    @checked
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens; hashes every block they complete (once a manager has seen the request)."""
         new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
@@ -159,6 +164,7 @@ class Request:
 
     # ----------------------------------------------------------------- state
 
+    @checked
     def is_finished(self) -> bool:
         """True once the request stopped, hit its length cap or was aborted."""
         return self.status in FINISHED

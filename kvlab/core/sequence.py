@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from kvlab.errors import BlockStateError, KvlabValueError, OutOfBlocksError, RequestStateError
@@ -28,6 +28,7 @@ from kvlab.units import cdiv
 BlockCopy = KVCacheBlockCopy  # (src_block_id, dst_block_id): a copy the engine must make on the KV tensors
 
 
+@checked(at_most={"num_blocks": MAX_OBJECTS})
 class BlockContents:
     """The token ids each physical block holds: kvlab's stand-in for ``kv_cache[block_id]``.
 
@@ -42,29 +43,40 @@ class BlockContents:
         self.block_size = positive_int("block_size", block_size)
         self._tokens: list[list[int]] = [[] for _ in range(positive_int("num_blocks", num_blocks))]
 
+    @checked
     def read(self, block_id: int) -> tuple[int, ...]:
         """The token ids block ``block_id`` holds, in slot order."""
-        return tuple(self._tokens[block_id])
+        return tuple(self._tokens[self._block("block_id", block_id)])
 
+    @checked
     def write(self, block_id: int, slot: int, token_id: int) -> None:
         """Write ``token_id`` into ``slot`` of a block; slots fill in order, as decoding does."""
-        held = self._tokens[block_id]
+        held = self._tokens[self._block("block_id", block_id)]
         if slot != len(held) or slot >= self.block_size:
             raise BlockStateError(f"block {block_id} holds {len(held)} token(s); slot {slot} is not the next free slot")
         held.append(token_id)
 
+    @checked
     def copy(self, src_block_id: int, dst_block_id: int) -> None:
         """Copy a block's contents to another block (what the engine's ``copy_blocks`` does on K/V)."""
-        self._tokens[dst_block_id] = list(self._tokens[src_block_id])
+        source = self._tokens[self._block("src_block_id", src_block_id)]
+        self._tokens[self._block("dst_block_id", dst_block_id)] = list(source)
 
+    @checked
     def clear(self, block_id: int) -> None:
         """Forget what a block held: it was just handed out for new tokens."""
-        self._tokens[block_id] = []
+        self._tokens[self._block("block_id", block_id)] = []
+
+    def _block(self, name: str, block_id: int) -> int:
+        if block_id >= len(self._tokens):
+            raise BlockStateError(f"{name}={block_id} is not a block of this pool (it has {len(self._tokens)})")
+        return block_id
 
 
 _CONTENTS: weakref.WeakKeyDictionary[BlockPool, BlockContents] = weakref.WeakKeyDictionary()
 
 
+@checked
 def contents_of(pool: BlockPool, block_size: int) -> BlockContents:
     """The one ``BlockContents`` of ``pool`` (made on first use), checked against ``block_size``.
 
@@ -85,6 +97,7 @@ def contents_of(pool: BlockPool, block_size: int) -> BlockContents:
     return contents
 
 
+@checked
 def compute_slot_mapping(
     block_table: Iterable[int], block_size: int, positions: Iterable[int], num_tokens: int | None = None
 ) -> list[int]:
@@ -111,6 +124,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+@checked
 class Sequence:
     """One token stream in a paged KV cache: a block table, a length, forks and copy-on-write.
 
@@ -144,11 +158,13 @@ class Sequence:
     def __len__(self) -> int:
         return self.num_tokens
 
+    @checked
     def token_ids(self) -> list[int]:
         """The sequence's tokens, read back through its block table (the stand-in for its K/V)."""
         self._check_live("read")
         return [token for block in self.blocks for token in self.contents.read(block.block_id)]
 
+    @checked
     def slot_mapping(self, positions: Iterable[int] | None = None) -> list[int]:
         """The KV slot of each position (default: every token), as the attention kernel indexes it."""
         self._check_live("map")
@@ -157,11 +173,13 @@ class Sequence:
 
     # ----------------------------------------------------------------- writing
 
+    @checked
     def append(self, token_id: int) -> list[BlockCopy]:
         """Write one token; return the copy-on-write copies it caused (at most one)."""
         self._check_live("append to")
         return self.extend([token_id])
 
+    @checked
     def extend(self, token_ids: Iterable[int]) -> list[BlockCopy]:
         """Write tokens in order; return the copies ``(src, dst)`` the engine must make first.
 
@@ -203,6 +221,7 @@ class Sequence:
 
     # ----------------------------------------------------------------- sharing and releasing
 
+    @checked
     def fork(self) -> Sequence:
         """A child sharing every block (each ``ref_cnt`` + 1): no KV is copied until a write needs it."""
         self._check_live("fork")
@@ -212,6 +231,7 @@ class Sequence:
         child.num_tokens = self.num_tokens
         return child
 
+    @checked
     def release(self) -> None:
         """Give every block back, tail first, so the blocks nearest the prompt start are evicted last."""
         self._check_live("release")

@@ -18,13 +18,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvlab._validate import positive_int, positive_number
 from kvlab.capacity.models import ModelSpec
 from kvlab.errors import CheckpointError, KvlabValueError, MissingConfigKeyError, UnknownNameError
+
+ConfigT = TypeVar("ConfigT")
 
 #: ``model_type`` values whose decoder is the one ``kvlab.engine.model`` implements.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
@@ -127,21 +129,30 @@ class DecoderConfig:
             tie_word_embeddings=tie,
             qk_norm=model_type == "qwen3",
             max_position_embeddings=None if max_len is None else positive_int("max_position_embeddings", max_len),
-            eos_token_id=_eos_token_ids(cfg.get("eos_token_id")),
+            eos_token_id=eos_token_ids(cfg.get("eos_token_id")),
             spec=spec,
         )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> DecoderConfig:
         """Read ``model_dir/config.json``; anything wrong raises ``CheckpointError`` naming the file and the field."""
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"model_dir={str(model_dir)!r} has no config.json: is it a Hugging Face checkpoint?")
-        raw = read_json(path)
-        try:
-            return cls.from_dict(raw, name=Path(model_dir).name)
-        except KvlabValueError as error:
-            raise CheckpointError(f"{path}: {error}") from error
+        return config_from_pretrained(cls.from_dict, model_dir)
+
+
+def config_from_pretrained(from_dict: Callable[..., ConfigT], model_dir: str | os.PathLike) -> ConfigT:
+    """``from_dict(config.json, name=folder name)`` for a checkpoint folder; what is wrong raises ``CheckpointError``.
+
+    One reader for every architecture's config (``DecoderConfig``, ``DeepseekConfig``): a missing
+    file, JSON that does not parse and a field ``from_dict`` refuses all name the file.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"model_dir={str(model_dir)!r} has no config.json: is it a Hugging Face checkpoint?")
+    raw = read_json(path)
+    try:
+        return from_dict(raw, name=Path(model_dir).name)
+    except KvlabValueError as error:
+        raise CheckpointError(f"{path}: {error}") from error
 
 
 def read_json(path: Path) -> Any:
@@ -152,7 +163,7 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"{path} is not a readable JSON file: {error}") from error
 
 
-def _eos_token_ids(eos: object) -> tuple[int, ...]:
+def eos_token_ids(eos: object) -> tuple[int, ...]:
     """``eos_token_id`` as a tuple: config files write one id, a list of ids, or null."""
     ids = () if eos is None else eos if isinstance(eos, list) else [eos]
     for token in ids:

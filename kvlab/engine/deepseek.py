@@ -191,13 +191,15 @@ class DeepseekV2ForCausalLM(nn.Module):
     load_weights = LlamaForCausalLM.load_weights
 
 
-def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> DeepseekV2ForCausalLM:
+def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                  config: DeepseekConfig | None = None) -> DeepseekV2ForCausalLM:
     """Build the decoder ``config.json`` describes and fill it from the checkpoint's safetensors.
 
-    The routers stay in float32 whatever ``dtype`` (transformers keeps ``gate.weight`` and the
+    ``config`` is the checkpoint's ``DeepseekConfig`` if the caller read it already. The routers stay
+    in float32 whatever ``dtype`` (transformers keeps ``gate.weight`` and the
     correction bias in float32 too). On CPU keep ``float32``: the Triton interpreter has no bf16.
     """
-    config = DeepseekConfig.from_pretrained(model_dir)
+    config = config or DeepseekConfig.from_pretrained(model_dir)
     model = DeepseekV2ForCausalLM(config)
     model.to(dtype)
     for module in model.modules():

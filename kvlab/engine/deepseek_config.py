@@ -12,15 +12,14 @@ router, biases on the attention projections, another activation).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from kvlab._validate import positive_int
+from kvlab._validate import positive_int, positive_number
 from kvlab.capacity.mla import MLADims, mla_dims
 from kvlab.capacity.models import ModelSpec
+from kvlab.engine.config import config_from_pretrained, eos_token_ids
 from kvlab.engine.deepseek_rope import DeepseekRope, deepseek_rope, softmax_scale
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
@@ -31,6 +30,7 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
 class DeepseekConfig:
     """The shapes and constants of a DeepSeek-V3-style decoder (one ``config.json``)."""
 
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int          # the dense MLP of the first layers
@@ -85,8 +85,11 @@ class DeepseekConfig:
                 f"n_routed_experts={experts}, n_group={n_group}, topk_group={topk_group}: the experts must split "
                 "into n_group groups of at least 2 (a group's score is its two best experts), topk_group <= n_group"
             )
-        eos = cfg.get("eos_token_id")
+        max_len, eps, tie = (cfg.get(key) for key in ("max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"))
+        if not isinstance(tie, bool | None):
+            raise KvlabValueError(f"tie_word_embeddings must be true or false, got {tie!r}")
         return cls(
+            model_type=cfg["model_type"],
             vocab_size=positive_int("vocab_size", need("vocab_size")),
             hidden_size=positive_int("hidden_size", need("hidden_size")),
             intermediate_size=positive_int("intermediate_size", need("intermediate_size")),
@@ -101,21 +104,18 @@ class DeepseekConfig:
             first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=positive_number("rms_norm_eps", 1e-6 if eps is None else eps),
             rope=deepseek_rope(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg.get("max_position_embeddings"),
-            eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=None if max_len is None else positive_int("max_position_embeddings", max_len),
+            eos_token_id=eos_token_ids(cfg.get("eos_token_id")),
             spec=spec,
         )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> DeepseekConfig:
-        """Read ``model_dir/config.json``."""
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise KvlabValueError(f"model_dir={str(model_dir)!r} has no config.json: is it a Hugging Face checkpoint?")
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")), name=Path(model_dir).name)
+        """Read ``model_dir/config.json``; anything wrong raises ``CheckpointError`` naming the file and the field."""
+        return config_from_pretrained(cls.from_dict, model_dir)
 
 
 def _refuse_unsupported(cfg: Mapping[str, Any]) -> None:

@@ -4,7 +4,8 @@ vLLM 0.33.0 turns ``EngineArgs`` into one ``VllmConfig`` made of ``ModelConfig``
 ``SchedulerConfig`` and more (``vllm/config/``), each validated when it is built. kvlab keeps one
 flat dataclass whose fields are ``LLMEngine``'s keywords (the comment beside each names the vLLM
 field it plays), and builds from it the two configs the layers below check themselves: the
-checkpoint's ``DecoderConfig`` (its ``config.json``) and the scheduler's ``SchedulerConfig``.
+checkpoint's config (its ``config.json``, read by its family: ``DecoderConfig`` or ``DeepseekConfig``,
+``kvlab.engine.registry``) and the scheduler's ``SchedulerConfig``.
 ``max_model_len`` is checked against the checkpoint as vLLM's ``_get_and_verify_max_len``
 (``vllm/config/model.py``) checks it.
 """
@@ -21,7 +22,7 @@ import torch
 from kvlab import kernels
 from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
 from kvlab.core.sched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
-from kvlab.engine.config import DecoderConfig
+from kvlab.engine.registry import ModelConfig, read_model_config
 from kvlab.errors import KvlabValueError, UnknownNameError
 
 #: kv_cache_dtype -> torch dtype of the cache tensors (None: the model's own dtype).
@@ -52,7 +53,7 @@ def engine_device(device: str | torch.device | None = None) -> torch.device:
     return chosen
 
 
-def derived_max_model_len(model_config: DecoderConfig) -> int | None:
+def derived_max_model_len(model_config: ModelConfig) -> int | None:
     """The longest sequence the checkpoint supports: ``max_position_embeddings``, times the rotary scaling
     ``factor`` where vLLM applies it (not for ``PRESCALED_ROPE_TYPES``); None if the config names no length."""
     if model_config.max_position_embeddings is None:
@@ -62,7 +63,7 @@ def derived_max_model_len(model_config: DecoderConfig) -> int | None:
     return int(model_config.max_position_embeddings * factor)
 
 
-def verify_max_model_len(max_model_len: int | None, model_config: DecoderConfig) -> int:
+def verify_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> int:
     """``max_model_len``, by default the checkpoint's own length; one past what the checkpoint supports is refused.
 
     Positions past the trained range give rotary angles the model never saw, so its output would
@@ -115,7 +116,7 @@ class EngineConfig:
     keep_logits: bool = False                       # kvlab: keep each sampled row of logits
     disable_hybrid_kv_cache_manager: bool = False   # SchedulerConfig.disable_hybrid_kv_cache_manager
     device: Any = None                              # DeviceConfig.device: "cpu", "cuda", or where the kernels run
-    model_config: DecoderConfig = dataclasses.field(init=False, repr=False)
+    model_config: ModelConfig = dataclasses.field(init=False, repr=False)
     scheduler_config: SchedulerConfig = dataclasses.field(init=False, repr=False)
 
     @classmethod
@@ -131,7 +132,7 @@ class EngineConfig:
         self._check_arguments()
         set_ = object.__setattr__  # frozen: the checks store what they resolved, as vLLM's configs do
         set_(self, "device", engine_device(self.device))
-        set_(self, "model_config", DecoderConfig.from_pretrained(self.model_dir))
+        set_(self, "model_config", read_model_config(self.model_dir))
         set_(self, "max_model_len", verify_max_model_len(self.max_model_len, self.model_config))
         set_(self, "scheduler_config", SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                                        self.max_model_len, self.preemption_mode))

@@ -18,6 +18,9 @@ import torch
 
 from kvlab import kernels
 
+#: The kernel entry points ``kernel_timer`` times (the K/V pair and MLA's pair), as ``kvlab.kernels`` names them.
+KERNEL_CALLS = ("reshape_and_cache", "paged_attention", "concat_and_cache_mla", "mla_decode")
+
 
 def hf_greedy(hf_model: Any, prompt: Sequence[int], max_tokens: int) -> list[int]:
     """transformers' greedy generation for one prompt: the new token ids, up to and including an EOS."""
@@ -44,14 +47,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def kernel_timer() -> Iterator[dict[str, list[float]]]:
-    """Time every call of ``kvlab.kernels.reshape_and_cache`` and ``paged_attention`` inside the block.
+    """Time every call of the kernels inside the block: ``reshape_and_cache`` and ``paged_attention``, and
+    for an MLA model ``concat_and_cache_mla`` and ``mla_decode``.
 
     The engine's attention layer looks the kernels up on ``kvlab.kernels`` at each call, so
     wrapping them there for the duration of the block sees every launch, at the cost of two
     clock reads per call (a profiler would slow the interpreter's Python down many times over).
     On a GPU, launches return before the kernel ends, so each call is synchronised on both sides.
     """
-    seconds: dict[str, list[float]] = {"reshape_and_cache": [], "paged_attention": []}
+    seconds: dict[str, list[float]] = {name: [] for name in KERNEL_CALLS}
     originals = {name: getattr(kernels, name) for name in seconds}
     on_gpu = kernels.backend() == kernels.TRITON_CUDA
 
@@ -86,7 +90,8 @@ def measure_throughput(
     Both decode greedily to ``max_tokens`` with EOS ignored, on the same prompts in float32
     on the engine's device (``engine_kwargs["device"]``, by default where the kernels run),
     each after an untimed one-token warm-up. ``kernel_seconds`` is the
-    time inside ``kvlab.kernels``' ``reshape_and_cache`` and ``paged_attention`` (on CPU:
+    time inside ``kvlab.kernels``' ``reshape_and_cache`` and ``paged_attention`` (for an MLA model
+    ``concat_and_cache_mla`` and ``mla_decode``, ``mla_kernel_seconds``) (on CPU:
     Triton's interpreter running each program in Python); the rest is the model's torch
     operations, sampling and the scheduler.
     """
@@ -102,6 +107,7 @@ def measure_throughput(
         outputs = engine.generate(prompts, max_tokens=max_tokens, ignore_eos=True, use_tqdm=False)
         kvlab_seconds = time.perf_counter() - started
     write_s, attend_s = sum(kernel_seconds["reshape_and_cache"]), sum(kernel_seconds["paged_attention"])
+    mla_s = sum(kernel_seconds["concat_and_cache_mla"]) + sum(kernel_seconds["mla_decode"])
 
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(engine.device).eval()
     hf_greedy(hf_model, prompts[0], 1)  # warm-up, untimed (transformers imports and sets up on first use)
@@ -121,8 +127,8 @@ def measure_throughput(
         "kvlab_tokens": kvlab_tokens, "kvlab_seconds": kvlab_seconds,
         "kvlab_tokens_per_s": kvlab_tokens / kvlab_seconds,
         "hf_tokens": hf_tokens, "hf_seconds": hf_seconds, "hf_tokens_per_s": hf_tokens / hf_seconds,
-        "steps": len(engine.history) - warm_up_steps, "kernel_seconds": write_s + attend_s,
-        "kernel_share": (write_s + attend_s) / kvlab_seconds,
-        "kernel_calls": len(kernel_seconds["reshape_and_cache"]) + len(kernel_seconds["paged_attention"]),
-        "reshape_and_cache_seconds": write_s, "paged_attention_seconds": attend_s,
+        "steps": len(engine.history) - warm_up_steps, "kernel_seconds": write_s + attend_s + mla_s,
+        "kernel_share": (write_s + attend_s + mla_s) / kvlab_seconds,
+        "kernel_calls": sum(len(calls) for calls in kernel_seconds.values()),
+        "reshape_and_cache_seconds": write_s, "paged_attention_seconds": attend_s, "mla_kernel_seconds": mla_s,
     }

@@ -18,11 +18,14 @@ from typing import Any
 
 from kvlab import kernels
 from kvlab.engine.evaluation import hf_greedy, num_agreeing_tokens
+from kvlab.engine.kv_cache_interface import MLAAttentionSpec
 from kvlab.engine.toy import random_token_ids
 from kvlab.units import cdiv
 
 #: The tiny model's tiles on the hard paths: 32 query tokens x 2 heads per program, keys 16 per tile.
 HARD_PATH_CONFIG = kernels.KernelConfig(block_q=32, block_m=64, tile_n=16)
+#: The same for an MLA model's decode kernel: one query token, up to 16 heads per program, 16 latents per tile.
+MLA_HARD_PATH_CONFIG = kernels.KernelConfig(block_q=1, block_m=16, tile_n=16)
 
 
 @dataclasses.dataclass
@@ -76,19 +79,24 @@ class HardPathRun:
 
 def compare_hard_paths(model_dir: str | os.PathLike, hf_model: Any, *, prompt_lens: Sequence[int] = (150, 70),
                        max_tokens: int = 4, max_num_batched_tokens: int = 44, decode_kv_splits: int = 2,
-                       config: kernels.KernelConfig = HARD_PATH_CONFIG, block_size: int = 16,
+                       config: kernels.KernelConfig | None = None, block_size: int = 16,
                        seed: int = 600) -> HardPathRun:
     """Serve ``prompt_lens`` random prompts through kvlab's engine on the hard paths; compare with transformers.
 
     The default budget of 44 tokens cuts a 150-token prompt at 44, 88 and 132: inside tiles of 16
     and blocks of 16. The engine runs on the kernels ``kvlab.kernels.paged_attention`` names at
     each call, so the comparison also judges a kernel swapped in by ``kernels.mutants.using_kernels``.
+    ``config`` defaults to ``HARD_PATH_CONFIG``, or ``MLA_HARD_PATH_CONFIG`` for an MLA checkpoint, whose
+    decode kernel (``kvlab.kernels.mla_decode``) then reads 16 latents per tile, split in two.
     """
     from kvlab.engine.llm_engine import LLMEngine
 
     prompts = [random_token_ids(n, seed=seed + i) for i, n in enumerate(prompt_lens)]
     engine = LLMEngine(model_dir, num_gpu_blocks=1 + sum(cdiv(n + max_tokens, block_size) for n in prompt_lens),
                        block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+    if config is None:
+        mla = any(isinstance(s, MLAAttentionSpec) for s in engine.kv_cache_specs)
+        config = MLA_HARD_PATH_CONFIG if mla else HARD_PATH_CONFIG
     engine.model_runner.kernel_config = config
     engine.model_runner.decode_kv_splits = decode_kv_splits
     ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]

@@ -14,29 +14,31 @@ import torch
 
 from kvlab._validate import positive_int
 from kvlab.core.kv_offload import BlockTransfer, KVConnectorMetadata, OffloadingConnector
+from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
 
 
-def transfer_blocks(src_caches: Sequence[Any], dst_caches: Sequence[Any], transfers: Sequence[BlockTransfer]) -> None:
-    """Copy whole blocks ``src -> dst`` in every layer's K and V from one set of caches to another (``swap_blocks``)."""
+def transfer_blocks(src_caches: Sequence[KVCache], dst_caches: Sequence[KVCache],
+                    transfers: Sequence[BlockTransfer]) -> None:
+    """Copy whole blocks ``src -> dst`` in every layer's cache (K and V, or MLA's latent) from one set of caches
+    to another (``swap_blocks``)."""
     if not transfers:
         return
-    src = torch.tensor([s for s, _ in transfers], dtype=torch.int64, device=src_caches[0][0].device)
-    dst = torch.tensor([d for _, d in transfers], dtype=torch.int64, device=dst_caches[0][0].device)
-    for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches, strict=True):
-        dst_k[dst] = src_k[src].to(dst_k.device)  # [num_transfers, block_size, num_kv_heads, head_size]
-        dst_v[dst] = src_v[src].to(dst_v.device)
+    src = torch.tensor([s for s, _ in transfers], dtype=torch.int64, device=layer_tensors(src_caches[0])[0].device)
+    dst = torch.tensor([d for _, d in transfers], dtype=torch.int64, device=layer_tensors(dst_caches[0])[0].device)
+    for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+        for src_t, dst_t in zip(layer_tensors(src_cache), layer_tensors(dst_cache), strict=True):
+            dst_t[dst] = src_t[src].to(dst_t.device)  # [num_transfers, block_size, ...]
 
 
-def allocate_cpu_kv_caches(gpu_kv_caches: Sequence[Any], num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """CPU tensors shaped like the GPU caches but with ``num_blocks`` blocks (pinned memory on a CUDA machine)."""
+def allocate_cpu_kv_caches(gpu_kv_caches: Sequence[KVCache], num_blocks: int) -> list[KVCache]:
+    """CPU tensors shaped like the GPU caches (K and V, or one latent) but with ``num_blocks`` blocks (pinned
+    memory on a CUDA machine)."""
     num_blocks = positive_int("num_blocks", num_blocks)
-    out = []
-    for key_cache, value_cache in gpu_kv_caches:  # each [num_gpu_blocks, block_size, num_kv_heads, head_size]
-        shape = (num_blocks, *key_cache.shape[1:])
-        pin = key_cache.is_cuda
-        out.append((torch.zeros(shape, dtype=key_cache.dtype, pin_memory=pin),
-                    torch.zeros(shape, dtype=value_cache.dtype, pin_memory=pin)))
-    return out
+
+    def like(cache: torch.Tensor) -> torch.Tensor:  # [num_gpu_blocks, block_size, ...] -> [num_blocks, ...]
+        return torch.zeros((num_blocks, *cache.shape[1:]), dtype=cache.dtype, pin_memory=cache.is_cuda)
+
+    return [like(kv) if isinstance(kv, torch.Tensor) else tuple(like(t) for t in kv) for kv in gpu_kv_caches]
 
 
 class OffloadingExecutor:

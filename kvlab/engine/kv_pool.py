@@ -3,9 +3,10 @@
 vLLM's worker profiles the GPU to find the memory left for KV (``determine_available_memory``
 in ``vllm/v1/worker/gpu_worker.py``), cuts it into blocks (``get_kv_cache_configs`` in
 ``vllm/v1/core/kv_cache_utils.py``) and allocates one tensor per layer
-(``GPUModelRunner.initialize_kv_cache``). kvlab does not profile: the pool is a block count, a
-memory budget (``kvlab.capacity.budget`` cuts it), or by default what ``max_num_seqs`` requests
-of ``max_model_len`` tokens need, within ``DEFAULT_KV_CACHE_MEMORY_GIB``.
+(``GPUModelRunner.initialize_kv_cache``), shaped by the layer's ``KVCacheSpec`` (K and V, or MLA's
+one latent). kvlab does not profile: the pool is a block count, a memory budget
+(``kvlab.capacity.budget`` cuts it), or by default what ``max_num_seqs`` requests of
+``max_model_len`` tokens need, within ``DEFAULT_KV_CACHE_MEMORY_GIB``.
 
 A model with sliding-window layers gets vLLM's KV cache groups (``kv_cache_groups``,
 ``kvlab.capacity.hybrid``): every group has the same number of layers, and the groups share
@@ -25,6 +26,8 @@ from kvlab.capacity.budget import KVCachePlan, plan_kv_cache
 from kvlab.capacity.hybrid import HybridKVCachePlan, get_kv_cache_groups, layer_specs, plan_hybrid_kv_cache
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.engine.engine_config import EngineConfig
+from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
+from kvlab.engine.registry import kv_cache_specs
 from kvlab.errors import KvlabValueError
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from kvlab.units import GiB, cdiv
@@ -123,21 +126,29 @@ def _plan_hybrid_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_by
 
 
 def allocate_kv_caches(config: EngineConfig, num_blocks: int, dtype: torch.dtype,
-                       groups: tuple[KVCacheGroupSpec, ...] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed K and V tensors, each ``[num_blocks, block_size, num_kv_heads, head_size]``, listed per layer.
+                       groups: tuple[KVCacheGroupSpec, ...] | None = None) -> list[KVCache]:
+    """Zeroed caches listed per layer, each shaped by its layer's spec (``kvlab.engine.registry.kv_cache_specs``).
 
-    One pair per layer; with KV cache ``groups``, one pair per layer slot of a group, which layer
-    ``j`` of every group shares (vLLM's ``KVCacheTensor(shared_by=...)``): ``kv_caches[i]`` of two
-    layers in different groups may be the same tensors.
+    A full-attention layer gets one K and one V tensor ``[num_blocks, block_size, num_kv_heads,
+    head_size]``; an MLA layer one latent tensor ``[num_blocks, block_size, kv_lora_rank +
+    qk_rope_head_dim]``, as vLLM's ``GPUModelRunner.initialize_kv_cache`` reshapes each layer's
+    share of the pool by its ``KVCacheSpec``. One cache per layer; with KV cache ``groups``, one per
+    layer slot of a group, which layer ``j`` of every group shares (vLLM's
+    ``KVCacheTensor(shared_by=...)``): ``kv_caches[i]`` of two layers in different groups may be the
+    same tensors.
     """
-    model = config.model_config
-    shape = (num_blocks, config.block_size, model.num_key_value_heads, model.head_dim)
-
-    def zeros() -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=config.device)
-
+    specs = kv_cache_specs(config.model_config, config.block_size, dtype)
     if groups is None:
-        return [(zeros(), zeros()) for _ in range(model.num_hidden_layers)]  # per layer: (K, V)
+        return [spec.allocate(num_blocks, config.device) for spec in specs]
     _, slots = layer_groups(groups)
-    shared = [(zeros(), zeros()) for _ in range(max(len(g.layer_names) for g in groups))]
+    shared: dict[int, KVCache] = {}
+    for layer, slot in enumerate(slots):  # the layers sharing a slot have pages of one size and shape
+        if slot not in shared:
+            shared[slot] = specs[layer].allocate(num_blocks, config.device)
     return [shared[slot] for slot in slots]
+
+
+def kv_cache_bytes(kv_caches: list[KVCache]) -> int:
+    """Bytes of every tensor of every layer's cache: what the pool really holds (shared tensors count once)."""
+    unique = {id(t): t for kv_cache in kv_caches for t in layer_tensors(kv_cache)}.values()
+    return sum(t.numel() * t.element_size() for t in unique)

@@ -2,11 +2,13 @@
 
 Start-up follows vLLM: check the configuration (``EngineConfig``), load the weights, size the KV
 pool (a block count, or a memory budget cut into blocks by ``kvlab.capacity.budget``), allocate
-one K and one V tensor ``[num_blocks, block_size, num_kv_heads, head_size]`` per layer, and print
-the start-up lines. Each ``step()`` is vLLM's ``EngineCore.step``: the scheduler picks tokens, the
-runner computes them through ``kvlab.kernels``, the scheduler appends the samples and frees
-finished requests. ``metrics_text()`` is what a Prometheus scrape of ``/metrics`` would see;
-``history`` keeps one ``SchedulerStats`` per step for plots.
+each layer's cache as its KV cache spec says (one K and one V tensor ``[num_blocks, block_size,
+num_kv_heads, head_size]`` for a Llama-family layer, one latent tensor ``[num_blocks, block_size,
+kv_lora_rank + qk_rope_head_dim]`` for DeepSeek's MLA; ``kvlab.engine.registry`` picks the family
+by ``model_type``), and print the start-up lines. Each ``step()`` is vLLM's ``EngineCore.step``:
+the scheduler picks tokens, the runner computes them through ``kvlab.kernels``, the scheduler
+appends the samples and frees finished requests. ``metrics_text()`` is what a Prometheus scrape
+of ``/metrics`` would see; ``history`` keeps one ``SchedulerStats`` per step for plots.
 
 A request that fails (its logits are not finite, or the executor raises in its step) finishes
 with finish reason ``"error"`` and frees its blocks; ``step()`` then raises its error and the
@@ -42,16 +44,17 @@ from kvlab.core.sched.output import (
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches
-from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_groups, layer_groups, plan_pool
+from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, kv_cache_groups, layer_groups, plan_pool
 from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.registry import kv_cache_specs
 from kvlab.errors import KvlabValueError, RequestStateError
 from kvlab.units import GiB
 
 
 class LLMEngine:
-    """Serve a Llama-family checkpoint through kvlab's paged KV cache, scheduler and Triton kernels.
+    """Serve a Llama-family or DeepSeek-V3 checkpoint through kvlab's paged KV cache, scheduler and Triton kernels.
 
     ``LLMEngine(model_dir, **engine_args)`` takes ``EngineConfig``'s fields as keywords (or one
     ``EngineConfig``). The pool holds ``num_gpu_blocks`` blocks (vLLM's ``num_gpu_blocks_override``),
@@ -92,8 +95,10 @@ class LLMEngine:
         self.plan: KVCachePlan | HybridKVCachePlan = plan_pool(config, self.cache_dtype, self.weights_bytes,
                                                                self.kv_cache_groups)
         self.num_gpu_blocks, self.bytes_per_block = self.plan.num_blocks, self.plan.bytes_per_block
-        # 5. Tensors: per layer one K and one V cache, [num_blocks, block_size, num_kv_heads, head_size]
-        #    (with several groups, layer j of every group shares one pair).
+        # 5. Tensors: per layer what its spec says: K and V [num_blocks, block_size, num_kv_heads, head_size],
+        #    or MLA's latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (with several
+        #    groups, layer j of every group shares one cache).
+        self.kv_cache_specs = kv_cache_specs(config.model_config, config.block_size, self.cache_dtype)
         self.kv_caches = allocate_kv_caches(config, self.num_gpu_blocks, self.cache_dtype, self.kv_cache_groups)
         # 6. Manager: the block pool and prefix cache (a manager per group), and vLLM's --kv-cache-metrics.
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, config.block_size,
@@ -132,9 +137,9 @@ class LLMEngine:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of all K and V tensors (what ``kv_cache_dtype`` halves or quarters; shared tensors count once)."""
-        unique = {id(k): (k, v) for k, v in self.kv_caches}.values()
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in unique)
+        """Bytes of every cache tensor, K and V or latent (what ``kv_cache_dtype`` halves or quarters; shared
+        tensors count once)."""
+        return kv_cache_bytes(self.kv_caches)
 
     def startup_log(self) -> list[str]:
         """The start-up lines a vLLM user reads: weights, KV cache size, maximum concurrency."""

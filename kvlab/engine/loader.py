@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvlab.engine.config import DecoderConfig, read_json
 from kvlab.engine.model import LlamaForCausalLM
+from kvlab.engine.registry import ModelConfig, model_family, read_model_config
 from kvlab.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,14 +92,25 @@ def read_weights(model_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
 
 
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: DecoderConfig | None = None) -> LlamaForCausalLM:
+               config: ModelConfig | None = None) -> torch.nn.Module:
     """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
 
-    ``config`` is the checkpoint's ``DecoderConfig`` if the caller read it already (``EngineConfig``
-    does). Biases are switched on where the checkpoint has them (Qwen2's q/k/v biases, Llama's
+    The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
+    loads into ``LlamaForCausalLM`` (``load_llama``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM``
+    (``load_deepseek``). ``config`` is the checkpoint's config if the caller read it already
+    (``EngineConfig`` does). On CPU keep ``float32``: the Triton interpreter has no bf16 arithmetic.
+    """
+    config = config or read_model_config(model_dir)
+    return model_family(config.model_type).load(model_dir, dtype, config)
+
+
+def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               config: DecoderConfig | None = None) -> LlamaForCausalLM:
+    """A Llama-family checkpoint in kvlab's ``LlamaForCausalLM``.
+
+    Biases are switched on where the checkpoint has them (Qwen2's q/k/v biases, Llama's
     ``attention_bias``), so no per-model flag is needed; every tensor must then fit the config
-    exactly (``LlamaForCausalLM.load_weights``). On CPU keep ``float32``: the Triton
-    interpreter has no bf16 arithmetic.
+    exactly (``LlamaForCausalLM.load_weights``).
     """
     config = config or DecoderConfig.from_pretrained(model_dir)
     weights, sources = read_weights(model_dir)

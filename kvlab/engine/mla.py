@@ -44,12 +44,17 @@ class MLAAttention(torch.nn.Module):
 
     It holds no weights: the caller passes ``kv_b_proj``'s weight, whose two halves are ``W_UK``
     and ``W_UV``. ``k_scale`` is the per-tensor scale of an FP8 latent cache (1.0 otherwise).
+    ``kernel_config`` and ``decode_kv_splits`` are kvlab's knobs on the decode kernel, as on
+    ``Attention`` (set through ``ModelRunner``): ``tile_n`` latents per tile, ``block_m`` heads per
+    program (``block_q`` is 1), and a split count; None lets ``mla_decode`` choose.
     """
 
     def __init__(self, dims: MLADims, scale: float) -> None:
         super().__init__()
         self.dims, self.scale = dims, scale
         self.k_scale = 1.0
+        self.kernel_config: kernels.KernelConfig | None = None  # None: DEFAULT_MLA_CONFIG
+        self.decode_kv_splits: int | None = None  # None: the kernel chooses (on a CPU: 1)
 
     def forward(
         self,
@@ -80,7 +85,8 @@ class MLAAttention(torch.nn.Module):
         picked = torch.tensor(seqs, device=q_nope.device)
         q_latent = absorb_query(q_nope[rows], w_uk)                                       # [D, N, L]
         o_latent = kernels.mla_decode(q_latent, q_pe[rows], kv_cache, meta.block_table[picked],
-                                      meta.seq_lens[picked], scale=self.scale, k_scale=self.k_scale)   # [D, N, L]
+                                      meta.seq_lens[picked], scale=self.scale, k_scale=self.k_scale,
+                                      num_kv_splits=self.decode_kv_splits, config=self.kernel_config)  # [D, N, L]
         out[rows] = absorb_output(o_latent, w_uv).to(out.dtype)                           # [D, N, V]
 
     def _prefill(self, i: int, starts: list[int], q_nope, q_pe, kv_cache, meta: AttentionMetadata,

@@ -23,10 +23,9 @@ from torch import nn
 
 from kvlab.engine.attention import Attention, AttentionMetadata
 from kvlab.engine.config import DecoderConfig
+from kvlab.engine.kv_cache_interface import KVCache
 from kvlab.engine.rope import RotaryEmbedding
 from kvlab.errors import CheckpointError, KvlabValueError
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
 
 
 class RMSNorm(nn.Module):

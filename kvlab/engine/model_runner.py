@@ -20,7 +20,8 @@ from kvlab._validate import positive_int
 from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvlab.core.sequence import BlockCopy, compute_slot_mapping
 from kvlab.engine.attention import Attention, AttentionMetadata
-from kvlab.engine.model import KVCache, LlamaForCausalLM
+from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
+from kvlab.engine.mla import MLAAttention
 from kvlab.engine.sampler import Sampler
 from kvlab.errors import KvlabValueError, RequestFailedError
 
@@ -69,20 +70,22 @@ def prepare_inputs(
 
 
 def copy_blocks(kv_caches: Sequence[KVCache], blocks_to_copy: Sequence[BlockCopy]) -> None:
-    """Copy whole blocks ``src -> dst`` in every layer's K and V (the physical side of copy-on-write)."""
+    """Copy whole blocks ``src -> dst`` in every layer's cache (the physical side of copy-on-write).
+
+    A layer's cache is its K and V, or MLA's one latent tensor; every tensor is indexed by block first.
+    """
     if not blocks_to_copy:
         return
-    device = kv_caches[0][0].device
+    device = layer_tensors(kv_caches[0])[0].device
     src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.int64, device=device)
     dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.int64, device=device)
-    unique = {id(pair[0]): pair for pair in kv_caches}.values()  # a hybrid model's groups share tensors
-    for key_cache, value_cache in unique:  # each [num_blocks, block_size, num_kv_heads, head_size]
-        key_cache[dst] = key_cache[src]
-        value_cache[dst] = value_cache[src]
+    unique = {id(t): t for kv_cache in kv_caches for t in layer_tensors(kv_cache)}.values()  # groups share
+    for cache in unique:  # [num_blocks, block_size, ...]
+        cache[dst] = cache[src]
 
 
 class ModelRunner:
-    """Runs a ``LlamaForCausalLM`` on the paged cache for each scheduled step.
+    """Runs a model (``LlamaForCausalLM``, ``DeepseekV2ForCausalLM``) on the paged cache for each scheduled step.
 
     With ``keep_logits`` it records, per request, the logits row each sampled token came from
     (to compare an FP8 cache with a full-precision one, say), copied to the CPU.
@@ -93,17 +96,19 @@ class ModelRunner:
     every step (smaller tiles: short contexts span several), and ``decode_kv_splits`` forces the
     split count of decode-only steps (split-KV, which the automatic choice never uses on a CPU).
     Both may be set on a running engine (``engine.model_runner.kernel_config = ...``); they are
-    handed to every ``Attention`` layer of the model. ``layer_groups[i]`` is the KV cache group of
-    layer ``i`` (a hybrid model's: each layer reads its group's block tables); by default one group.
+    handed to every paged attention layer of the model (``Attention``, or ``MLAAttention``, whose
+    decode kernel serves one query token per sequence: its ``kernel_config`` has ``block_q`` 1 and
+    ``block_m`` heads per program). ``layer_groups[i]`` is the KV cache group of layer ``i`` (a
+    hybrid model's: each layer reads its group's block tables); by default one group.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
+    def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], block_size: int,
                  keep_logits: bool = False, kernel_config: kernels.KernelConfig | None = None,
                  decode_kv_splits: int | None = None, layer_groups: Sequence[int] | None = None) -> None:
         self.model = model
         self.layer_groups = None if layer_groups is None else tuple(layer_groups)
         self.kv_caches = kv_caches
-        self.device = kv_caches[0][0].device
+        self.device = layer_tensors(kv_caches[0])[0].device
         self.block_size = block_size
         self.sampler = Sampler()
         self.keep_logits = keep_logits
@@ -120,6 +125,12 @@ class ModelRunner:
     def kernel_config(self, config: kernels.KernelConfig | None) -> None:
         if config is not None and not isinstance(config, kernels.KernelConfig):
             raise KvlabValueError(f"kernel_config must be a kvlab.kernels.KernelConfig or None, got {config!r}")
+        if config is not None and config.block_q != 1 and any(isinstance(m, MLAAttention)
+                                                               for m in self._attention_layers()):
+            raise KvlabValueError(
+                f"kernel_config.block_q={config.block_q}: this model's MLA decode kernel serves one query token per "
+                "sequence, so block_q must be 1 (block_m is the number of heads per program)"
+            )
         self._kernel_config = config
         for layer in self._attention_layers():
             layer.kernel_config = config
@@ -135,9 +146,9 @@ class ModelRunner:
         for layer in self._attention_layers():
             layer.decode_kv_splits = self._decode_kv_splits
 
-    def _attention_layers(self) -> list[Attention]:
+    def _attention_layers(self) -> list[Attention | MLAAttention]:
         """Every paged attention layer of the model (the knobs above are handed to each)."""
-        return [m for m in self.model.modules() if isinstance(m, Attention)]
+        return [m for m in self.model.modules() if isinstance(m, Attention | MLAAttention)]
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -15,7 +15,9 @@ enough for sampling at temperature 1 to follow the model rather than the dice.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,13 +52,7 @@ def save_tiny_llama(
     positive_number("logit_gain", logit_gain)
     config = LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": positive_int("num_hidden_layers", num_hidden_layers)},
                          bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng():  # seed the init without touching the caller's random state
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    _sharpen(model, attention_gain, logit_gain)
-    path = Path(path)
-    model.save_pretrained(path)
-    return path
+    return save_seeded(LlamaForCausalLM, config, path, seed, lambda model: sharpen(model, attention_gain, logit_gain))
 
 
 #: The tiny hybrid model: ``TINY_LLAMA``'s shapes in four layers, sliding and full attention in turn (Ministral).
@@ -85,22 +81,39 @@ def save_tiny_ministral(
     types = list(layer_types or TINY_MINISTRAL_LAYER_TYPES)
     config = MinistralConfig(**{**TINY_LLAMA, "num_hidden_layers": len(types)}, sliding_window=sliding_window,
                              layer_types=types, bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng():
+    gains = positive_number("attention_gain", attention_gain), positive_number("logit_gain", logit_gain)
+    return save_seeded(MinistralForCausalLM, config, path, seed, lambda model: sharpen(model, *gains))
+
+
+def save_seeded(model_class: Any, config: Any, path: str | os.PathLike, seed: int,
+                sharpen: Callable[[Any], None]) -> Path:
+    """Build ``model_class(config)`` from a seeded generator, ``sharpen`` it in place, ``save_pretrained`` to ``path``.
+
+    The seed is forked, so the caller's random state is untouched; every tiny checkpoint of the
+    workbook (``save_tiny_llama``, ``save_tiny_ministral``, ``save_tiny_deepseek``) is written this way.
+    """
+    with torch.random.fork_rng():  # seed the init without touching the caller's random state
         torch.manual_seed(seed)
-        model = MinistralForCausalLM(config)
-    _sharpen(model, positive_number("attention_gain", attention_gain), positive_number("logit_gain", logit_gain))
+        model = model_class(config)
+    with torch.no_grad():
+        sharpen(model)
     path = Path(path)
     model.save_pretrained(path)
     return path
 
 
-def _sharpen(model: torch.nn.Module, attention_gain: float, logit_gain: float) -> None:
-    """Scale q, k, v and o by ``attention_gain`` and the final norm by ``logit_gain`` (see the module's docstring)."""
+#: The attention projections ``sharpen`` scales in a Llama-family layer (DeepSeek's are in ``toy_mla``).
+LLAMA_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def sharpen(model: torch.nn.Module, attention_gain: float, logit_gain: float,
+            projections: tuple[str, ...] = LLAMA_ATTENTION_PROJECTIONS) -> None:
+    """Scale each layer's attention ``projections`` by ``attention_gain`` and the final norm by ``logit_gain``
+    (in place; the module's docstring says why)."""
     with torch.no_grad():
         for layer in model.model.layers:
-            attn = layer.self_attn
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-                proj.weight.mul_(attention_gain)
+            for name in projections:
+                getattr(layer.self_attn, name).weight.mul_(attention_gain)
         model.model.norm.weight.mul_(logit_gain)
 
 

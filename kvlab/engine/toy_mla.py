@@ -17,9 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from kvlab._validate import positive_int, positive_number
+from kvlab.engine.toy import save_seeded, sharpen
 
 #: The tiny model's shape (YaRN over an original 128 positions, factor 4, as DeepSeek-V3's 40 over 4096).
 TINY_DEEPSEEK = dict(
@@ -48,6 +47,10 @@ TINY_DEEPSEEK = dict(
 )
 
 
+#: The attention projections ``sharpen`` scales in a DeepSeek-V3 layer (the low-rank ups, the latent's down, o).
+DEEPSEEK_ATTENTION_PROJECTIONS = ("q_b_proj", "kv_b_proj", "kv_a_proj_with_mqa", "o_proj")
+
+
 def save_tiny_deepseek(
     path: str | os.PathLike,
     *,
@@ -63,15 +66,5 @@ def save_tiny_deepseek(
     positive_number("logit_gain", logit_gain)
     layers = positive_int("num_hidden_layers", num_hidden_layers)
     config = DeepseekV3Config(**{**TINY_DEEPSEEK, "num_hidden_layers": layers}, bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng():  # seed the init without touching the caller's random state
-        torch.manual_seed(seed)
-        model = DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            for proj in (attn.q_b_proj, attn.kv_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj):
-                proj.weight.mul_(attention_gain)
-        model.model.norm.weight.mul_(logit_gain)
-    path = Path(path)
-    model.save_pretrained(path)
-    return path
+    return save_seeded(DeepseekV3ForCausalLM, config, path, seed,
+                       lambda model: sharpen(model, attention_gain, logit_gain, DEEPSEEK_ATTENTION_PROJECTIONS))

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from collections.abc import Sequence as TypingSequence
 from types import MappingProxyType
 
-from kvlab._validate import non_negative_int, one_of, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, one_of, positive_int
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.hashing import hash_token_blocks
 from kvlab.core.sequence import BlockCopy, Sequence, contents_of
@@ -31,6 +31,7 @@ from kvlab.errors import KvlabError, KvlabValueError
 OP_KINDS = ("start", "append", "extend", "fork", "cache", "release")
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One operation on the sequence called ``seq``.
@@ -58,6 +59,7 @@ class Op:
             raise KvlabValueError(f"kind='append' writes exactly one token, got {len(self.tokens)}")
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     """A pool (``num_blocks``, ``block_size``, null block or not) and the operations to run on it."""
@@ -78,6 +80,7 @@ class Scenario:
         return len(self.ops)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class BlockView:
     """One physical block at one moment: what the picture draws in its cell."""
@@ -100,6 +103,7 @@ class BlockView:
         return "free" if self.block_hash is None else "cached"
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class PoolSnapshot:
     """The pool and its live sequences at one moment, as plain values (compare with ``==``)."""
@@ -130,6 +134,7 @@ class PoolSnapshot:
         return [f"{i}*" if self.blocks[i].block_hash is not None else str(i) for i in self.free_queue]
 
 
+@checked
 def snapshot(pool: BlockPool, sequences: Mapping[str, Sequence], block_size: int) -> PoolSnapshot:
     """Freeze ``pool``, its block contents and the live ones of ``sequences`` into plain values."""
     contents = contents_of(pool, block_size)
@@ -138,6 +143,7 @@ def snapshot(pool: BlockPool, sequences: Mapping[str, Sequence], block_size: int
                          {n: s.token_ids() for n, s in live.items()}, contents.read, contents.block_size)
 
 
+@checked
 def pool_snapshot(pool: BlockPool, tables: Mapping[str, TypingSequence[int]],
                   token_ids: Mapping[str, TypingSequence[int]], read_block: Callable[[int], tuple[int, ...]],
                   block_size: int) -> PoolSnapshot:
@@ -168,6 +174,7 @@ def pool_snapshot(pool: BlockPool, tables: Mapping[str, TypingSequence[int]],
     )
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The state after operation ``index`` (0: the fresh pool), with what it did and why."""
@@ -233,11 +240,13 @@ def _run(scenario: Scenario, stop: int | None = None) -> Iterator[Step]:
         before = after
 
 
+@checked
 def record(scenario: Scenario) -> list[Step]:
     """Every step of ``scenario``: ``record(s)[k]`` is the state after ``k`` operations."""
     return list(_run(scenario))
 
 
+@checked
 def step_at(scenario: Scenario, index: int) -> Step:
     """The state after the first ``index`` operations, replayed from a fresh pool."""
     index = non_negative_int("index", index)
@@ -271,6 +280,7 @@ def _opening(scenario: Scenario, snap: PoolSnapshot) -> str:
             f"{len(snap.free_queue)} of them, in id order.{null}")
 
 
+@checked
 def describe(op: Op, before: PoolSnapshot, after: PoolSnapshot, copies: list[BlockCopy], error: str | None) -> str:
     """One or two sentences: what ``op`` did to the pool, and the rule that made it so."""
     if error is not None:
@@ -346,6 +356,7 @@ def _describe_release(op: Op, before: PoolSnapshot, after: PoolSnapshot) -> str:
 # --------------------------------------------------------------------------- the scenarios
 
 
+@checked
 def walk_fork() -> Scenario:
     """The source's tiny allocator: A holds tokens 0–5, B forks, B appends 6, A then B released."""
     return Scenario(
@@ -363,6 +374,7 @@ def walk_fork() -> Scenario:
     )
 
 
+@checked
 def walk_free_queue() -> Scenario:
     """Walk 2: A's cached full blocks go to the tail, its partial block to the head; C evicts block 1."""
     return Scenario(
@@ -379,6 +391,7 @@ def walk_free_queue() -> Scenario:
     )
 
 
+@checked(at_most={"n": 10**4, "prompt_tokens": MAX_OBJECTS, "new_tokens": MAX_OBJECTS})
 def parallel_sampling(n: int = 4, prompt_tokens: int = 40, block_size: int = 16, new_tokens: int = 12) -> Scenario:
     """``n`` samples forked from one prompt; each writes ``1 + new_tokens`` tokens, then all finish."""
     n = positive_int("n", n)
@@ -397,6 +410,7 @@ def parallel_sampling(n: int = 4, prompt_tokens: int = 40, block_size: int = 16,
     )
 
 
+@checked(at_most={"num_ops": 10**5, "num_blocks": MAX_OBJECTS, "block_size": MAX_OBJECTS})
 def random_workload(seed: int = 0, num_ops: int = 30, num_blocks: int = 12, block_size: int = 4) -> Scenario:
     """A seeded random mix of starts, writes, forks, caching and releases, a few of them refused.
 
@@ -452,6 +466,7 @@ SCENARIOS: Mapping[str, Callable[..., Scenario]] = MappingProxyType({
 })
 
 
+@checked
 def get_scenario(name: str, seed: int = 0) -> Scenario:
     """A scenario by its name in ``SCENARIOS`` (``seed`` is used by the random workload only)."""
     builder = SCENARIOS[one_of("name", name, SCENARIOS)]

@@ -14,16 +14,18 @@ import math
 import random
 from collections.abc import Iterable
 
-from kvlab._validate import positive_int
+from kvlab._validate import MAX_OBJECTS, checked, positive_int
 from kvlab.core.hashing import BlockHash, HashFn, get_hash_fn_by_name, hash_block_tokens
 from kvlab.errors import KvlabError, KvlabValueError
 
 
+@checked(at_most={"bits": 4096})
 def birthday_bound(bits: int) -> float:
     """Expected random draws until two of them share a ``bits``-bit hash: ``sqrt(pi / 2 x 2**bits)``."""
     return math.sqrt(math.pi / 2 * 2 ** positive_int("bits", bits))
 
 
+@checked(at_most={"bits": 4096})
 def truncated_hash(hash_fn_name: str = "sha256", bits: int = 16) -> HashFn:
     """``hash_fn_name``'s digest cut to its first ``bits`` bits (a multiple of 8): weak on purpose."""
     base = get_hash_fn_by_name(hash_fn_name)
@@ -39,6 +41,7 @@ def truncated_hash(hash_fn_name: str = "sha256", bits: int = 16) -> HashFn:
     return weak_hash
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class BlockCollision:
     """Two different blocks with the same hash after the same parent, and every block tried on the way."""
@@ -49,6 +52,7 @@ class BlockCollision:
     tried: tuple[tuple[int, ...], ...]
 
 
+@checked(at_most={"block_size": MAX_OBJECTS, "max_tries": MAX_OBJECTS})
 def find_block_collision(
     hash_fn: HashFn,
     block_size: int,
@@ -73,6 +77,7 @@ def find_block_collision(
     raise KvlabError(f"no collision among {max_tries} random blocks: the hash is stronger than this search")
 
 
+@checked
 def count_distinct_hashes(hash_fn: HashFn, parent_block_hash: BlockHash, blocks: Iterable[tuple[int, ...]]) -> int:
     """How many different hashes ``hash_fn`` gives the distinct ``blocks`` after one parent."""
     return len({hash_block_tokens(hash_fn, parent_block_hash, tokens) for tokens in set(blocks)})

@@ -52,7 +52,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvlab._validate import one_of, positive_int
+from kvlab._validate import checked, one_of, positive_int
 from kvlab.errors import KvlabValueError
 from kvlab.sim.fragmentation_fast import SlotSteps, run_fast
 from kvlab.sim.workloads import validate_requests
@@ -62,6 +62,7 @@ POLICIES = ("max", "pow2", "oracle", "paged")
 CATEGORIES = ("used", "reserved", "internal", "external", "free")
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class FragmentationResult:
     """Where the pool's slots went, averaged over the steps in which a request was waiting.
@@ -96,6 +97,7 @@ class FragmentationResult:
     recomputed_tokens: int  # tokens prefilled again after a preemption (paged only): the work preemption throws away
 
 
+@checked
 def reservation(final_len: np.ndarray | int, policy: str, max_model_len: int) -> np.ndarray:
     """Slots a contiguous policy reserves for requests that end with ``final_len`` tokens."""
     final = np.asarray(final_len, dtype=np.int64)
@@ -243,7 +245,7 @@ def _prepared(requests: Sequence[Sequence[int]] | np.ndarray, pool_tokens: int, 
     if pool_tokens < smallest_pool:
         raise KvlabValueError(
             f"pool_tokens={pool_tokens} cannot hold one request of max_model_len={max_model_len} tokens"
-            + (f" in blocks of {block_size}" if paged else "") + f"; it must be at least {smallest_pool}"
+            + (f" in blocks of {block_size} (block_size)" if paged else "") + f"; it must be at least {smallest_pool}"
         )
     order = np.arange(len(req)) if seed is None else np.random.default_rng(int(seed)).permutation(len(req))
     return req, order, None if paged else reservation(final, policy, max_model_len)
@@ -263,6 +265,7 @@ def _result(policy: str, pool_tokens: int, max_model_len: int, block_size: int, 
     )
 
 
+@checked
 def simulate(
     requests: Sequence[Sequence[int]] | np.ndarray,
     *,

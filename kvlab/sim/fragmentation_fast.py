@@ -17,9 +17,10 @@ from collections import deque
 
 import numpy as np
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SlotSteps:
     """What a run counted, before it is turned into shares: slot-steps per category over the measured steps."""
@@ -110,6 +111,7 @@ def _account(trace: _Trace, block_size: int | None) -> tuple[dict[str, int], int
     return sums, running_steps, measured
 
 
+@checked
 class FirstFit:
     """One address space of ``size`` slots handing out contiguous ranges, lowest address first.
 
@@ -126,6 +128,7 @@ class FirstFit:
         """Free slots in all holes together."""
         return sum(length for _, length in self.holes)
 
+    @checked
     def allocate(self, length: int) -> int | None:
         """The start of a new range of ``length`` slots in the first hole that fits, or None."""
         for k, hole in enumerate(self.holes):
@@ -138,6 +141,7 @@ class FirstFit:
                 return start
         return None
 
+    @checked
     def release(self, start: int, length: int) -> None:
         """Give ``[start, start + length)`` back, merging it with the holes beside it."""
         k = 0
@@ -323,6 +327,7 @@ class _PagedRun:
         return self.max_running, t, self.preemptions, self.recomputed
 
 
+@checked
 def run_fast(req: np.ndarray, order: np.ndarray, pool_tokens: int, reserve: np.ndarray | None,
              block_size: int) -> SlotSteps:
     """Serve ``req`` in ``order`` (paged when ``reserve`` is None, else contiguous reservations of ``reserve``)."""

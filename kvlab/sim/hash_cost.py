@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.core.hashing import HASH_FUNCTIONS, get_hash_fn_by_name, hash_block_tokens
 
 
+@checked(at_most={"number": 10**6, "repeat": 1000})
 def measure_hash_cost(
     hash_fn_names: Sequence[str] = tuple(HASH_FUNCTIONS),
     block_sizes: Sequence[int] = (16, 64),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import checked, non_negative_int, positive_int
 from kvlab.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
@@ -22,6 +22,7 @@ from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 GROUP_NAMES = ("sliding window", "full attention")
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class HitWalkthrough:
     """What each group holds of A's prompt, what each kind accepts alone, and the agreed hit."""
@@ -43,6 +44,7 @@ class HitWalkthrough:
         return ["cached", "full attention alone", "sliding window alone", "agreement", "hit"]
 
 
+@checked(at_most={"num_prompt_tokens": 10**5, "sliding_window": 10**5, "block_size": 10**5})
 def hit_walkthrough(num_prompt_tokens: int = 40, sliding_window: int = 8, block_size: int = 4,
                     evict_sliding: tuple[int, ...] = (), evict_full: tuple[int, ...] = ()) -> HitWalkthrough:
     """A computes ``num_prompt_tokens`` tokens; its blocks ``evict_*`` (logical indices) are evicted; B, the same

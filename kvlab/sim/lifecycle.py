@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlab._validate import non_negative_int
+from kvlab._validate import checked, non_negative_int, one_of
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request, RequestStatus
 from kvlab.errors import KvlabValueError
@@ -34,6 +34,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 8
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class Event:
     """``arrive`` (a request with its prompt) or ``finish`` (a live request leaves)."""
@@ -42,6 +43,9 @@ class Event:
     request: str
     tokens: tuple[int, ...] = ()
     note: str = ""
+
+    def __post_init__(self) -> None:
+        one_of("kind", self.kind, ("arrive", "finish"))
 
 
 EVENTS: tuple[Event, ...] = (
@@ -116,6 +120,7 @@ class _Story:
                 + f"{_blocks(cached)} cached, to the tail, evicted last.")
 
 
+@checked
 def lifecycle_steps(stop: int | None = None) -> list[Step]:
     """The fresh pool's step, then one step per event (up to ``stop`` events), run on a fresh manager."""
     story = _Story()
@@ -131,6 +136,7 @@ def lifecycle_steps(stop: int | None = None) -> list[Step]:
     return steps
 
 
+@checked
 def lifecycle_step_at(index: int) -> Step:
     """The state after the first ``index`` events, replayed from a fresh manager."""
     index = non_negative_int("index", index)

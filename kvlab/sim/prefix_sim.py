@@ -21,7 +21,7 @@ import dataclasses
 import random
 from collections import deque
 
-from kvlab._validate import positive_int
+from kvlab._validate import MAX_OBJECTS, checked, positive_int
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request, RequestStatus
 from kvlab.errors import KvlabValueError
@@ -30,6 +30,7 @@ from kvlab.units import cdiv
 VOCAB_SIZE = 32_000
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SimRequest:
     """A request of a workload: its prompt, the tokens the model will produce, and what it waits for."""
@@ -49,6 +50,7 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(VOCAB_SIZE) for _ in range(n))
 
 
+@checked(at_most=dict.fromkeys(("num_conversations", "num_turns", "system_len", "user_len", "reply_len"), MAX_OBJECTS))
 def chat_workload(
     num_conversations: int = 6,
     num_turns: int = 4,
@@ -80,6 +82,8 @@ def chat_workload(
     return [r for turn in turns for r in turn]
 
 
+@checked(at_most=dict.fromkeys(
+    ("num_requests", "num_system_prompts", "system_len", "question_len", "reply_len"), MAX_OBJECTS))
 def shared_prompt_workload(
     num_requests: int = 36,
     num_system_prompts: int = 3,
@@ -103,6 +107,7 @@ def shared_prompt_workload(
 WORKLOADS = {"multi-turn chat": chat_workload, "shared system prompt": shared_prompt_workload}
 
 
+@checked
 def admit(manager: KVCacheManager, request: Request, num_lookahead_tokens: int = 0) -> int | None:
     """Admit a waiting request whole, as a scheduler with no token budget would; return its hit tokens.
 
@@ -118,12 +123,14 @@ def admit(manager: KVCacheManager, request: Request, num_lookahead_tokens: int =
     return num_hits
 
 
+@checked
 def min_num_blocks(requests: list[SimRequest], block_size: int, reserve_null_block: bool = True) -> int:
     """The smallest pool in which the largest request fits on its own (null block included)."""
     block_size = positive_int("block_size", block_size)
     return max(cdiv(r.num_slots, block_size) for r in requests) + (1 if reserve_null_block else 0)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SimResult:
     """What a run measured. Tokens are prompt tokens; a hit is a prompt token not prefilled."""
@@ -147,6 +154,7 @@ class SimResult:
         return sum(self.prompt_tokens) - sum(self.hit_tokens)
 
 
+@checked(at_most={"num_blocks": MAX_OBJECTS})
 def simulate(
     requests: list[SimRequest],
     num_blocks: int,
@@ -221,6 +229,7 @@ def _decode_step(manager: KVCacheManager, running: list[tuple[SimRequest, Reques
     return still_running
 
 
+@checked
 def sweep_pool_sizes(requests: list[SimRequest], pool_sizes: list[int], **kwargs: object) -> list[SimResult]:
     """``simulate`` once per pool size (same workload, same settings)."""
     return [simulate(requests, n, **kwargs) for n in pool_sizes]  # type: ignore[arg-type]

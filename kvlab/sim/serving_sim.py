@@ -19,7 +19,7 @@ import dataclasses
 import random
 from typing import Any
 
-from kvlab._validate import non_negative_int, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector, PoolDiagnosis
 from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector, OffloadStats
@@ -31,6 +31,7 @@ from kvlab.errors import KvlabValueError
 VOCAB_SIZE = 32_000
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class ChatWorkload:
     """The shape of the chat traffic: how many conversations, how long each part, how long users think."""
@@ -55,6 +56,7 @@ class ChatWorkload:
         return self.system_len + self.turns * self.user_len + (self.turns - 1) * self.reply_len
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class ChatRun:
     """What a simulated run counted (tokens are prompt tokens unless named otherwise)."""
@@ -82,6 +84,7 @@ class ChatRun:
         """Prompt tokens found in either tier."""
         return (self.gpu_hit_tokens + self.cpu_hit_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @checked
     def diagnose(self) -> PoolDiagnosis:
         """The block-lifetime diagnostic, in steps."""
         return self.metrics.diagnose("steps")
@@ -140,6 +143,7 @@ class _Chat:
                     self.open(steps)
 
 
+@checked(at_most={"num_gpu_blocks": MAX_OBJECTS, "cpu_offload_blocks": MAX_OBJECTS})
 def simulate_chat(
     num_gpu_blocks: int,
     workload: ChatWorkload | None = None,

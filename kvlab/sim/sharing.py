@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as SequenceABC
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.core.block_pool import BlockPool
 from kvlab.core.sequence import Sequence
 from kvlab.sim.workloads import validate_requests
 from kvlab.units import cdiv
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SharingResult:
     """Block-steps held by ``n`` samples per request, shared and unshared, over every request's decode."""
@@ -42,6 +43,7 @@ class SharingResult:
         return 1 - self.shared_block_steps / self.unshared_block_steps
 
 
+@checked(at_most={"n": 10**4})
 def parallel_sampling_saving(
     requests: SequenceABC[SequenceABC[int]], n: int, block_size: int = 16
 ) -> SharingResult:

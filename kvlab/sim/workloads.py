@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlab._validate import non_negative_int, one_of, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, one_of, positive_int
 from kvlab.data import DATA_DIR
 from kvlab.errors import KvlabValueError
 
@@ -31,17 +31,20 @@ def _stats() -> Mapping[str, Any]:
     return json.loads(WORKLOADS_FILE.read_text())
 
 
+@checked
 def workload_stats(name: str) -> dict[str, float]:
     """The paper's means and kvlab's chosen sigmas for workload ``name`` ("sharegpt" or "alpaca")."""
     workloads = _stats()["workloads"]
     return dict(workloads[one_of("name", name, workloads)])
 
 
+@checked
 def paper_results() -> dict[str, Any]:
     """The paper's measured figures the notebooks compare with: KV states per system, memory saved by sharing."""
     return json.loads(json.dumps(_stats()["results"]))  # a deep copy: the cached file stays as read
 
 
+@checked
 def length_filter() -> dict[str, int]:
     """The filter every generated pair passes (vLLM's benchmark rule): min/max prompt, min output, max total."""
     return {k: v for k, v in _stats()["filter"].items() if k != "source"}
@@ -66,6 +69,7 @@ def _filtered_means(mu_p: float, s_p: float, mu_o: float, s_o: float, f: Mapping
     return float((weight * p).sum() / total), float((weight * o).sum() / total)
 
 
+@checked
 @functools.cache
 def lognormal_mus(name: str) -> tuple[float, float]:
     """The log-normal locations (prompt, output) whose *filtered* means are the paper's.
@@ -108,16 +112,19 @@ def _draw(name: str, n: int, seed: int) -> list[Request]:
     return [(int(p), int(o)) for p, o in pairs]
 
 
+@checked(at_most={"n": MAX_OBJECTS})
 def sharegpt_like(n: int, seed: int = 0) -> list[Request]:
     """``n`` ShareGPT-like requests: mean prompt 161.31 and output 337.99 tokens, long-tailed, <= 2048 in all."""
     return _draw("sharegpt", n, seed)
 
 
+@checked(at_most={"n": MAX_OBJECTS})
 def alpaca_like(n: int, seed: int = 0) -> list[Request]:
     """``n`` Alpaca-like requests: mean prompt 19.31 and output 58.45 tokens, long-tailed, <= 2048 in all."""
     return _draw("alpaca", n, seed)
 
 
+@checked(at_most={"n": MAX_OBJECTS})
 def fixed(n: int, prompt_len: int, output_len: int) -> list[Request]:
     """``n`` identical requests of ``prompt_len`` prompt tokens and ``output_len`` generated tokens."""
     n = non_negative_int("n", n)
@@ -125,6 +132,7 @@ def fixed(n: int, prompt_len: int, output_len: int) -> list[Request]:
     return [pair] * n
 
 
+@checked
 def validate_requests(requests: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
     """``requests`` as an ``[n, 2]`` int64 array of (prompt_len, output_len), each >= 1, or a clear error."""
     try:
@@ -143,6 +151,7 @@ def validate_requests(requests: Sequence[Sequence[int]] | np.ndarray) -> np.ndar
     return array
 
 
+@checked
 def summarize(requests: Sequence[Sequence[int]] | np.ndarray) -> dict[str, float]:
     """Count, mean and maximum of prompt, output and total lengths (for tables)."""
     array = validate_requests(requests)

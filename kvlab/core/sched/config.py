@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from kvlab._validate import one_of, positive_int
+from kvlab._validate import checked, one_of, positive_int
 from kvlab.core.request import Request
 from kvlab.errors import RequestTooLongError
 from kvlab.units import cdiv
@@ -35,6 +35,7 @@ DEFAULT_MAX_NUM_SEQS = 256
 PREEMPTION_MODES = ("recompute", "swap")
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Token budget, sequence cap, longest sequence and preemption mode of one scheduler, validated on creation.
@@ -62,6 +63,7 @@ class SchedulerConfig:
         return self.preemption_mode == "swap"
 
 
+@checked
 def check_request_fits(request: Request, max_model_len: int, num_usable_blocks: int, block_size: int,
                        blocks_for: Callable[[int], int] | None = None) -> None:
     """Refuse a request whose prompt passes ``max_model_len``, or whose KV could never fit the whole pool.

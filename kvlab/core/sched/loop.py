@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import zlib
 
-from kvlab._validate import positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.core.sched.output import Executor, ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from kvlab.core.sched.scheduler import Scheduler
 from kvlab.errors import RequestStateError
 
 
+@checked
 class NoComputeExecutor:
     """An executor without a model: it samples a made-up token for every request that asks for one.
 
@@ -30,6 +31,7 @@ class NoComputeExecutor:
     def __init__(self, vocab_size: int = 32000) -> None:
         self.vocab_size = positive_int("vocab_size", vocab_size)
 
+    @checked
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         sampled = {}
         for s in scheduler_output.scheduled:
@@ -41,6 +43,7 @@ class NoComputeExecutor:
         return ModelRunnerOutput(sampled)
 
 
+@checked
 def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
     """One engine step, as vLLM's ``EngineCore.step``: schedule, execute, update.
 
@@ -57,6 +60,7 @@ def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, lis
     return scheduler_output, outputs, scheduler.make_stats()
 
 
+@checked
 def run_until_done(scheduler: Scheduler, executor: Executor | None = None, max_steps: int = 100_000
                    ) -> list[SchedulerStats]:
     """Step until every request finished; return one ``SchedulerStats`` per step (a simulation's history).

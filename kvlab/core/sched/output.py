@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from kvlab._validate import non_negative_int, non_negative_number, positive_int
+from kvlab._validate import checked, non_negative_int, non_negative_number, positive_int
 from kvlab.core.cache_stats import PrefixCacheStats
 from kvlab.core.request import Request, RequestStatus
 from kvlab.core.sequence import BlockCopy
@@ -31,6 +31,7 @@ MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to choose tokens and when to stop (the part of vLLM's ``SamplingParams`` kvlab uses).
@@ -78,6 +79,7 @@ class SamplingParams:
         """Greedy decoding: vLLM's ``SamplingType.GREEDY``, a temperature below ``SAMPLING_EPS``."""
         return self.temperature < SAMPLING_EPS
 
+    @checked
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of parallel sample ``index`` (0 is the parent): ``n = 1``, seed ``seed + index``."""
         seed = None if self.seed is None else self.seed + index
@@ -89,6 +91,7 @@ FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED
                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
+@checked
 class GenerationRequest(Request):
     """A ``kvlab.core.request.Request`` plus what generation needs: sampling parameters and the stop token.
 
@@ -119,11 +122,13 @@ class GenerationRequest(Request):
     def max_tokens(self) -> int:
         return self.sampling_params.max_tokens
 
+    @checked
     def get_finished_reason(self) -> str | None:
         """"stop" (an end-of-sequence token), "length" (max_tokens or max_model_len), "abort", "error", or None."""
         return FINISH_REASONS.get(self.status)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step: the tokens to compute, where they sit, and whether to sample.
@@ -158,6 +163,7 @@ class ScheduledRequest:
         return self.num_tokens > 1 or self.num_computed_tokens == 0
 
 
+@checked
 @dataclasses.dataclass
 class SchedulerOutput:
     """What one step computes: requests in batch order, their token counts, and block copies first."""
@@ -189,6 +195,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens - self.num_prefill_tokens
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class ModelRunnerOutput:
     """The tokens an executor sampled, by request id (prefill chunks that do not finish sample none).
@@ -201,6 +208,7 @@ class ModelRunnerOutput:
     errors: dict[str, BaseException] = dataclasses.field(default_factory=dict)
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: its new token, and whether (and why) it finished.
@@ -215,6 +223,7 @@ class RequestOutput:
     error: BaseException | None = None
 
 
+@checked
 @dataclasses.dataclass(frozen=True)
 class SchedulerStats:
     """The numbers vLLM exports after a step, plus the step's token mix (one row of the history)."""
@@ -237,6 +246,7 @@ class Executor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+@checked
 def child_request_id(parent_id: str, index: int) -> str:
     """The id of parallel sample ``index`` (1 .. n - 1) of request ``parent_id``: ``"<parent>#<index>"``."""
     return f"{parent_id}#{index}"

@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from kvlab._validate import checked
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import RequestStatus
 from kvlab.core.sched.config import (
@@ -65,6 +66,7 @@ from kvlab.core.sequence import BlockCopy
 from kvlab.errors import KvlabValueError, RequestFailedError, RequestStateError
 
 
+@checked
 class Scheduler:
     """Waiting and running queues over one ``KVCacheManager``, scheduled as vLLM V1 does (FCFS)."""
 
@@ -106,6 +108,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- requests in and out
 
+    @checked
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; one that could never fit the pool or ``max_model_len`` is refused here."""
         if not isinstance(request, GenerationRequest):
@@ -118,6 +121,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    @checked
     def check_admissible(self, request: GenerationRequest) -> None:
         """Refuse a request this scheduler could never run: too long for the pool or ``max_model_len``, or
         parallel samples (``n > 1``, served by fork) over several KV cache groups, which fork cannot share."""
@@ -127,6 +131,7 @@ class Scheduler:
                 "and a fork shares one block table, but this model has several KV cache groups; send n requests")
         check_request_fits(request, self.max_model_len, self.num_usable_blocks, self.block_size, self.blocks_for)
 
+    @checked
     def blocks_for(self, num_tokens: int) -> int:
         """The most blocks a request of ``num_tokens`` tokens holds at once, all KV cache groups together.
 
@@ -136,14 +141,17 @@ class Scheduler:
         return sum(g.kv_cache_spec.max_num_blocks_per_request(num_tokens, self.max_num_scheduled_tokens)
                    for g in self.kv_cache_manager.kv_cache_groups)
 
+    @checked
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @checked
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
     # ----------------------------------------------------------------- one step
 
+    @checked
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating (or preempting) as needed."""
         token_budget = self.max_num_scheduled_tokens
@@ -315,6 +323,7 @@ class Scheduler:
         parent.num_pending_forks = 0
         return tuple(children)
 
+    @checked
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
@@ -355,6 +364,7 @@ class Scheduler:
                 outputs += self._finish(request, RequestStatus.FINISHED_ERROR, error)
         return outputs
 
+    @checked
     def fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> ModelRunnerOutput:
         """The executor raised: every request of the step, forked samples included, fails with ``error``.
 
@@ -373,6 +383,7 @@ class Scheduler:
         self.finished_req_ids |= scheduler_output.finished_req_ids  # the executor may not have seen them
         return ModelRunnerOutput({}, failed)
 
+    @checked
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[RequestOutput]:
         """Finish requests from outside a step (vLLM's ``finish_requests``: an abort), freeing their blocks.
 
@@ -424,6 +435,7 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
+    @checked
     def make_stats(self) -> SchedulerStats:
         """The gauges and this step's counters, after ``update_from_output`` (one row of the history)."""
         out = self._last_step

@@ -1,0 +1,101 @@
+"""Which architectures the engine serves: per ``model_type``, the config it reads, the model it builds, its KV spec.
+
+vLLM maps a checkpoint's ``architectures`` entry to a model class (``vllm/model_executor/models/
+registry.py``), and each attention layer of that class answers ``get_kv_cache_spec``. kvlab keeps the
+same three facts per family in one ``ModelFamily``, keyed by ``model_type`` (the field transformers
+dispatches on): a Llama-family checkpoint gets ``DecoderConfig``, ``LlamaForCausalLM`` and a
+``FullAttentionSpec`` per layer; a DeepSeek-V3 one gets ``DeepseekConfig``, ``DeepseekV2ForCausalLM``
+and an ``MLAAttentionSpec`` per layer. ``LLMEngine`` asks this module and nothing else, so adding an
+architecture is one more entry here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from kvlab.engine.config import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
+from kvlab.engine.config import DecoderConfig, config_from_pretrained
+from kvlab.engine.deepseek_config import SUPPORTED_MODEL_TYPES as DEEPSEEK_MODEL_TYPES
+from kvlab.engine.deepseek_config import DeepseekConfig
+from kvlab.engine.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from kvlab.errors import KvlabValueError, UnknownNameError
+
+ModelConfig = DecoderConfig | DeepseekConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One architecture the engine serves: how its config is read, its model loaded, its layers' KV cache shaped."""
+
+    architecture: str                 # the vLLM class that serves these checkpoints
+    model_types: tuple[str, ...]      # config.json's model_type values
+    config_class: type                # from_dict / from_pretrained
+    load: Callable[..., torch.nn.Module]                               # (model_dir, dtype, config) -> model
+    layer_spec: Callable[[Any, int, int, torch.dtype], FullAttentionSpec]  # (config, layer, block_size, dtype)
+
+
+def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig) -> torch.nn.Module:
+    from kvlab.engine.loader import load_llama
+
+    return load_llama(model_dir, dtype, config)
+
+
+def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: DeepseekConfig) -> torch.nn.Module:
+    from kvlab.engine.deepseek import load_deepseek
+
+    return load_deepseek(model_dir, dtype, config)
+
+
+def _full_attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=config.num_key_value_heads,
+                             head_size=config.head_dim, dtype=dtype)
+
+
+def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=block_size, head_size=config.mla.latent_size, dtype=dtype)
+
+
+MODEL_FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily("LlamaForCausalLM", LLAMA_MODEL_TYPES, DecoderConfig, _load_llama, _full_attention_spec),
+    ModelFamily("DeepseekV2ForCausalLM", DEEPSEEK_MODEL_TYPES, DeepseekConfig, _load_deepseek, _mla_spec),
+)
+
+
+def supported_model_types() -> list[str]:
+    """Every ``model_type`` some family serves."""
+    return [t for family in MODEL_FAMILIES for t in family.model_types]
+
+
+def model_family(model_type: object) -> ModelFamily:
+    """The family serving ``model_type``; an unknown one raises listing every supported type."""
+    for family in MODEL_FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise UnknownNameError("model_type", model_type, supported_model_types())
+
+
+def model_config_from_dict(config: Mapping[str, Any], name: str | None = None) -> ModelConfig:
+    """A ``config.json`` dict read by its family's config class (chosen by ``model_type``)."""
+    if not isinstance(config, Mapping):
+        raise KvlabValueError(f"a config must be a JSON object (a dict of fields), got a {type(config).__name__}")
+    return model_family(config.get("model_type")).config_class.from_dict(config, name=name)
+
+
+def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """``model_dir/config.json`` read by its family; anything wrong raises ``CheckpointError`` naming the file."""
+    return config_from_pretrained(model_config_from_dict, model_dir)
+
+
+def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[FullAttentionSpec]:
+    """One KV cache spec per layer (vLLM's ``get_kv_cache_spec``), layer 0 first.
+
+    A family's ``layer_spec`` is asked layer by layer, so a model whose layers differ (a sliding
+    window in some of them) can answer each one with its own kind of spec.
+    """
+    family = model_family(config.model_type)
+    return [family.layer_spec(config, layer, block_size, dtype) for layer in range(config.num_hidden_layers)]

@@ -1,0 +1,396 @@
+"""The input sweep: every public callable of kvlab's pure layers, called with wrong types and values.
+
+Issue 14's promise, tested over the whole API rather than function by function: bad input gets a kvlab
+error naming the parameter the caller used, never a generic Python error from inside, never a silent
+accept, never a hang. ``tests/_api_sweep.py`` builds the calls (see its docstring for the probes and
+the outcomes). Output records that kvlab builds and returns (results, snapshots, stats) are not inputs a
+learner constructs and are skipped with that reason; so are protocols and the hash functions themselves
+(they take any object by design).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import _api_sweep as sweep
+import pytest
+
+RESULT = "an output record kvlab builds and returns; learners read it, never construct it"
+LIVE = ("takes blocks, requests or step outputs that must come from the same live object (a pool's own blocks, "
+        "an allocated request, a scheduled step; an observer's callbacks, which the pool calls; the pool's own free "
+        "queue, hash index and block records, which only the pool drives): swept by the state machines in "
+        "test_block_pool_state_machine.py, test_manager_state_machine.py and test_failing_calls_state_machine.py")
+INSIDE = ("built by KVCacheManager from its KV cache groups, as in vLLM; swept through KVCacheManager and "
+          "driven by test_hybrid_manager_state_machine.py")
+SKIP: dict[str, str] = {
+    **{name: RESULT for name in (
+        "kvlab.capacity.budget.KVCachePlan", "kvlab.capacity.mla.MLACost", "kvlab.capacity.mla.PathCost",
+        "kvlab.capacity.playbook.Decision", "kvlab.capacity.playbook.LeverResult",
+        "kvlab.capacity.playbook.PlaybookResult", "kvlab.capacity.source_deployments.SourceArithmetic",
+        "kvlab.capacity.source_deployments.SourceDeployment", "kvlab.capacity.startup_log.Reconstruction",
+        "kvlab.capacity.startup_log.StartupLog", "kvlab.capacity.tiers.TierTable",
+        "kvlab.core.cache_stats.PrefixCacheStats", "kvlab.core.kv_offload.OffloadStats",
+        "kvlab.core.kv_offload.KVConnectorMetadata", "kvlab.core.kv_cache_metrics.PoolDiagnosis",
+        "kvlab.core.kv_cache_metrics.Stamp", "kvlab.core.kv_cache_metrics.BlockMetricsState",
+        "kvlab.core.sched.output.ModelRunnerOutput", "kvlab.core.sched.output.RequestOutput",
+        "kvlab.core.sched.output.ScheduledRequest", "kvlab.core.sched.output.SchedulerOutput",
+        "kvlab.core.sched.output.SchedulerStats", "kvlab.core.kv_cache_utils.KVCacheBlockCopy",
+        "kvlab.sim.block_scenarios.BlockView", "kvlab.sim.block_scenarios.PoolSnapshot",
+        "kvlab.sim.block_scenarios.Step", "kvlab.sim.collisions.BlockCollision",
+        "kvlab.sim.fragmentation.FragmentationResult", "kvlab.sim.fragmentation_fast.SlotSteps",
+        "kvlab.sim.prefix_sim.SimResult", "kvlab.sim.serving_sim.ChatRun", "kvlab.sim.sharing.SharingResult",
+        "kvlab.capacity.hybrid.HybridKVCachePlan", "kvlab.capacity.parallel.ParallelPlan",
+        "kvlab.sim.hybrid_hits.HitWalkthrough",
+        "kvlab.core.kv_cache_utils.KVCacheBlocks",
+    )},
+    **{name: INSIDE for name in (
+        "kvlab.core.kv_cache_coordinator.HybridKVCacheCoordinator",
+        "kvlab.core.kv_cache_coordinator.KVCacheCoordinator",
+        "kvlab.core.kv_cache_coordinator.KVCacheCoordinatorNoPrefixCache",
+        "kvlab.core.kv_cache_coordinator.UnitaryKVCacheCoordinator",
+        "kvlab.core.kv_cache_coordinator.get_kv_cache_coordinator",
+        "kvlab.core.single_type_kv_cache_manager.FullAttentionManager",
+        "kvlab.core.single_type_kv_cache_manager.SingleTypeKVCacheManager",
+        "kvlab.core.single_type_kv_cache_manager.SlidingWindowManager",
+        "kvlab.core.single_type_kv_cache_manager.get_manager_for_kv_cache_spec",
+        "kvlab.core.single_type_kv_cache_manager.find_longest_cache_hit",
+    )},
+    "kvlab.core.block_pool.BlockPoolObserver": "a protocol (an interface), not a callable",
+    "kvlab.core.sched.output.Executor": "a protocol (an interface), not a callable",
+    "kvlab.core.request.RequestStatus": "an enum; its values are the input",
+    **{name: LIVE for name in (
+        "kvlab.core.block_pool.BlockPool.cache_full_blocks", "kvlab.core.block_pool.BlockPool.cache_partial_block",
+        "kvlab.core.block_pool.BlockPool.copy_on_write", "kvlab.core.block_pool.BlockPool.free_blocks",
+        "kvlab.core.block_pool.BlockPool.touch", "kvlab.core.block_pool.BlockPool.touch_and_get_new_blocks",
+        *(f"kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.{m}" for m in (
+            "popleft", "popleft_n", "peek_n", "get_all_free_blocks")),
+        *(f"kvlab.core.block_pool.BlockHashToBlockMap.{m}" for m in (
+            "get_one_block", "contain", "insert", "pop", "block_ids", "items", "values", "clear")),
+        "kvlab.core.kv_cache_utils.KVCacheBlock.set_block_hash", "kvlab.core.kv_cache_utils.KVCacheBlock.reset_hash",
+        "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.append",
+        "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.append_n",
+        "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.prepend_n",
+        "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.remove",
+        "kvlab.core.kv_cache_manager.KVCacheManager.cache_blocks",
+        "kvlab.core.kv_cache_manager.KVCacheManager.get_block_ids",
+        "kvlab.core.kv_cache_manager.KVCacheManager.get_blocks",
+        "kvlab.core.kv_cache_manager.KVCacheManager.get_block_ids_per_group",
+        "kvlab.core.kv_cache_manager.KVCacheManager.get_blocks_per_group",
+        "kvlab.core.kv_offload.CPUOffloadingManager.swapped_blocks",
+        "kvlab.core.manager_fork.ForkMixin", "kvlab.core.manager_fork.ForkMixin.fork",
+        "kvlab.core.manager_fork.ForkMixin.copy_on_write",
+        "kvlab.core.sched.loop.NoComputeExecutor.execute_model",
+        "kvlab.core.sched.scheduler.Scheduler.fail_step", "kvlab.core.sched.scheduler.Scheduler.make_stats",
+        "kvlab.core.sched.scheduler.Scheduler.update_from_output",
+        "kvlab.sim.block_scenarios.describe", "kvlab.sim.block_scenarios.pool_snapshot",
+        "kvlab.sim.block_scenarios.snapshot",
+        *(f"kvlab.core.{owner}.on_block_{event}"
+          for owner in ("cache_stats.EvictionCounter", "kv_cache_metrics.KVCacheMetricsCollector",
+                        "kv_offload.OffloadingConnector")
+          for event in ("accessed", "allocated", "evicted")),
+    )},
+    "kvlab.kv_cache_interface.KVCacheSpec.max_memory_usage_bytes": "abstract: each spec kind defines it (swept there)",
+    "kvlab.kv_cache_interface.KVCacheSpec.max_num_blocks_per_request": "abstract: each spec kind defines it",
+    "kvlab.sim.fragmentation_fast.run_fast": "simulate()'s fast path: simulate checks its inputs and is swept",
+    "kvlab.engine.engine_config.derived_max_model_len": "takes the DecoderConfig EngineConfig read; swept through "
+                                                         "EngineConfig",
+    "kvlab.engine.engine_config.verify_max_model_len": "takes the DecoderConfig EngineConfig read; swept through "
+                                                       "EngineConfig",
+    **{f"kvlab.core.hashing.{name}": "a hash function: it takes any object by design"
+       for name in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")},
+}
+
+
+def _overrides() -> dict[str, Any]:
+    from kvlab.capacity.hardware import get_gpu, get_host, get_link
+    from kvlab.capacity.hybrid import layer_specs, plan_hybrid_kv_cache
+    from kvlab.capacity.models import MODELS_DIR, get_model
+    from kvlab.capacity.source_deployments import SOURCE_DEPLOYMENTS
+    from kvlab.core.cache_stats import PrefixCacheStats
+    from kvlab.core.hashing import get_hash_fn_by_name, init_none_hash
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
+    from kvlab.core.kv_cache_utils import KVCacheBlock
+    from kvlab.core.kv_offload import CPUOffloadingManager
+    from kvlab.core.request import PlaceholderRange, Request
+    from kvlab.core.sched.output import GenerationRequest
+    from kvlab.data import DATA_DIR
+    from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from kvlab.sim.block_scenarios import Op, get_scenario
+    from kvlab.sim.prefix_sim import shared_prompt_workload
+
+    sha = get_hash_fn_by_name("sha256")
+    none = init_none_hash(sha)
+    TINY = DATA_DIR / "tiny-pydoc-llama"
+
+    def init_fields(obj: Any) -> dict[str, Any]:
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+
+    return {
+        "kvlab.capacity.hardware.GPUSpec": lambda: init_fields(get_gpu("H100-SXM-80GB")),
+        "kvlab.capacity.hybrid.describe_groups": lambda: {"plan": plan_hybrid_kv_cache(
+            "gpt-oss-20b", max_model_len=8192, gpu_memory_gib=80.0)},
+        "kvlab.capacity.hybrid.get_kv_cache_groups": lambda: {"specs": layer_specs(get_model("gpt-oss-20b"))},
+        "kvlab.capacity.hybrid.plan_hybrid_kv_cache": lambda: {"model": "gpt-oss-20b", "max_model_len": 8192,
+                                                               "gpu_memory_gib": 80.0},
+        "kvlab.core.hashing.make_block_hash_with_group_id": lambda: {"block_hash": none, "group_id": 1},
+        "kvlab.core.sched.scheduler.Scheduler.check_admissible": lambda: {"request": GenerationRequest("g", [1, 2])},
+        "kvlab.kv_cache_interface.KVCacheSpec.max_memory_usage_bytes": lambda: {"max_model_len": 64,
+                                                                                "max_in_flight_tokens": 16},
+        "kvlab.kv_cache_interface.KVCacheSpec.max_num_blocks_per_request": lambda: {"max_model_len": 64,
+                                                                                    "max_in_flight_tokens": 16},
+        "kvlab.kv_cache_interface.SlidingWindowSpec": lambda: {"block_size": 4, "sliding_window": 8},
+        "kvlab.kv_cache_interface.SlidingWindowSpec.max_admission_blocks_per_request": lambda: {
+            "max_in_flight_tokens": 16, "max_model_len": 64},
+        "kvlab.kv_cache_interface.SlidingWindowSpec.max_num_blocks_per_request": lambda: {
+            "max_model_len": 64, "max_in_flight_tokens": 16},
+        "kvlab.kv_cache_interface.KVCacheGroupSpec": lambda: {"layer_names": ("layer.0",),
+                                                              "kv_cache_spec": FullAttentionSpec(block_size=4)},
+        "kvlab.kv_cache_interface.KVCacheConfig": lambda: {"num_blocks": 8, "kv_cache_groups": (
+            KVCacheGroupSpec(("layer.0",), FullAttentionSpec(block_size=4)),)},
+        "kvlab.capacity.hardware.HostSpec": lambda: init_fields(get_host("DGX-H100")),
+        "kvlab.capacity.hardware.LinkSpec": lambda: init_fields(get_link("PCIe 5.0 x16")),
+        "kvlab.capacity.models.ModelSpec": lambda: init_fields(get_model("llama-3-8b")),
+        "kvlab.capacity.models.ModelSpec.from_hf_config": lambda: {"config": MODELS_DIR / "llama-3-8b.json"},
+        "kvlab.capacity.source_deployments.source_arithmetic": lambda: {"source": SOURCE_DEPLOYMENTS["a"]},
+        **{f"kvlab.core.block_pool.BlockHashToBlockMap.{m}": (lambda: {"key": none, "block_id": 1})
+           for m in ("block_ids", "contain", "get_one_block", "pop")},
+        "kvlab.core.block_pool.BlockHashToBlockMap.insert": lambda: {"key": none, "block": KVCacheBlock(1)},
+        "kvlab.core.block_pool.BlockPool.add_observer": lambda: {"observer": KVCacheMetricsCollector()},
+        "kvlab.core.cache_stats.CachingMetrics.observe": lambda: {"stats": PrefixCacheStats()},
+        "kvlab.core.kv_offload.OffloadingConnector.get_num_new_matched_tokens": lambda: {
+            "request": Request("r0", list(range(10))), "num_computed_tokens": 0},
+        "kvlab.core.kv_offload.OffloadingConnector.update_state_after_alloc": lambda: {
+            "request": Request("r0", list(range(10))), "num_computed_tokens": 0, "num_external_tokens": 0},
+        "kvlab.core.sched.scheduler.Scheduler.add_request": lambda: {"request": GenerationRequest("g", [1, 2])},
+        "kvlab.engine.engine_config.EngineConfig": lambda: {"model_dir": TINY, "num_gpu_blocks": 16},
+        "kvlab.engine.engine_config.EngineConfig.create": lambda: {"model_dir": TINY},
+        "kvlab.sim.workloads.lognormal_mus": lambda: {"name": "alpaca"},
+        "kvlab.units.cdiv": lambda: {"a": 7, "b": 2},
+        "kvlab.units.format_bytes": lambda: {"num_bytes": 1 << 20},
+        "kvlab.capacity.budget.plan_preset": lambda: {"name": "A"},
+        "kvlab.capacity.cost_model.CostModel.crossover_hit_rate": lambda: {"computed_tokens": 1000},
+        "kvlab.capacity.cost_model.CostModel.forward_seconds": lambda: {"num_new_tokens": 100},
+        "kvlab.capacity.cost_model.CostModel.implied_mfu": lambda: {"seconds": 0.1, "num_new_tokens": 100},
+        "kvlab.capacity.cost_model.CostModel.memory_read_seconds": lambda: {"num_new_tokens": 100},
+        "kvlab.capacity.cost_model.CostModel.prefill_flops": lambda: {"num_new_tokens": 100},
+        "kvlab.capacity.cost_model.CostModel.prefill_seconds": lambda: {"num_new_tokens": 100},
+        "kvlab.capacity.cost_model.CostModel.prefix_hit_speedup": lambda: {"prompt_tokens": 100, "reused_tokens": 50},
+        "kvlab.capacity.cost_model.CostModel.recompute_seconds": lambda: {"computed_tokens": 100, "hit_tokens": 50},
+        "kvlab.capacity.cost_model.CostModel.swap_or_recompute": lambda: {"computed_tokens": 100, "hit_tokens": 50},
+        "kvlab.capacity.cost_model.CostModel.swap_seconds": lambda: {"computed_tokens": 100},
+        "kvlab.capacity.cost_model.CostModel.ttft": lambda: {"prompt_tokens": 100, "reused_tokens": 50, "where": "gpu"},
+        "kvlab.capacity.hardware.get_gpu": lambda: {"name": "H100-SXM-80GB"},
+        "kvlab.capacity.hardware.get_host": lambda: {"name": "DGX-H100"},
+        "kvlab.capacity.hardware.get_link": lambda: {"name": "PCIe 5.0 x16"},
+        "kvlab.capacity.mla.MLADims": lambda: {"num_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                                               "qk_rope_head_dim": 64, "v_head_dim": 128},
+        "kvlab.capacity.mla.absorb_crossover": lambda: {"model": get_model("deepseek-v3"), "context_len": 4096},
+        "kvlab.capacity.mla.causal_pairs": lambda: {"query_len": 4, "context_len": 8},
+        "kvlab.capacity.mla.mla_attention_cost": lambda: {"model": get_model("deepseek-v3"), "query_len": 4},
+        "kvlab.capacity.mla.mla_dims": lambda: {"model": get_model("deepseek-v3")},
+        "kvlab.capacity.models.parameter_parts": lambda: {"cfg": dict(get_model("deepseek-v3").config)},
+        "kvlab.capacity.parallel.plan_parallel": lambda: {"model": "deepseek-v3", "layout": "tp", "num_gpus": 8,
+                                                          "gpu_memory_gib": 141.0, "max_model_len": 8192},
+        "kvlab.capacity.parallel.weights_bytes_per_gpu": lambda: {"model": get_model("deepseek-v3"), "layout": "tp",
+                                                                  "num_gpus": 8},
+        "kvlab.capacity.models.count_parameters": lambda: {"cfg": dict(get_model("llama-3-8b").config)}
+        if hasattr(get_model("llama-3-8b"), "config") else {"cfg": {}},
+        "kvlab.capacity.playbook.Workload": lambda: {"mean_prompt_tokens": 1000, "mean_output_tokens": 200},
+        "kvlab.capacity.source_deployments.reproduce": lambda: {"key": "a"},
+        "kvlab.capacity.startup_log.parse_startup_log": lambda: {"lines": _startup_lines()},
+        "kvlab.capacity.startup_log.reconstruct": lambda: {"model": "llama-3-8b", "lines": _startup_lines()},
+        "kvlab.capacity.tiers.KVTier": lambda: {"name": "HBM", "capacity_bytes": 1 << 30, "bytes_per_s": 1e9,
+                                                "path": "gpu"},
+        "kvlab.capacity.tiers.KVTier.holds": lambda: {"num_bytes": 1 << 20},
+        "kvlab.capacity.tiers.KVTier.seconds_for": lambda: {"num_bytes": 1 << 20},
+        "kvlab.core.block_pool.BlockPool.get_new_blocks": lambda: {"num_blocks": 2},
+        "kvlab.core.block_pool.BlockPool.evict_blocks": lambda: {"block_ids": []},
+        "kvlab.core.block_pool.BlockPool.get_cached_block": lambda: {"block_hash": none},
+        "kvlab.core.cache_stats.EvictionCounter.missed": lambda: {"block_hashes": [none]},
+        "kvlab.core.cache_stats.interpret_hit_rate": lambda: {"hit_rate": 0.5, "workload_shares_prefixes": True},
+        "kvlab.core.hashing.generate_block_hash_extra_keys": lambda: {"request": Request("r", list(range(8))),
+                                                                      "start_token_idx": 0, "end_token_idx": 4},
+        "kvlab.core.hashing.get_request_block_hasher": lambda: {"hash_block_size": 4, "caching_hash_fn": sha},
+        "kvlab.core.hashing.hash_block_tokens": lambda: {"hash_function": sha, "parent_block_hash": none,
+                                                         "curr_block_token_ids": [1, 2, 3, 4]},
+        "kvlab.core.hashing.hash_fn_name": lambda: {"hash_fn": sha},
+        "kvlab.core.hashing.hash_token_blocks": lambda: {"token_ids": list(range(8)), "block_size": 4},
+        "kvlab.core.hashing.init_none_hash": lambda: {"hash_fn": sha},
+        "kvlab.core.hashing.none_hash_from_seed": lambda: {"hash_fn": sha, "hash_seed": "0"},
+        "kvlab.core.hashing.resolve_none_hash_seed": lambda: {"hash_fn": sha, "hash_seed": "0"},
+        "kvlab.core.kv_cache_manager.KVCacheManager": lambda: {"num_blocks": 16, "block_size": 4},
+        "kvlab.core.kv_cache_manager.KVCacheManager.allocate_slots": lambda: {"request": Request("r0", list(range(10))),
+                                                                             "num_new_tokens": 10},
+        "kvlab.core.kv_cache_manager.KVCacheManager.cache_blocks": lambda: {"request": Request("r0", list(range(10))),
+                                                                           "num_tokens": 0},
+        "kvlab.core.kv_cache_manager.find_longest_cache_hit": lambda: {
+            "block_hashes": [none], "max_cache_hit_length": 4, "block_size": 4, "get_cached_block": lambda h: None},
+        "kvlab.core.kv_cache_metrics.Histogram": lambda: {"name": "h", "documentation": "d", "buckets": [1.0, 2.0]},
+        "kvlab.core.kv_cache_metrics.Histogram.observe": lambda: {"value": 1.5},
+        "kvlab.core.kv_cache_metrics.Histogram.quantile": lambda: {"q": 0.5},
+        "kvlab.core.kv_cache_metrics.Histogram.histogram_quantile": lambda: {"q": 0.5},
+        "kvlab.core.kv_cache_metrics.KVCacheMetricsCollector.histogram": lambda: {"metric": "lifetime"},
+        "kvlab.core.kv_cache_metrics.diagnose_pool": lambda: {"reuse_gaps": [1.0], "idle_before_evict": [2.0]},
+        "kvlab.core.kv_cache_metrics.metric_name": lambda: {"metric": "lifetime", "unit": "steps"},
+        "kvlab.core.kv_cache_metrics.nearest_rank": lambda: {"values": [1.0, 2.0], "q": 0.5},
+        "kvlab.core.kv_cache_metrics.pool_too_small": lambda: {"reuse_gaps": [1.0], "idle_before_evict": [2.0]},
+        "kvlab.core.kv_cache_metrics.prometheus_float": lambda: {"value": 1.5},
+        "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue": lambda: {"blocks": [KVCacheBlock(i) for i in range(4)]},
+        "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.popleft_n": lambda: {"n": 2},
+        "kvlab.core.kv_cache_utils.FreeKVCacheBlockQueue.peek_n": lambda: {"n": 2},
+        "kvlab.core.kv_cache_utils.KVCacheBlock": lambda: {"block_id": 3},
+        "kvlab.core.kv_cache_utils.KVCacheBlock.set_block_hash": lambda: {"block_hash": none},
+        "kvlab.core.kv_cache_utils.short_hash": lambda: {"block_hash": none},
+        "kvlab.core.kv_offload.CPUOffloadingManager": lambda: {"num_blocks": 4},
+        "kvlab.core.kv_offload.CPUOffloadingManager.lookup": lambda: {"block_hashes": [none]},
+        "kvlab.core.kv_offload.CPUOffloadingManager.touch": lambda: {"block_hashes": []},
+        "kvlab.core.kv_offload.CPUOffloadingManager.prepare_load": lambda: {"block_hashes": []},
+        "kvlab.core.kv_offload.CPUOffloadingManager.complete_load": lambda: {"block_hashes": []},
+        "kvlab.core.kv_offload.CPUOffloadingManager.prepare_store": lambda: {"block_hashes": [none]},
+        "kvlab.core.kv_offload.CPUOffloadingManager.swap_out": lambda: {"request_id": "r0", "num_blocks": 2},
+        "kvlab.core.kv_offload.OffloadingConnector": lambda: {"kv_cache_manager": KVCacheManager(16, 4),
+                                                              "cpu_manager": CPUOffloadingManager(4)},
+        "kvlab.core.request.MultiModalFeatureSpec": lambda: {"identifier": "img",
+                                                             "mm_position": PlaceholderRange(0, 2)},
+        "kvlab.core.request.PlaceholderRange": lambda: {"offset": 0, "length": 2},
+        "kvlab.core.request.Request.append_output_token_ids": lambda: {"token_ids": [5]},
+        "kvlab.core.request.Request.token_ids": lambda: {"start": 0, "end": 4},
+        "kvlab.core.sched.output.SamplingParams.for_sample": lambda: {"index": 1},
+        "kvlab.core.sched.output.child_request_id": lambda: {"parent_id": "p", "index": 1},
+        "kvlab.core.sched.scheduler.Scheduler": lambda: {"kv_cache_manager": KVCacheManager(16, 4)},
+        "kvlab.core.sched.loop.run_until_done": lambda: {"scheduler": _scheduler()},
+        "kvlab.core.sched.loop.step": lambda: {"scheduler": _scheduler(), "executor": _executor()},
+        "kvlab.core.sched.scheduler.Scheduler.finish_requests": lambda: {"request_ids": [], "finished_status":
+                                                                        _aborted()},
+        "kvlab.core.sequence.BlockContents": lambda: {"num_blocks": 4, "block_size": 4},
+        "kvlab.core.sequence.BlockContents.clear": lambda: {"block_id": 1},
+        "kvlab.core.sequence.BlockContents.copy": lambda: {"src_block_id": 1, "dst_block_id": 2},
+        "kvlab.core.sequence.BlockContents.read": lambda: {"block_id": 1},
+        "kvlab.core.sequence.BlockContents.write": lambda: {"block_id": 1, "slot": 0, "token_id": 7},
+        "kvlab.core.sequence.Sequence.append": lambda: {"token_id": 7},
+        "kvlab.core.sequence.Sequence.extend": lambda: {"token_ids": [7, 8]},
+        "kvlab.core.sequence.compute_slot_mapping": lambda: {"block_table": [1, 2], "block_size": 4,
+                                                            "positions": [0, 5]},
+        "kvlab.sim.block_scenarios.Op": lambda: {"kind": "append", "seq": "a", "tokens": (1,)},
+        "kvlab.sim.block_scenarios.Scenario": lambda: {"name": "s", "description": "d", "num_blocks": 4,
+                                                       "block_size": 4, "ops": (Op("append", "a", (1,)),)},
+        "kvlab.sim.block_scenarios.get_scenario": lambda: {"name": "random workload"},
+        "kvlab.sim.block_scenarios.record": lambda: {"scenario": get_scenario("random workload")},
+        "kvlab.sim.block_scenarios.step_at": lambda: {"scenario": get_scenario("random workload"), "index": 1},
+        "kvlab.sim.collisions.count_distinct_hashes": lambda: {"hash_fn": sha, "parent_block_hash": none,
+                                                               "blocks": [(1, 2), (3, 4)]},
+        "kvlab.sim.collisions.find_block_collision": lambda: {"hash_fn": sweep_truncated(), "block_size": 2,
+                                                              "parent_block_hash": none},
+        "kvlab.sim.fragmentation.reservation": lambda: {"final_len": 100, "policy": "max",
+                                                        "max_model_len": 2048},
+        "kvlab.sim.fragmentation.simulate": lambda: {"requests": [[10, 5], [20, 8]], "pool_tokens": 4096,
+                                                     "max_model_len": 2048, "policy": "paged"},
+        "kvlab.sim.fragmentation_fast.FirstFit": lambda: {"size": 64},
+        "kvlab.sim.fragmentation_fast.FirstFit.allocate": lambda: {"length": 8},
+        "kvlab.sim.fragmentation_fast.FirstFit.release": lambda: {"start": 0, "length": 0},
+        "kvlab.sim.lifecycle.Event": lambda: {"kind": "arrive", "request": "a"},
+        "kvlab.sim.lifecycle.lifecycle_step_at": lambda: {"index": 1},
+        "kvlab.sim.prefix_sim.SimRequest": lambda: {"request_id": "a", "prompt_token_ids": (1, 2, 3),
+                                                    "output_token_ids": (4,)},
+        "kvlab.sim.prefix_sim.min_num_blocks": lambda: {"requests": shared_prompt_workload(4), "block_size": 16},
+        "kvlab.sim.prefix_sim.simulate": lambda: {"requests": shared_prompt_workload(4), "num_blocks": 64},
+        "kvlab.sim.prefix_sim.sweep_pool_sizes": lambda: {"requests": shared_prompt_workload(4),
+                                                          "pool_sizes": [64]},
+        "kvlab.sim.sharing.parallel_sampling_saving": lambda: {"requests": [[40, 12]], "n": 4},
+        "kvlab.sim.workloads.summarize": lambda: {"requests": [[10, 5], [20, 8]]},
+        "kvlab.sim.workloads.validate_requests": lambda: {"requests": [[10, 5], [20, 8]]},
+        "kvlab.sim.workloads.workload_stats": lambda: {"name": "alpaca"},
+        "kvlab.sim.serving_sim.simulate_chat": lambda: {"num_gpu_blocks": 64},
+        "kvlab.sim.prefix_sim.admit": lambda: {"manager": KVCacheManager(16, 4), "request": Request("r", [1, 2, 3])},
+        "kvlab.sim.hash_cost.measure_hash_cost": lambda: {"number": 5, "repeat": 1, "block_sizes": (16,),
+                                                          "hash_fn_names": ("sha256",)},
+    }
+
+
+def _startup_lines() -> list[str]:
+    from kvlab.capacity.budget import plan_preset
+
+    return plan_preset("A").startup_log()
+
+
+def sweep_truncated() -> Any:
+    from kvlab.sim.collisions import truncated_hash
+
+    return truncated_hash("sha256", 8)
+
+
+def _scheduler() -> Any:
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.sched.output import GenerationRequest
+    from kvlab.core.sched.scheduler import Scheduler
+
+    scheduler = Scheduler(KVCacheManager(16, 4))
+    scheduler.add_request(GenerationRequest("g", [1, 2, 3]))
+    return scheduler
+
+
+def _executor() -> Any:
+    from kvlab.core.sched.loop import NoComputeExecutor
+
+    return NoComputeExecutor()
+
+
+def _aborted() -> Any:
+    from kvlab.core.request import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED
+
+
+# Parameters whose meaning allows what the generic probes call wrong.
+RULES: dict[str, dict[str, Any]] = {
+    "kvlab.capacity.budget.num_gpu_blocks:available_bytes": {"signed": True},
+    "kvlab.core.kv_cache_utils.KVCacheBlock:block_id": {"signed": True},  # the free queue's sentinels are -1
+    "kvlab.core.kv_cache_metrics.Histogram:documentation": {"free_text": True},
+    "kvlab.sim.block_scenarios.Op:seq": {"free_text": True},  # a sequence's name
+    "kvlab.sim.lifecycle.Event:request": {"free_text": True},  # a request's name
+    "kvlab.sim.prefix_sim.SimRequest:after": {"free_text": True},  # another request's id
+    "kvlab.capacity.models.resolve_model:parameter": {"free_text": True},  # the caller's parameter name
+    "kvlab.units.format_bytes:num_bytes": {"signed": True},  # a difference of sizes prints too
+    "kvlab.units.cdiv:a": {"signed": True},  # vLLM's cdiv takes any integer numerator
+}
+# A kvlab error may name the parameter by the name the caller knows it under.
+ALSO_NAMED: dict[str, tuple[str, ...]] = {}
+
+
+@pytest.fixture(scope="module")
+def result() -> sweep.SweepResult:
+    return sweep.run_sweep(_overrides(), RULES, SKIP, ALSO_NAMED)
+
+
+def _report(probes: list[sweep.Probe]) -> str:
+    return "\n".join(f"{p.target}({p.parameter}={p.value}): {p.outcome} {p.detail}" for p in probes[:60])
+
+
+def test_every_public_callable_has_a_working_call(result: sweep.SweepResult) -> None:
+    """A callable without a working baseline is not swept at all: each needs a sample or an override."""
+    assert not result.baselines_failed, "\n".join(f"{k}: {v}" for k, v in sorted(result.baselines_failed.items()))
+
+
+def test_the_sweep_is_large(result: sweep.SweepResult) -> None:
+    counts = collections.Counter(p.outcome for p in result.probes)
+    print(f"input sweep: {len(result.probes)} calls, {dict(counts)}")
+    assert len(result.probes) >= 1000
+
+
+def test_no_generic_error_leaks(result: sweep.SweepResult) -> None:
+    assert not result.of("generic"), _report(result.of("generic"))
+
+
+def test_no_wrong_input_is_accepted_silently(result: sweep.SweepResult) -> None:
+    assert not result.of("silent"), _report(result.of("silent"))
+
+
+def test_no_call_hangs(result: sweep.SweepResult) -> None:
+    assert not result.of("hang"), _report(result.of("hang"))
+
+
+def test_every_refusal_names_the_parameter(result: sweep.SweepResult) -> None:
+    assert not result.of("unnamed"), _report(result.of("unnamed"))
