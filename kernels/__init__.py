@@ -17,6 +17,9 @@
 * ``check_kernel(fn)``: a learner's attention function against the reference on packaged batches,
   with the worst (sequence, query token, head) per batch (``verify.py``; the batches: ``batches.py``);
   ``kvlab.kernels.mutants`` holds broken copies of the kernels to try it on.
+* ``cuda_thread_layout(head_size, block_size, dtype_bytes)``: how vLLM's older hand-written CUDA
+  kernel divides one (sequence, head) among warps, thread groups and lanes, and
+  ``compare_work_division`` against this package's Triton kernel (``legacy_layout.py``).
 * ``backend()``: ``"triton-cuda"``, ``"triton-interpreter"`` or ``"torch-reference"``; choose one with
   ``KVLAB_KERNEL_BACKEND=cuda|interpreter|torch`` before importing this package. ``default_device()``
   is where that backend wants its tensors: ``"cuda"`` for native Triton, ``"cpu"`` otherwise.
@@ -51,6 +54,7 @@ from kvlab.kernels.checks import AttentionBatch, check_attention, check_cache_wr
 from kvlab.kernels.fp8 import E4M3_MAX, calibrated_scale, dequantize_fp8, quantize_fp8
 from kvlab.kernels.grid import KernelConfig, LaunchPlan, choose_config, choose_num_kv_splits, plan_launch
 from kvlab.kernels.layouts import from_legacy_layout, legacy_x, to_legacy_layout
+from kvlab.kernels.legacy_layout import CudaThreadLayout, WorkDivision, compare_work_division, cuda_thread_layout
 from kvlab.kernels.mla_checks import MLADecodeBatch, check_concat_and_cache_mla, check_mla_decode
 from kvlab.kernels.mla_reference import concat_and_cache_mla_ref, mla_decode_ref
 from kvlab.kernels.reference import (
@@ -176,10 +180,12 @@ __all__ = [
     "TRITON_INTERPRETER",
     "AttentionBatch",
     "BatchSpec",
+    "CudaThreadLayout",
     "KernelConfig",
     "KernelReport",
     "LaunchPlan",
     "MLADecodeBatch",
+    "WorkDivision",
     "backend",
     "calibrated_scale",
     "check_attention",
@@ -190,9 +196,11 @@ __all__ = [
     "check_mla_decode",
     "choose_config",
     "choose_num_kv_splits",
+    "compare_work_division",
     "compute_slot_mapping",
     "concat_and_cache_mla",
     "concat_and_cache_mla_ref",
+    "cuda_thread_layout",
     "dequantize_fp8",
     "default_device",
     "describe_backend",

@@ -29,7 +29,7 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 03  core.kv_cache_utils                 ``KVCacheBlock``, ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``)
 03  core.block_pool                     ``BlockPool``, ``BlockHashToBlockMap`` (``vllm/v1/core/block_pool.py``)
 03  core.sequence, sim.block_scenarios  block tables, slot mapping, fork and copy-on-write (the paper's, and
-                                        ``vllm/v1/worker/block_table.py``)
+    (+ sim.block_narration)             ``vllm/v1/worker/block_table.py``); the stepper's sentences
 04  core.hashing                        ``hash_block_tokens``, ``NONE_HASH`` (``kv_cache_utils.py``,
                                         ``vllm/utils/hashing.py``)
 04  core.request                        ``Request`` (``vllm/v1/request.py``)
@@ -43,6 +43,8 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 05  kernels (attention, cache_write)    ``triton_unified_attention.py``, ``reshape_and_cache_flash``
                                         (``vllm/v1/attention/ops/``); the sliding window as ``triton_attn.py`` passes it
 05  kernels.verify, batches, mutants    kvlab's own: ``check_kernel``, a bench for a learner's kernel, and broken copies
+05  kernels.layouts, legacy_layout    vLLM's older 5-D K layout and the legacy CUDA kernel's warps and thread groups
+                                        (``csrc/attention/attention_kernels.cuh``, before the Triton backends)
 06  engine.hard_paths                   kvlab's own: the comparison with transformers where kernel bugs live
 06  core.sched.output                   ``SchedulerOutput`` (``vllm/v1/core/sched/output.py``), ``SamplingParams``
 06  core.sched.config                   ``SchedulerConfig`` (``vllm/config/scheduler.py``)

@@ -91,6 +91,7 @@ def one_of(name: str, value: object, allowed: Iterable[str]) -> str:
 F = TypeVar("F", bound=Callable[..., Any])
 # The most Python objects (blocks, requests, tokens, repeats) one kvlab call builds: about a GiB on a laptop.
 MAX_OBJECTS = 10**7
+INT64 = 2**63
 Check = Callable[[object], bool]
 
 _CONTAINERS: dict[Any, tuple[type, str]] = {
@@ -120,11 +121,13 @@ def _number_check(kind: str, signed: bool) -> tuple[Check, str]:
     is_int = kind == "int"
 
     def check(value: object) -> bool:
-        ok = _is_int(value) if is_int else _is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
-        return ok and (signed or value >= 0)  # type: ignore[operator]
+        if is_int:  # every count ends up in a numpy or torch int64 somewhere
+            return _is_int(value) and (-INT64 if signed else 0) <= value < INT64  # type: ignore[operator]
+        return _is_real(value) and math.isfinite(value) and (signed or value >= 0)  # type: ignore[arg-type, operator]
 
-    what = "an integer" if kind == "int" else "a finite number"
-    return check, what if signed else f"{what} >= 0"
+    if is_int:
+        return check, "an integer below 2**63" if signed else "an integer >= 0 (below 2**63)"
+    return check, "a finite number" if signed else "a finite number >= 0"
 
 
 def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
@@ -160,8 +163,7 @@ def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
     if base is abc.Hashable:
         return (lambda v: v is not None and isinstance(v, abc.Hashable)), "a hashable value (not None)"
     if base in _CONTAINERS:
-        kind, text = _CONTAINERS[base]
-        return (lambda v: isinstance(v, kind) and not isinstance(v, str)), text
+        return _container_checker(base, typing.get_args(annotation), signed)
     if base is abc.Callable:
         return callable, "a callable"
     if inspect.isclass(base) and getattr(base, "_is_protocol", False):
@@ -172,6 +174,45 @@ def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
         owner = "kvlab " if base.__module__.startswith("kvlab") else ""
         return (lambda v: isinstance(v, base)), f"a {owner}{base.__name__}"
     return None
+
+
+def _container_checker(base: Any, args: tuple[Any, ...], signed: bool) -> tuple[Check, str]:
+    """A container and, where it holds its items already (not a one-shot iterator), each item's type."""
+    kind, text = _CONTAINERS[base]
+    if base in (abc.Mapping, dict) and len(args) == 2:
+        keys, values = _checker(args[0], signed), _checker(args[1], signed)
+        key_ok = keys[0] if keys else (lambda k: True)
+        value_ok = values[0] if values else (lambda v: True)
+        what = f"{text} of {keys[1] if keys else 'keys'} to {values[1] if values else 'values'}"
+        return (lambda v: isinstance(v, kind) and all(key_ok(k) and value_ok(x) for k, x in v.items())), what
+    if base is tuple and args and args[-1] is not Ellipsis:  # a fixed-length tuple
+        parts = [_checker(arg, signed) for arg in args]
+        checks = [part[0] if part else (lambda x: True) for part in parts]
+        what = f"a tuple of {len(args)} ({', '.join(part[1] if part else 'any' for part in parts)})"
+        return (lambda v: isinstance(v, tuple) and len(v) == len(checks)
+                and all(c(x) for c, x in zip(checks, v, strict=True))), what
+    item = _checker(args[0], signed) if args else None
+    if item is None:
+        return (lambda v: isinstance(v, kind) and not isinstance(v, str)), text
+    item_ok, item_what = item
+
+    def check(v: object) -> bool:
+        if not isinstance(v, kind) or isinstance(v, (str, bytes)):
+            return False
+        if isinstance(v, abc.Iterator):  # a generator: its items cannot be looked at without using them up
+            return True
+        return all(item_ok(x) for x in v)  # type: ignore[attr-defined]
+
+    return check, f"{text} of {_plural(item_what)}"
+
+
+def _plural(what: str) -> str:
+    """``an integer >= 0`` -> ``integers >= 0``: the item description after "a list of"."""
+    for article in ("an ", "a "):
+        if what.startswith(article):
+            head, _, rest = what[len(article):].partition(" ")
+            return (head + "s " + rest).strip() if not head.endswith("s") else what[len(article):]
+    return what
 
 
 def _resolve(func: Callable[..., Any]) -> dict[str, Any]:

@@ -344,20 +344,38 @@ def _caller(target: Target, instances: Callable[[], Any] | None) -> Callable[...
     return lambda **kw: getattr(instances(), target.func.__name__)(**kw)
 
 
-def run_sweep(overrides: dict[str, Callable[[], dict[str, Any]]], rules: dict[str, dict[str, Any]],
-              skip: dict[str, str], also_named: dict[str, tuple[str, ...]]) -> SweepResult:
-    """Build every target's baseline, then probe each parameter with each wrong value."""
+@dataclass(frozen=True)
+class Prepared:
+    """A target whose baseline call works: how to call it and how to build its working arguments afresh."""
+
+    target: Target
+    call: Callable[..., Any]
+    make_kwargs: Callable[[], dict[str, Any]]
+
+    def probe(self, parameter: str, value: Any) -> Callable[[], Any]:
+        """A thunk calling the target with the baseline, ``parameter`` changed to ``value``."""
+        def thunk() -> Any:
+            kwargs = self.make_kwargs()
+            kwargs[parameter] = value
+            return self.call(**kwargs)
+        return thunk
+
+
+def prepare(overrides: dict[str, Callable[[], dict[str, Any]]], skip: dict[str, str],
+            failed: dict[str, str] | None = None) -> list[Prepared]:
+    """Every target whose baseline call works; the others go to ``failed`` with the reason."""
     import torch  # noqa: F401 - imported once up front, so no alarm lands inside its import
 
+    failed = {} if failed is None else failed
     samples = _samples()
-    result = SweepResult(skipped=dict(skip))
     class_kwargs: dict[str, Callable[[], dict[str, Any]]] = {}
+    out: list[Prepared] = []
     for target in targets(skip):
         instances = None
         if target.owner is not None:
             owner_name = target.name.rsplit(".", 1)[0]
             if owner_name not in class_kwargs:
-                result.baselines_failed.setdefault(target.name, "its class has no baseline")
+                failed.setdefault(target.name, "its class has no baseline")
                 continue
             make = class_kwargs[owner_name]
             owner = target.owner
@@ -371,24 +389,33 @@ def run_sweep(overrides: dict[str, Callable[[], dict[str, Any]]], rules: dict[st
         try:
             call_with_alarm(lambda call=call, make_kwargs=make_kwargs: call(**make_kwargs()))
         except (Exception, _Timeout) as exc:  # noqa: BLE001
-            result.baselines_failed[target.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            failed[target.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
             continue
         if inspect.isclass(target.func):
             class_kwargs[target.name] = make_kwargs
-        for p in target.params:
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                continue
+        out.append(Prepared(target, call, make_kwargs))
+    return out
+
+
+def probed_parameters(prepared: Prepared) -> list[inspect.Parameter]:
+    """The parameters a probe may change: named ones the baseline can be built around."""
+    return [p for p in prepared.target.params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def run_sweep(overrides: dict[str, Callable[[], dict[str, Any]]], rules: dict[str, dict[str, Any]],
+              skip: dict[str, str], also_named: dict[str, tuple[str, ...]]) -> SweepResult:
+    """Build every target's baseline, then probe each parameter with each wrong value."""
+    result = SweepResult(skipped=dict(skip))
+    for prepared in prepare(overrides, skip, result.baselines_failed):
+        target = prepared.target
+        for p in probed_parameters(prepared):
             try:
-                baseline = make_kwargs().get(p.name, p.default)
+                baseline = prepared.make_kwargs().get(p.name, p.default)
             except LookupError:
                 continue
             for label, value, must in wrong_values(p.name, p.annotation, baseline,
                                                    _rules(target.name, p.name, rules)):
-                def thunk(p: inspect.Parameter = p, value: Any = value, call: Any = call,
-                          make_kwargs: Any = make_kwargs) -> Any:
-                    kwargs = make_kwargs()
-                    kwargs[p.name] = value
-                    return call(**kwargs)
-                outcome, detail = classify(target, p.name, thunk, must, also_named.get(f"{target.name}:{p.name}", ()))
+                outcome, detail = classify(target, p.name, prepared.probe(p.name, value), must,
+                                           also_named.get(f"{target.name}:{p.name}", ()))
                 result.probes.append(Probe(target.name, p.name, label, outcome, detail))
     return result

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from typing import Any
 
 import _api_sweep as sweep
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 RESULT = "an output record kvlab builds and returns; learners read it, never construct it"
 LIVE = ("takes blocks, requests or step outputs that must come from the same live object (a pool's own blocks, "
@@ -84,7 +87,8 @@ SKIP: dict[str, str] = {
         "kvlab.core.sched.loop.NoComputeExecutor.execute_model",
         "kvlab.core.sched.scheduler.Scheduler.fail_step", "kvlab.core.sched.scheduler.Scheduler.make_stats",
         "kvlab.core.sched.scheduler.Scheduler.update_from_output",
-        "kvlab.sim.block_scenarios.describe", "kvlab.sim.block_scenarios.pool_snapshot",
+        "kvlab.sim.block_narration.describe", "kvlab.sim.block_narration.opening",
+        "kvlab.sim.block_scenarios.pool_snapshot",
         "kvlab.sim.block_scenarios.snapshot",
         *(f"kvlab.core.{owner}.on_block_{event}"
           for owner in ("cache_stats.EvictionCounter", "kv_cache_metrics.KVCacheMetricsCollector",
@@ -182,9 +186,9 @@ def _overrides() -> dict[str, Any]:
         "kvlab.capacity.cost_model.CostModel.swap_or_recompute": lambda: {"computed_tokens": 100, "hit_tokens": 50},
         "kvlab.capacity.cost_model.CostModel.swap_seconds": lambda: {"computed_tokens": 100},
         "kvlab.capacity.cost_model.CostModel.ttft": lambda: {"prompt_tokens": 100, "reused_tokens": 50, "where": "gpu"},
-        "kvlab.capacity.hardware.get_gpu": lambda: {"name": "H100-SXM-80GB"},
-        "kvlab.capacity.hardware.get_host": lambda: {"name": "DGX-H100"},
-        "kvlab.capacity.hardware.get_link": lambda: {"name": "PCIe 5.0 x16"},
+        "kvlab.capacity.hardware.get_gpu": lambda: {"gpu": "H100-SXM-80GB"},
+        "kvlab.capacity.hardware.get_host": lambda: {"host": "DGX-H100"},
+        "kvlab.capacity.hardware.get_link": lambda: {"link": "PCIe 5.0 x16"},
         "kvlab.capacity.mla.MLADims": lambda: {"num_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
                                                "qk_rope_head_dim": 64, "v_head_dim": 128},
         "kvlab.capacity.mla.absorb_crossover": lambda: {"model": get_model("deepseek-v3"), "context_len": 4096},
@@ -394,3 +398,77 @@ def test_no_call_hangs(result: sweep.SweepResult) -> None:
 
 def test_every_refusal_names_the_parameter(result: sweep.SweepResult) -> None:
     assert not result.of("unnamed"), _report(result.of("unnamed"))
+
+
+# The issue's own examples of wrong input accepted silently: values of the right type that break a rule.
+def _spec(**changes: Any) -> Any:
+    from kvlab.capacity.models import ModelSpec
+
+    fields = {"name": "x", "num_layers": 2, "num_attention_heads": 4, "num_kv_heads": 4, "head_dim": 64,
+              "attention": "mha", **changes}
+    return ModelSpec(**fields)
+
+
+def _transfer(transfers: list[tuple[int, int]]) -> None:
+    import torch
+
+    from kvlab.engine.kv_offload import transfer_blocks
+
+    k, v = torch.zeros(4, 2, 1, 2), torch.zeros(4, 2, 1, 2)  # [num_blocks, block_size, num_kv_heads, head_size]
+    transfer_blocks([(k, v)], [(k.clone(), v.clone())], transfers)
+
+
+@pytest.mark.parametrize(("call", "named"), [
+    (lambda: _spec(num_kv_heads=8), "num_kv_heads=8"),                          # 8 KV heads for 4 query heads
+    (lambda: _spec(num_kv_heads=2), "attention='mha'"),                          # "mha" with grouped heads
+    (lambda: _spec(num_kv_heads=3), "num_kv_heads=3"),                           # a group size that does not divide
+    (lambda: _spec(attention="mqa", num_kv_heads=2), "attention='mqa'"),
+    (lambda: _spec(layer_types=("bogus", "full_attention")), "layer_types"),
+    (lambda: _transfer([(-1, 0)]), "transfers[0]"),                              # source -1 would copy the last block
+    (lambda: _transfer([(0, 4)]), "transfers[0]"),
+], ids=["kv>q", "mha-grouped", "kv-not-divisor", "mqa-two", "layer-type", "transfer-negative", "transfer-past-end"])
+def test_values_that_break_a_rule_are_refused_by_name(call: Any, named: str) -> None:
+    from kvlab.errors import KvlabValueError
+
+    with pytest.raises(KvlabValueError, match=re.escape(named)):
+        call()
+
+
+def test_a_negative_vocab_size_in_config_json_is_refused(tmp_path: Any) -> None:
+    import json
+
+    from kvlab.data import DATA_DIR
+    from kvlab.engine.config import DecoderConfig
+    from kvlab.errors import CheckpointError
+
+    config = json.loads((DATA_DIR / "tiny-pydoc-llama" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": -128256}))
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        DecoderConfig.from_pretrained(tmp_path)
+
+
+# Beyond the fixed probes: hypothesis draws a callable, one of its parameters and a value of any shape.
+# A random value may be valid, so only what is never right is checked: no generic error, no hang, and a
+# refusal names the parameter.
+ANY_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8), st.binary(max_size=8),
+    st.lists(st.integers(min_value=-3, max_value=40), max_size=5), st.tuples(st.integers(), st.text(max_size=3)),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+@pytest.fixture(scope="module")
+def prepared() -> list[sweep.Prepared]:
+    return [p for p in sweep.prepare(_overrides(), SKIP) if sweep.probed_parameters(p)]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_values_never_leak_a_generic_error(prepared: list[sweep.Prepared], data: st.DataObject) -> None:
+    target = data.draw(st.sampled_from(prepared), label="callable")
+    parameter = data.draw(st.sampled_from(sweep.probed_parameters(target)), label="parameter").name
+    value = data.draw(ANY_VALUE, label="value")
+    outcome, detail = sweep.classify(target.target, parameter, target.probe(parameter, value), must_refuse=False,
+                                     also_named=ALSO_NAMED.get(f"{target.target.name}:{parameter}", ()))
+    assert outcome in ("ok", "accepted"), f"{target.target.name}({parameter}={value!r}): {outcome} {detail}"

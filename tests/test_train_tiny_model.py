@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab.data import TINY_MODEL_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_tiny_model.py"
-MODEL_DIR = ROOT / "data" / "tiny-pydoc-llama"
+MODEL_DIR = TINY_MODEL_DIR                      # data/tiny-pydoc-llama
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                     "tokenizer_config.json", "recipe.json", "README.md")
 
@@ -116,3 +118,11 @@ def test_kvlab_and_transformers_generate_the_same_greedy_text(script, recipe_jso
     assert kvlab_tokens == hf_tokens
     # a trained page is recalled: asked about the "for" statement, it starts with that page's title
     assert tokenizer.decode(kvlab_tokens[0]).startswith('The "for" statement')
+
+
+def test_kvlab_names_the_checkpoint_and_the_system_prompt_it_was_trained_with(script):
+    from kvlab.data import TINY_MODEL_SYSTEM_PROMPT, chat_prompt
+
+    assert TINY_MODEL_DIR.resolve() == script.DEFAULT_OUT.resolve()
+    assert TINY_MODEL_SYSTEM_PROMPT == script.SYSTEM_PROMPT
+    assert script.chat_text("Q?", "A.").startswith(chat_prompt("Q?"))      # the prompt is the turn up to its answer

@@ -49,7 +49,6 @@ SOURCE_REVISION_BLOCK_SIZE = 64
 EXTENSIBLE_KV_CACHE_UTILIZATION = 1.0
 
 
-@checked(signed=("available_bytes", "num_usable_blocks", "usable_tokens"))  # over budget: negative
 @dataclasses.dataclass(frozen=True)
 class KVCachePlan:
     """One GPU's KV cache budget, in bytes, blocks and requests (all memory figures per GPU).
@@ -161,7 +160,8 @@ def _resolve_model(model: ModelSpec | str) -> ModelSpec:
     return resolve_model(model)
 
 
-@checked
+@checked(at_most=dict.fromkeys(("gpu_memory_gib", "weights_gib", "non_kv_peak_gib", "cudagraph_gib",
+                                "kv_cache_memory_gib"), 2**20))  # a mebi-GiB: a PiB per GPU is past any GPU
 def plan_kv_cache(
     model: ModelSpec | str,
     *,

@@ -183,9 +183,9 @@ def list_gpus() -> list[str]:
 
 
 @checked
-def get_gpu(name: str | GPUSpec) -> GPUSpec:
-    """The GPU called ``name`` (see ``list_gpus()``); a ``GPUSpec`` is returned as it is."""
-    return _find("gpu", name, _gpus(), GPUSpec)  # type: ignore[arg-type, return-value]
+def get_gpu(gpu: str | GPUSpec) -> GPUSpec:
+    """The GPU called ``gpu`` (see ``list_gpus()``); a ``GPUSpec`` is returned as it is."""
+    return _find("gpu", gpu, _gpus(), GPUSpec)  # type: ignore[arg-type, return-value]
 
 
 @checked
@@ -195,9 +195,9 @@ def list_links() -> list[str]:
 
 
 @checked
-def get_link(name: str | LinkSpec) -> LinkSpec:
-    """The link called ``name`` (see ``list_links()``); a ``LinkSpec`` is returned as it is."""
-    return _find("link", name, _links(), LinkSpec)  # type: ignore[arg-type, return-value]
+def get_link(link: str | LinkSpec) -> LinkSpec:
+    """The link called ``link`` (see ``list_links()``); a ``LinkSpec`` is returned as it is."""
+    return _find("link", link, _links(), LinkSpec)  # type: ignore[arg-type, return-value]
 
 
 @checked
@@ -207,6 +207,6 @@ def list_hosts() -> list[str]:
 
 
 @checked
-def get_host(name: str | HostSpec) -> HostSpec:
-    """The server called ``name`` (see ``list_hosts()``); a ``HostSpec`` is returned as it is."""
-    return _find("host", name, _hosts(), HostSpec)  # type: ignore[arg-type, return-value]
+def get_host(host: str | HostSpec) -> HostSpec:
+    """The server called ``host`` (see ``list_hosts()``); a ``HostSpec`` is returned as it is."""
+    return _find("host", host, _hosts(), HostSpec)  # type: ignore[arg-type, return-value]

@@ -88,7 +88,6 @@ def get_kv_cache_groups(specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroupSpec
     return tuple(groups)
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class HybridKVCachePlan:
     """One GPU's KV pool for a model's KV cache groups, with the all-full-attention plan beside it."""

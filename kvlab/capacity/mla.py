@@ -81,7 +81,6 @@ def mla_dims(model: ModelSpec, tp: int = 1) -> MLADims:
                    v_head_dim=cfg["v_head_dim"], q_lora_rank=cfg.get("q_lora_rank"))
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class PathCost:
     """One way of attending: FLOPs, bytes read and bytes written, for one layer and one step."""
@@ -96,7 +95,6 @@ class PathCost:
         return self.flops / (self.bytes_read + self.bytes_written)
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class MLACost:
     """Naive against absorbed for one shape of step."""

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -74,14 +75,33 @@ class ModelSpec:
             raise UnknownNameError("weights_dtype", self.weights_dtype, WEIGHT_DTYPE_BYTES)
         if self.attention not in ("mha", "gqa", "mqa", "mla"):
             raise UnknownNameError("attention", self.attention, ["mha", "gqa", "mqa", "mla"])
+        self._check_heads()
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        for i, kind in enumerate(self.layer_types):
+            if kind not in typing.get_args(LayerType):
+                raise UnknownNameError(f"layer_types[{i}]", kind, typing.get_args(LayerType))
         if len(self.layer_types) != self.num_layers:
             raise KvlabValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}"
             )
         if "sliding_attention" in self.layer_types:
             positive_int("sliding_window", self.sliding_window)
+
+    def _check_heads(self) -> None:
+        """KV heads that fit the query heads and the label: MHA has as many, MQA one, GQA fewer (a divisor)."""
+        q, kv = self.num_attention_heads, self.num_kv_heads
+        if self.attention == "mla":
+            return
+        if kv > q or q % kv:
+            raise KvlabValueError(f"num_kv_heads={kv} must divide num_attention_heads={q} (each KV head serves "
+                                  "a whole group of query heads)")
+        expected = {"mha": kv == q, "mqa": kv == 1, "gqa": 1 <= kv < q}[self.attention]
+        if not expected:
+            rule = {"mha": "as many KV heads as query heads", "mqa": "one KV head",
+                    "gqa": "fewer KV heads than query heads"}[self.attention]
+            raise KvlabValueError(f"attention={self.attention!r} means {rule}; got num_kv_heads={kv} for "
+                                  f"num_attention_heads={q}")
 
     @property
     def kv_factor(self) -> int:
@@ -123,8 +143,11 @@ class ModelSpec:
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            with open(path, encoding="utf-8") as fh:
-                config = json.load(fh)
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    config = json.load(fh)
+            except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
+                raise KvlabValueError(f"config={str(config)!r}: cannot read {path} as JSON ({error})") from error
             name = name or (path.parent.name if path.name == "config.json" else path.stem)
         if not isinstance(config, Mapping):
             raise KvlabValueError(f"config must be a dict or a path to config.json, got {type(config).__name__}")
@@ -321,7 +344,7 @@ def _gpt_oss_layer(cfg: Mapping[str, Any], H: int, nq: int) -> dict[str, int] | 
             "router": L * (experts * H + experts)}
 
 
-@checked
+@checked(at_most={"num_params": 1e15})  # a thousand times the largest model served today
 def params_bytes(num_params: float, weights_dtype: str) -> int:
     """Bytes of ``num_params`` parameters stored as ``weights_dtype``: how a "70B in bf16 is 130 GiB" is counted.
 

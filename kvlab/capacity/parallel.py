@@ -32,7 +32,6 @@ Layout = Literal["tp", "dp_attention"]
 LAYOUTS: tuple[Layout, ...] = ("tp", "dp_attention")
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
     """One deployment of ``num_gpus`` GPUs in one layout: each GPU's plan, and what the deployment holds."""
@@ -82,7 +81,7 @@ def weights_bytes_per_gpu(model: ModelSpec, layout: Layout, num_gpus: int, weigh
     return params_bytes(total - routed, dtype) + params_bytes(routed, dtype) // num_gpus
 
 
-@checked
+@checked(at_most={"gpu_memory_gib": 2**20, "weights_gib": 2**20})  # past any GPU
 def plan_parallel(model: ModelSpec | str, layout: Layout, *, num_gpus: int, gpu_memory_gib: float, max_model_len: int,
                   kv_dtype: str = "bf16", block_size: int = DEFAULT_BLOCK_SIZE, weights_gib: float | None = None,
                   gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> ParallelPlan:

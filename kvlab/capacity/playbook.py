@@ -162,7 +162,6 @@ def concurrency_at(num_usable_blocks: int, block_size: int, tokens: int, shared_
 # ----------------------------------------------------------------- the decision flow
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The source material's decision flow: a band of the logged concurrency and what to try, in order."""
@@ -212,7 +211,6 @@ def fp8_kv_verdict(max_concurrency: float) -> Literal["not needed", "cheapest do
 # ----------------------------------------------------------------- levers
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class LeverResult:
     """One lever applied to a deployment: the new settings and plan, what it buys, and what it costs."""
@@ -351,7 +349,6 @@ def _typical(plan: KVCachePlan, workload: Workload) -> int:
 # ----------------------------------------------------------------- the whole answer
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class PlaybookResult:
     """Everything the playbook says about one deployment and workload."""

@@ -174,6 +174,12 @@ def kv_cache_tensors(
     """
     import torch
 
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise KvlabValueError(f"device must be a torch device such as 'meta', 'cpu' or 'cuda', got {device!r}") \
+            from error
+
     name = canonical_kv_dtype(kv_dtype)
     torch_dtypes = {
         "fp32": torch.float32,
@@ -233,6 +239,9 @@ def mean_tail_waste(block_size: int, lengths: Iterable[int] | None = None) -> Fr
     block_size = positive_int("block_size", block_size)
     if lengths is None:
         return Fraction(block_size - 1, 2)
+    lengths = list(lengths)
+    for i, t in enumerate(lengths):
+        positive_int(f"lengths[{i}]", t)
     wastes = [tail_waste(int(t), block_size) for t in lengths]
     if not wastes:
         raise KvlabValueError("lengths must hold at least one request length")

@@ -14,10 +14,10 @@ from typing import Any, Literal
 from kvlab._validate import checked, one_of
 from kvlab.capacity.hardware import GB
 from kvlab.capacity.playbook import Deployment, Workload, plan_deployment
+from kvlab.errors import UnknownNameError
 from kvlab.units import GiB, KiB, format_bytes
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class SourceDeployment:
     """A worked deployment from the source material: its settings, its own figures, and our exact reading."""
@@ -34,7 +34,6 @@ class SourceDeployment:
     notes: tuple[str, ...]
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class SourceArithmetic:
     """The source material's own division, redone exactly in the unit it used."""
@@ -124,7 +123,9 @@ def reproduce(key: str) -> dict[str, Any]:
 def comparison_rows(keys: Sequence[str] = ("a", "b", "c")) -> list[dict[str, Any]]:
     """One row per source deployment: the source's figures beside the exact ones (for the notebook's table)."""
     rows = []
-    for key in keys:
+    for i, key in enumerate(keys):
+        if key not in SOURCE_DEPLOYMENTS:
+            raise UnknownNameError(f"keys[{i}]", key, SOURCE_DEPLOYMENTS)
         r = reproduce(key)
         source, arithmetic, exact = r["source"], r["arithmetic"], r["exact"]
         plan = exact.plan

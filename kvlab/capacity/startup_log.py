@@ -28,7 +28,6 @@ _TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class StartupLog:
     """The numbers a start-up log states."""
@@ -54,7 +53,6 @@ def parse_startup_log(lines: Iterable[str] | str) -> StartupLog:
                       max_concurrency=float(concurrency.group(2)))
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class Reconstruction:
     """A plan that logs what a start-up log says, and what it takes to believe it."""

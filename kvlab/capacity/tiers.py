@@ -41,7 +41,6 @@ class KVTier:
         return self.capacity_bytes // positive_int("num_bytes", num_bytes)
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class TierTable:
     """A server's three tiers for one model, and the per-GPU plan that sized the top one."""

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from kvlab.core.kv_cache_utils import KVCacheBlock
 
 
-@checked
 @dataclasses.dataclass
 class PrefixCacheStats:
     """Token counts of prefix-cache lookups: ``queries`` asked for, ``hits`` found, per kind of request."""

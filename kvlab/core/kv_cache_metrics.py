@@ -63,7 +63,6 @@ def metric_name(metric: str, unit: Unit) -> str:
     return f"vllm:kv_block_{metric}_seconds" if unit == "seconds" else f"kvlab:kv_block_{metric}_steps"
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class Stamp:
     """When something happened: the scheduler step and the clock's seconds."""
@@ -77,7 +76,6 @@ class Stamp:
         return self.step - earlier.step if unit == "steps" else self.seconds - earlier.seconds
 
 
-@checked
 class BlockMetricsState:
     """One sampled block's life so far: when it was allocated, last accessed, and its last four hits."""
 
@@ -292,7 +290,6 @@ class KVCacheMetricsCollector:
                              self.histogram("idle_before_evict", unit).values, unit)
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class PoolDiagnosis:
     """The block-lifetime diagnostic: p90 of reuse gaps against the median idle time before eviction."""

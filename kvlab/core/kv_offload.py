@@ -111,7 +111,7 @@ class CPUOffloadingManager:
         """The cpu block ids of ``block_hashes``, protected from eviction until ``complete_load``."""
         missing = [h for h in block_hashes if h not in self._lru]
         if missing:
-            raise BlockStateError(f"cannot load {len(missing)} block(s) the CPU tier does not hold")
+            raise BlockStateError(f"block_hashes: cannot load {len(missing)} block(s) the CPU tier does not hold")
         self.touch(block_hashes)
         for block_hash in block_hashes:
             self._protected[block_hash] = self._protected.get(block_hash, 0) + 1
@@ -128,7 +128,8 @@ class CPUOffloadingManager:
             counts[block_hash] = counts.get(block_hash, 0) + 1
         for block_hash, count in counts.items():
             if self._protected.get(block_hash, 0) < count:
-                raise BlockStateError("complete_load for a block that was not being loaded; nothing was released")
+                raise BlockStateError("block_hashes: complete_load for a block that was not being loaded; nothing was "
+                                      "released")
         for block_hash, count in counts.items():
             left = self._protected[block_hash] - count
             if left:
@@ -213,7 +214,6 @@ class CPUOffloadingManager:
 # ----------------------------------------------------------------- what one step transfers
 
 
-@checked
 @dataclasses.dataclass
 class KVConnectorMetadata:
     """One step's copies, in the order the executor makes them: stores (GPU to CPU), then loads (CPU to GPU)."""
@@ -222,7 +222,6 @@ class KVConnectorMetadata:
     loads: list[BlockTransfer] = dataclasses.field(default_factory=list)  # (cpu block id, gpu block id)
 
 
-@checked
 @dataclasses.dataclass
 class OffloadStats:
     """What the CPU tier did since start: queries and hits in tokens (vLLM's external prefix-cache
@@ -315,6 +314,10 @@ class OffloadingConnector:
         Counts the lookup (once per admission, like vLLM's prefix-cache counters) and queues the
         loads: from the request's own swap blocks, or from the hashed blocks of the CPU tier.
         """
+        if num_computed_tokens + num_external_tokens > request.num_tokens:
+            raise KvlabValueError(f"num_computed_tokens={num_computed_tokens} + num_external_tokens="
+                                  f"{num_external_tokens} exceed request {request.request_id!r}'s "
+                                  f"{request.num_tokens} tokens")
         swapped = request.request_id in self._swapped_tokens
         if swapped:
             del self._swapped_tokens[request.request_id]

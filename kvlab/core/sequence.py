@@ -115,7 +115,9 @@ def compute_slot_mapping(
     for pos in positions:
         pos = non_negative_int("positions", pos)
         if pos >= limit:
-            raise KvlabValueError(f"positions must lie in [0, {limit}), got {pos}")
+            covered = (f"block_table covers {len(table)} blocks of block_size={block_size}" if num_tokens is None
+                       else f"num_tokens={num_tokens}")
+            raise KvlabValueError(f"positions must lie in [0, {limit}) ({covered}), got {pos}")
         slots.append(table[pos // block_size] * block_size + pos % block_size)
     return slots
 

@@ -6,6 +6,12 @@ Each forward step sees one flat batch of tokens from many requests (vLLM's "varl
 ``seq_lens``, ``query_start_loc``). The layer does two things per step, as vLLM's
 attention backends do: write the new K/V into their slots, then attend over each request's
 whole cached context.
+
+Which kernels do that is the engine's ``attention_backend`` (``BACKEND_KERNELS``): ``"triton"``
+runs kvlab's Triton kernels (native on a GPU, interpreted on a CPU), ``"torch"`` writes with the
+torch reference and attends with one batched gather plus SDPA (``paged_attention_torch``). Both read
+the same cache through the same block tables and slot mappings; ``Attention.forward`` is the one
+place the choice is made.
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ import dataclasses
 import torch
 
 from kvlab import kernels
+
+#: attention_backend -> (cache write, attention), names on ``kvlab.kernels``, looked up at each call
+#: (so a test that swaps a kernel there reaches the engine). The torch write is the reference: the
+#: interpreted Triton write costs milliseconds per layer and step on a CPU, the torch one microseconds.
+BACKEND_KERNELS: dict[str, tuple[str, str]] = {
+    "triton": ("reshape_and_cache", "paged_attention"),
+    "torch": ("reshape_and_cache_ref", "paged_attention_torch"),
+}
 
 
 @dataclasses.dataclass
@@ -51,6 +65,7 @@ class Attention(torch.nn.Module):
     ``sliding_window`` W (a sliding-window layer): the query at position q sees keys q - W + 1 .. q,
     and the kernel skips the tiles before that, which is why the block table may hold the null
     block there (the blocks that slid out, freed by ``SlidingWindowManager``).
+    ``attention_backend`` names the kernels (``BACKEND_KERNELS``; the torch ones ignore both knobs).
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
@@ -62,6 +77,7 @@ class Attention(torch.nn.Module):
         self.v_scale = 1.0
         self.kernel_config: kernels.KernelConfig | None = None  # None: the kernel chooses per step
         self.decode_kv_splits: int | None = None  # None: the kernel chooses (on a CPU: 1)
+        self.attention_backend = "triton"  # set by ModelRunner from EngineConfig.attention_backend
 
     def forward(
         self,
@@ -73,10 +89,10 @@ class Attention(torch.nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         key_cache, value_cache = kv_cache
         decode_only = query.shape[0] == attn_metadata.num_seqs  # one token per request (no device sync needed)
-        kernels.reshape_and_cache(
-            key, value, key_cache, value_cache, attn_metadata.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale
-        )
-        return kernels.paged_attention(
+        write, attend = (getattr(kernels, name) for name in BACKEND_KERNELS[self.attention_backend])
+        write(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
+              k_scale=self.k_scale, v_scale=self.v_scale)
+        return attend(
             query,
             key_cache,
             value_cache,

@@ -8,6 +8,16 @@ checkpoint's config (its ``config.json``, read by its family: ``DecoderConfig`` 
 ``kvlab.engine.registry``) and the scheduler's ``SchedulerConfig``.
 ``max_model_len`` is checked against the checkpoint as vLLM's ``_get_and_verify_max_len``
 (``vllm/config/model.py``) checks it.
+
+``attention_backend`` plays vLLM's ``--attention-backend`` (``EngineArgs.attention_backend`` ->
+``AttentionConfig.backend``, names from ``AttentionBackendEnum`` in
+``vllm/v1/attention/backends/registry.py``; 0.33.0 has no ``VLLM_ATTENTION_BACKEND`` variable any
+more). Left unset, vLLM's platform picks by hardware (``get_attn_backend`` in
+``vllm/v1/attention/selector.py`` asks the platform): ``TRITON_ATTN`` among the GPU choices, and on
+a CPU always ``CPU_ATTN``, ignoring any other request. kvlab mirrors the choice with two names:
+``"triton"`` (kvlab's Triton kernels, ``TRITON_ATTN``'s role) by default where they compile
+natively, ``"torch"`` (gather + SDPA, in ``CPU_ATTN``'s role but not its C++ kernel) by default on
+a CPU; unlike vLLM, kvlab lets a CPU engine ask for ``"triton"``, which runs through the interpreter.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.flo
 DEFAULT_MAX_MODEL_LEN = 2048
 #: Rotary variants whose ``max_position_embeddings`` already counts the scaling, so vLLM does not
 #: multiply it by ``factor`` (``_get_and_verify_max_len``); for any other type it does.
+#: attention_backend names (``kvlab.engine.attention.BACKEND_KERNELS`` says which kernels each calls).
+ATTENTION_BACKENDS = ("triton", "torch")
 PRESCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
@@ -43,7 +55,7 @@ def engine_device(device: str | torch.device | None = None) -> torch.device:
     """
     try:
         chosen = torch.device(kernels.default_device() if device is None else device)
-    except (RuntimeError, TypeError) as error:
+    except (RuntimeError, TypeError, ValueError, UnicodeError) as error:
         raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from error
     if chosen.type not in ("cpu", "cuda"):
         raise KvlabValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
@@ -51,6 +63,11 @@ def engine_device(device: str | torch.device | None = None) -> torch.device:
         raise KvlabValueError(f"device={device!r} needs a CUDA device, and torch sees none here: use 'cpu'")
     kernels.check_kernel_device(kernels.backend(), chosen)
     return chosen
+
+
+def default_attention_backend() -> str:
+    """``"triton"`` where kvlab's Triton kernels compile natively (``triton-cuda``), else ``"torch"``."""
+    return "triton" if kernels.backend() == kernels.TRITON_CUDA else "torch"
 
 
 def derived_max_model_len(model_config: ModelConfig) -> int | None:
@@ -96,7 +113,7 @@ class EngineConfig:
 
     Give ``num_gpu_blocks`` or ``kv_cache_memory_gib``, not both; with neither the pool holds
     ``max_num_seqs`` requests of ``max_model_len`` tokens, capped by memory (``LLMEngine``).
-    After validation ``device`` is a ``torch.device``, ``max_model_len`` an int, and
+    After validation ``device`` is a ``torch.device``, ``max_model_len`` an int, ``attention_backend`` a name, and
     ``model_config`` / ``scheduler_config`` hold the checkpoint's and the scheduler's configs.
     """
 
@@ -116,6 +133,7 @@ class EngineConfig:
     keep_logits: bool = False                       # kvlab: keep each sampled row of logits
     disable_hybrid_kv_cache_manager: bool = False   # SchedulerConfig.disable_hybrid_kv_cache_manager
     device: Any = None                              # DeviceConfig.device: "cpu", "cuda", or where the kernels run
+    attention_backend: str | None = None            # AttentionConfig.backend: "triton", "torch", None: by hardware
     model_config: ModelConfig = dataclasses.field(init=False, repr=False)
     scheduler_config: SchedulerConfig = dataclasses.field(init=False, repr=False)
 
@@ -153,6 +171,8 @@ class EngineConfig:
         if not isinstance(self.model_dir, (str, os.PathLike)):
             raise KvlabValueError(f"model_dir must be a path to a checkpoint folder, got {self.model_dir!r}")
         object.__setattr__(self, "model_dir", Path(self.model_dir))
+        object.__setattr__(self, "attention_backend", default_attention_backend() if self.attention_backend is None
+                           else one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS))
         one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         positive_int("block_size", self.block_size)
         if self.num_gpu_blocks is not None and self.kv_cache_memory_gib is not None:

@@ -1,9 +1,11 @@
 """Checking kvlab's engine against transformers, and measuring it: greedy references, agreement, throughput.
 
 ``hf_greedy`` is the reference every comparison uses: transformers' own ``generate`` with
-``do_sample=False`` and its regular contiguous cache. ``measure_throughput`` times kvlab's
-engine and transformers on the same prompts and profiles where kvlab's time goes, so the
-notebook can say what dominates rather than guess.
+``do_sample=False`` and its regular contiguous cache. ``kernel_timer`` says how much of a run
+is spent inside the kernels, and ``measure_throughput`` times one batch of prompts through
+kvlab and through transformers with the kernels profiled (the MLA tests use it). Throughput
+against concurrency, the lesson of notebook 06 (``Workload``, ``run_kvlab``, ``run_hf_serial``,
+``run_hf_static``), lives in ``kvlab.engine.throughput``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from kvlab import kernels
+from kvlab.engine.attention import BACKEND_KERNELS
 
 #: The kernel entry points ``kernel_timer`` times (the K/V pair and MLA's pair), as ``kvlab.kernels`` names them.
 KERNEL_CALLS = ("reshape_and_cache", "paged_attention", "concat_and_cache_mla", "mla_decode")
@@ -47,15 +50,18 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def kernel_timer() -> Iterator[dict[str, list[float]]]:
-    """Time every call of the kernels inside the block: ``reshape_and_cache`` and ``paged_attention``, and
-    for an MLA model ``concat_and_cache_mla`` and ``mla_decode``.
+    """Time every call of the kernels inside the block: ``seconds[name]``, one entry per call.
+
+    The names are ``KERNEL_CALLS`` (the Triton K/V pair and MLA's pair) and the torch backend's
+    ``reshape_and_cache_ref`` / ``paged_attention_torch`` (``kvlab.engine.attention.BACKEND_KERNELS``).
 
     The engine's attention layer looks the kernels up on ``kvlab.kernels`` at each call, so
     wrapping them there for the duration of the block sees every launch, at the cost of two
     clock reads per call (a profiler would slow the interpreter's Python down many times over).
     On a GPU, launches return before the kernel ends, so each call is synchronised on both sides.
     """
-    seconds: dict[str, list[float]] = {name: [] for name in KERNEL_CALLS}
+    names = dict.fromkeys([*KERNEL_CALLS, *(name for pair in BACKEND_KERNELS.values() for name in pair)])
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     originals = {name: getattr(kernels, name) for name in seconds}
     on_gpu = kernels.backend() == kernels.TRITON_CUDA
 

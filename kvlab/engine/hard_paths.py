@@ -84,8 +84,9 @@ def compare_hard_paths(model_dir: str | os.PathLike, hf_model: Any, *, prompt_le
     """Serve ``prompt_lens`` random prompts through kvlab's engine on the hard paths; compare with transformers.
 
     The default budget of 44 tokens cuts a 150-token prompt at 44, 88 and 132: inside tiles of 16
-    and blocks of 16. The engine runs on the kernels ``kvlab.kernels.paged_attention`` names at
-    each call, so the comparison also judges a kernel swapped in by ``kernels.mutants.using_kernels``.
+    and blocks of 16. The engine runs the Triton kernels (``attention_backend="triton"``: on a CPU
+    through the interpreter), looked up on ``kvlab.kernels`` at each call, so the comparison also
+    judges a kernel swapped in by ``kernels.mutants.using_kernels``.
     ``config`` defaults to ``HARD_PATH_CONFIG``, or ``MLA_HARD_PATH_CONFIG`` for an MLA checkpoint, whose
     decode kernel (``kvlab.kernels.mla_decode``) then reads 16 latents per tile, split in two.
     """
@@ -93,7 +94,8 @@ def compare_hard_paths(model_dir: str | os.PathLike, hf_model: Any, *, prompt_le
 
     prompts = [random_token_ids(n, seed=seed + i) for i, n in enumerate(prompt_lens)]
     engine = LLMEngine(model_dir, num_gpu_blocks=1 + sum(cdiv(n + max_tokens, block_size) for n in prompt_lens),
-                       block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+                       block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                       attention_backend="triton")
     if config is None:
         mla = any(isinstance(s, MLAAttentionSpec) for s in engine.kv_cache_specs)
         config = MLA_HARD_PATH_CONFIG if mla else HARD_PATH_CONFIG

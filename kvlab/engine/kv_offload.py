@@ -15,6 +15,7 @@ import torch
 from kvlab._validate import positive_int
 from kvlab.core.kv_offload import BlockTransfer, KVConnectorMetadata, OffloadingConnector
 from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
+from kvlab.errors import KvlabValueError
 
 
 def transfer_blocks(src_caches: Sequence[KVCache], dst_caches: Sequence[KVCache],
@@ -23,6 +24,11 @@ def transfer_blocks(src_caches: Sequence[KVCache], dst_caches: Sequence[KVCache]
     to another (``swap_blocks``)."""
     if not transfers:
         return
+    num_src, num_dst = layer_tensors(src_caches[0])[0].shape[0], layer_tensors(dst_caches[0])[0].shape[0]
+    for i, (s, d) in enumerate(transfers):
+        if not (0 <= s < num_src and 0 <= d < num_dst):
+            raise KvlabValueError(f"transfers[{i}] = ({s}, {d}): a source block must be in [0, {num_src}) and a "
+                                  f"destination block in [0, {num_dst})")
     src = torch.tensor([s for s, _ in transfers], dtype=torch.int64, device=layer_tensors(src_caches[0])[0].device)
     dst = torch.tensor([d for _, d in transfers], dtype=torch.int64, device=layer_tensors(dst_caches[0])[0].device)
     for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):

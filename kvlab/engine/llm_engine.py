@@ -64,7 +64,8 @@ class LLMEngine:
     ``kv_cache_dtype="fp8"`` stores K and V as float8 e4m3 with scale 1.0 (vLLM's default)
     and the kernels dequantize on load. The model and the cache live on ``device``: by default
     the GPU where the kernels run natively, else the CPU (``kernels.default_device()``); a CPU
-    engine plans with this machine's RAM in place of GPU memory.
+    engine plans with this machine's RAM in place of GPU memory. ``attention_backend``: the attention
+    kernels, ``"triton"`` or ``"torch"`` (gather + SDPA), by default chosen by hardware (``EngineConfig``).
 
     ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.core.kv_offload``;
     vLLM sizes its tier in GiB with ``kv_offloading_size``): blocks the pool evicts are copied
@@ -118,7 +119,8 @@ class LLMEngine:
                                    connector=self.connector)
         # 9. Executor: the model runner, behind the CPU tier's copies when there is one.
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits,
-                                        layer_groups=layer_groups(self.kv_cache_groups)[0])
+                                        layer_groups=layer_groups(self.kv_cache_groups)[0],
+                                        attention_backend=config.attention_backend)
         self.executor = (self.model_runner if self.connector is None else
                          OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
         # What the engine has served: metrics, per-step history, and each request's tokens and end.

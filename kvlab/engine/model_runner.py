@@ -98,13 +98,16 @@ class ModelRunner:
     Both may be set on a running engine (``engine.model_runner.kernel_config = ...``); they are
     handed to every paged attention layer of the model (``Attention``, or ``MLAAttention``, whose
     decode kernel serves one query token per sequence: its ``kernel_config`` has ``block_q`` 1 and
-    ``block_m`` heads per program). ``layer_groups[i]`` is the KV cache group of layer ``i`` (a
-    hybrid model's: each layer reads its group's block tables); by default one group.
+    ``block_m`` heads per program). ``attention_backend`` (which kernels an ``Attention`` layer calls:
+    ``kvlab.engine.attention.BACKEND_KERNELS``) is handed to the ``Attention`` layers; MLA keeps its
+    own kernels. ``layer_groups[i]`` is the KV cache group of layer ``i`` (a hybrid model's: each layer
+    reads its group's block tables); by default one group.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], block_size: int,
                  keep_logits: bool = False, kernel_config: kernels.KernelConfig | None = None,
-                 decode_kv_splits: int | None = None, layer_groups: Sequence[int] | None = None) -> None:
+                 decode_kv_splits: int | None = None, layer_groups: Sequence[int] | None = None,
+                 attention_backend: str = "triton") -> None:
         self.model = model
         self.layer_groups = None if layer_groups is None else tuple(layer_groups)
         self.kv_caches = kv_caches
@@ -115,6 +118,10 @@ class ModelRunner:
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.kernel_config = kernel_config
         self.decode_kv_splits = decode_kv_splits
+        for layer in self._attention_layers():
+            if isinstance(layer, Attention):  # MLA layers keep their own kernels (kvlab.kernels.mla_decode)
+                layer.attention_backend = attention_backend
+        self.attention_backend = attention_backend
 
     @property
     def kernel_config(self) -> kernels.KernelConfig | None:

@@ -41,7 +41,6 @@ def truncated_hash(hash_fn_name: str = "sha256", bits: int = 16) -> HashFn:
     return weak_hash
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class BlockCollision:
     """Two different blocks with the same hash after the same parent, and every block tried on the way."""

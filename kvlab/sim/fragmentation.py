@@ -62,7 +62,6 @@ POLICIES = ("max", "pow2", "oracle", "paged")
 CATEGORIES = ("used", "reserved", "internal", "external", "free")
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class FragmentationResult:
     """Where the pool's slots went, averaged over the steps in which a request was waiting.

@@ -20,7 +20,6 @@ import numpy as np
 from kvlab._validate import checked, positive_int
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class SlotSteps:
     """What a run counted, before it is turned into shares: slot-steps per category over the measured steps."""

@@ -22,7 +22,6 @@ from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 GROUP_NAMES = ("sliding window", "full attention")
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class HitWalkthrough:
     """What each group holds of A's prompt, what each kind accepts alone, and the agreed hit."""

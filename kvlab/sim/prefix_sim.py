@@ -127,10 +127,10 @@ def admit(manager: KVCacheManager, request: Request, num_lookahead_tokens: int =
 def min_num_blocks(requests: list[SimRequest], block_size: int, reserve_null_block: bool = True) -> int:
     """The smallest pool in which the largest request fits on its own (null block included)."""
     block_size = positive_int("block_size", block_size)
+    _check_workload(requests)
     return max(cdiv(r.num_slots, block_size) for r in requests) + (1 if reserve_null_block else 0)
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class SimResult:
     """What a run measured. Tokens are prompt tokens; a hit is a prompt token not prefilled."""
@@ -232,6 +232,11 @@ def _decode_step(manager: KVCacheManager, running: list[tuple[SimRequest, Reques
 @checked
 def sweep_pool_sizes(requests: list[SimRequest], pool_sizes: list[int], **kwargs: object) -> list[SimResult]:
     """``simulate`` once per pool size (same workload, same settings)."""
+    smallest = min_num_blocks(requests, int(kwargs.get("block_size", 16)))  # type: ignore[call-overload]
+    for i, n in enumerate(pool_sizes):
+        if n < smallest:
+            raise KvlabValueError(f"pool_sizes[{i}]={n} is too small: the largest request needs {smallest} blocks "
+                                  "(null block included)")
     return [simulate(requests, n, **kwargs) for n in pool_sizes]  # type: ignore[arg-type]
 
 

@@ -56,7 +56,6 @@ class ChatWorkload:
         return self.system_len + self.turns * self.user_len + (self.turns - 1) * self.reply_len
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class ChatRun:
     """What a simulated run counted (tokens are prompt tokens unless named otherwise)."""

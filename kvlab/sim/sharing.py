@@ -25,7 +25,6 @@ from kvlab.sim.workloads import validate_requests
 from kvlab.units import cdiv
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class SharingResult:
     """Block-steps held by ``n`` samples per request, shared and unshared, over every request's decode."""

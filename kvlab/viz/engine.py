@@ -4,7 +4,8 @@
 with the preemptions marked, running and waiting requests, and the tokens of each step split
 into prefill and decode. ``ServingPanel`` replays a seeded shared-system-prompt workload
 through the real scheduler and ``KVCacheManager`` with the no-compute executor, so the pool
-size and token budget can be dragged and the consequences seen at once.
+size and token budget can be dragged and the consequences seen at once. ``figure_throughput``
+and ``throughput_table`` show ``benchmarks/bench_throughput.py``'s saved measurement.
 """
 
 from __future__ import annotations
@@ -64,6 +65,44 @@ def figure_compare_runs(runs: dict[str, dict[str, float]], title: str) -> go.Fig
     fig.update_layout(title="<br>".join(lines), height=360 + 20 * len(lines), margin=dict(t=70 + 20 * len(lines), b=40),
                       bargap=0.3)
     fig.update_xaxes(showticklabels=False)
+    return fig
+
+
+THROUGHPUT_SYSTEMS = {"kvlab": ("kvlab engine (torch backend)", "#1d4ed8"),
+                      "static_batch": ("transformers, padded static batch", "#f59e0b"),
+                      "one_at_a_time": ("transformers, one at a time", "#b42318")}
+
+
+def throughput_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One flat row per concurrency: tokens/s (wall, CPU), time per output token and peak KV tokens per system."""
+    table = []
+    for r in rows:
+        row: dict[str, Any] = {"concurrency": r["concurrency"]}
+        for system in THROUGHPUT_SYSTEMS:
+            m = r[system]
+            row |= {f"{system} tok/s": round(m["tokens_per_s"]), f"{system} tok/cpu-s": round(m["tokens_per_cpu_s"]),
+                    f"{system} tpot ms": round(m["tpot_ms"], 1)}
+        row |= {"kvlab peak KV tokens": r["kvlab"]["peak_kv_tokens"],
+                "static peak KV tokens": r["static_batch"]["peak_kv_tokens"]}
+        table.append(row)
+    return table
+
+
+def figure_throughput(rows: Sequence[dict[str, Any]], title: str) -> go.Figure:
+    """Tokens per second (wall, and per CPU-second dashed) against concurrent requests, one line per system."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("output tokens per second", "time per output token (ms)"))
+    x = [r["concurrency"] for r in rows]
+    for system, (label, colour) in THROUGHPUT_SYSTEMS.items():
+        fig.add_scatter(x=x, y=[r[system]["tokens_per_s"] for r in rows], name=f"{label}, wall", mode="lines+markers",
+                        line=dict(color=colour), row=1, col=1)
+        fig.add_scatter(x=x, y=[r[system]["tokens_per_cpu_s"] for r in rows], name=f"{label}, per CPU-second",
+                        mode="lines", line=dict(color=colour, dash="dot"), row=1, col=1)
+        fig.add_scatter(x=x, y=[r[system]["tpot_ms"] for r in rows], name=label, mode="lines+markers",
+                        line=dict(color=colour), showlegend=False, row=1, col=2)
+    lines = wrap(title, 700, 16)
+    fig.update_layout(title="<br>".join(lines), height=440 + 20 * len(lines),
+                      margin=dict(t=70 + 20 * len(lines), b=120), legend=dict(orientation="h", y=-0.25, x=0))
+    fig.update_xaxes(type="log", dtick=0.30103, title_text="concurrent requests")
     return fig
 
 

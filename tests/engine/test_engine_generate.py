@@ -3,7 +3,8 @@
 Every scenario that moves KV around (batches, prefix hits, chunked prefill, preemption,
 forks with copy-on-write) must leave the greedy tokens unchanged. The first tests prove the
 comparison has teeth: the tiny model's tokens do depend on its context, so a cache that lost
-or mixed up context would be caught. The Triton interpreter is slow: prompts are short.
+or mixed up context would be caught. The engine runs its default attention backend (on a CPU the
+torch path; ``test_engine_attention_backend`` shows the Triton kernels give the same tokens). Prompts are short.
 """
 
 import dataclasses

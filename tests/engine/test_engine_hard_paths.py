@@ -57,7 +57,7 @@ def test_the_runner_knobs_reach_the_kernel(tiny_llama_dir):
         calls.append((kwargs["config"], kwargs["num_kv_splits"], int(args[5][1:].sub(args[5][:-1]).max())))
         return paged_attention(*args, **kwargs)
 
-    engine = LLMEngine(tiny_llama_dir, num_gpu_blocks=16)
+    engine = LLMEngine(tiny_llama_dir, num_gpu_blocks=16, attention_backend="triton")
     config = KernelConfig(block_q=8, block_m=16, tile_n=16)
     engine.model_runner.kernel_config = config
     engine.model_runner.decode_kv_splits = 3

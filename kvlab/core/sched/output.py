@@ -128,7 +128,6 @@ class GenerationRequest(Request):
         return FINISH_REASONS.get(self.status)
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step: the tokens to compute, where they sit, and whether to sample.
@@ -163,7 +162,6 @@ class ScheduledRequest:
         return self.num_tokens > 1 or self.num_computed_tokens == 0
 
 
-@checked
 @dataclasses.dataclass
 class SchedulerOutput:
     """What one step computes: requests in batch order, their token counts, and block copies first."""
@@ -195,7 +193,6 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens - self.num_prefill_tokens
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class ModelRunnerOutput:
     """The tokens an executor sampled, by request id (prefill chunks that do not finish sample none).
@@ -208,7 +205,6 @@ class ModelRunnerOutput:
     errors: dict[str, BaseException] = dataclasses.field(default_factory=dict)
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: its new token, and whether (and why) it finished.
@@ -223,7 +219,6 @@ class RequestOutput:
     error: BaseException | None = None
 
 
-@checked
 @dataclasses.dataclass(frozen=True)
 class SchedulerStats:
     """The numbers vLLM exports after a step, plus the step's token mix (one row of the history)."""
