@@ -6,6 +6,8 @@
 #   make html                   execute every notebook into a static copy in build/html/ (NB=01 for one)
 #   make gpu-wheels             wheels for a GPU machine without PyPI, for scripts/gpu_check.sh (CONTRIBUTING.md)
 #   make test-vllm              kvlab's allocator side by side with the real vLLM 0.33.0 (tests/vllm/, a second venv)
+#   make test-mutants           the mutation suite: each hand-written bug applied alone to a copy of kvlab, the
+#                               notebooks and tests run on it (MUTANTS_ARGS="--only no_rescale", "--list", "--jobs 1")
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= 2.13.0
@@ -29,6 +31,8 @@ VLLM_LIGHT ?= msgspec aiohttp oss-harmony openai pillow pybase64 cachetools clou
 	"fastapi<0.137" partial-json-parser "llguidance<1.8"
 VLLM_NO_DEPS ?= xgrammar==0.2.8 apache-tvm-ffi
 VLLM_ARGS ?=
+# make test-mutants: arguments for scripts/mutation.py (--only NAME..., --list, --jobs N, --baseline, --keep).
+MUTANTS_ARGS ?=
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -40,7 +44,7 @@ QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 # The stamp is keyed on pyproject.toml and the torch choice: a second run installs nothing.
 STAMP := $(VENV)/.kvlab-$(shell cat pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)-torch$(TORCH)
 
-.PHONY: venv lab test test-solutions test-long test-vllm bench lint strip clean-venv present html gpu-wheels
+.PHONY: venv lab test test-solutions test-long test-vllm test-mutants bench lint strip clean-venv present html gpu-wheels
 
 venv: $(STAMP)
 
@@ -88,6 +92,9 @@ $(VLLM_STAMP): $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	@if [ ! -x $(VPY) ]; then echo "SKIPPED: vllm==$(VLLM_VERSION) is not installed (see the warning above)"; \
 	else $(VPY) -m pytest tests/vllm -p no:cacheprovider $(VLLM_ARGS); fi
+
+test-mutants: $(STAMP)
+	$(BIN)/python scripts/mutation.py $(MUTANTS_ARGS)
 
 test-solutions: $(STAMP)
 	$(BIN)/python -m pytest tests/test_notebook_solutions.py --solutions $(PYTEST_ARGS)

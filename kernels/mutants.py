@@ -1,8 +1,9 @@
 """Broken copies of the kernels, on purpose: one plausible bug each, to show what catches it.
 
-A *mutant* is a single-line change to ``kernels/attention.py`` or ``kernels/cache_write.py`` of
-the kind a learner (or a maintainer) could write: forgetting the online-softmax rescale, a causal
-mask off by one, the wrong query head for a packed row, and so on. ``load_mutant(name)`` writes
+A *mutant* is a single-line change to one kernel file (``kernels/attention.py``,
+``cache_write.py``, ``mla_decode.py`` or ``mla_cache_write.py``) of the kind a learner (or a
+maintainer) could write: forgetting the online-softmax rescale, a causal mask off by one, the
+wrong query head for a packed row, a sliding window one key too wide, and so on. ``load_mutant(name)`` writes
 the changed source to a scratch file and imports it as a module of its own, so the real kernels
 stay untouched; its ``paged_attention_triton`` has ``paged_attention``'s signature, ready for
 ``check_kernel`` or for ``using_kernels`` (which makes the engine call it). ``load_kernel_file``
@@ -26,7 +27,10 @@ from types import ModuleType
 
 from kvlab.errors import KernelInputError, UnknownNameError
 
-KERNEL_DIR = Path(__file__).parent
+#: Where mutants read the kernel sources: this folder, or ``$KVLAB_KERNEL_SOURCES`` when set. The mutation
+#: suite (``scripts/mutation.py``) runs the tests on a scratch copy whose kernel may itself be a mutant; it
+#: points this at the unchanged sources, so that a mutant shown by a test is always one change from them.
+KERNEL_DIR = Path(os.environ.get("KVLAB_KERNEL_SOURCES") or Path(__file__).parent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +38,7 @@ class Mutant:
     """One bug: ``original`` (exactly one line or expression of ``kernels/<module>.py``) becomes ``mutated``."""
 
     name: str
-    module: str           # "attention" or "cache_write"
+    module: str           # the file under kernels/: "attention", "cache_write", "mla_decode", "mla_cache_write"
     original: str
     mutated: str
     bug: str              # what the broken kernel believes, in a learner's words
@@ -83,6 +87,18 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            "offset = slot % BLOCK_SIZE",
            "offset = (slot + 1) % BLOCK_SIZE",
            "offsets inside a block count from 1"),
+    Mutant("window_off_by_one", "attention",
+           "visible = visible & (q_abs[:, None] - key_pos[None, :] < SLIDING_WINDOW)",
+           "visible = visible & (q_abs[:, None] - key_pos[None, :] <= SLIDING_WINDOW)",
+           "a window of W keys reaches W keys back from the query, so it holds W + 1"),
+    Mutant("mla_rope_dropped", "mla_decode",
+           "scores = (dot(q_lat, tl.trans(c_kv)) + dot(q_pe, tl.trans(k_pe))) * scale",
+           "scores = dot(q_lat, tl.trans(c_kv)) * scale",
+           "after absorption the latent part is the whole score; the rope part can be left out"),
+    Mutant("mla_latent_write_offset", "mla_cache_write",
+           "tl.store(dst + KV_LORA_RANK + rope,",
+           "tl.store(dst + rope,",
+           "k_pe goes at the start of its slot (over c_kv), not after the kv_lora_rank latent values"),
 ]}
 
 

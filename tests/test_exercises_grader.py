@@ -94,6 +94,13 @@ def test_numpy_scalars_become_python_values_but_a_float_is_not_an_int():
     assert difference(0.1 + 0.2, 0.3) is None and difference(float("nan"), float("nan")) is None
 
 
+def test_a_float_must_agree_to_one_part_in_a_billion_not_roughly():
+    # the documented tolerance: rounding noise passes, an answer a little off (0.1 %, 10 ppm) does not
+    assert difference(147.2, 147.2 * (1 + 1e-10)) is None and difference(1.0, 1.0 + 1e-13) is None
+    assert difference(147.2, 147.2 * 1.001) is not None and difference(147.2, 147.2 * (1 + 1e-5)) is not None
+    assert difference([2.0, 3.0], [2.0, 3.003]) == "the result[1] is 3.003, expected 3.0"
+
+
 def test_what_the_grader_cannot_compare_is_named():
     with pytest.raises(NotComparable, match="generator"):
         canonical(x for x in [1])

@@ -103,3 +103,16 @@ def test_the_plan_says_which_tiles_each_split_walks_and_some_splits_get_none():
     assert plan.tile_ranges(0) == [range(0, 3), range(3, 6), range(6, 9)]      # 130 latents: 9 tiles of 16
     assert plan.tile_ranges(1) == [range(0, 1), range(1, 2), range(2, 3)]
     assert plan.tile_ranges(2) == [range(0, 1), range(1, 1), range(1, 1)]      # one tile; two empty splits
+
+
+def test_the_mutant_that_drops_the_rope_part_of_the_score_is_caught():
+    # kvlab.kernels.mutants' mla_rope_dropped scores q_latent · c_kv alone: the position part of every score is lost
+    from kvlab.kernels import mutants
+
+    batch = mla_batch([17, 40], block_size=16)
+    assert_decode_matches(batch)
+    q_latent, q_pe, kv_cache, block_table, seq_lens, seed = batch
+    broken = mutants.load_mutant("mla_rope_dropped").mla_decode_triton(
+        q_latent, q_pe, kv_cache, block_table, seq_lens, scale=SCALE)
+    ref = mla_decode_ref(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=SCALE)
+    assert relative_error(broken, ref) > 100 * TOLERANCE[q_latent.dtype], f"seed {seed}"

@@ -73,3 +73,18 @@ def test_fp8_writes_store_x_over_scale_bit_identical_to_torch():
     concat_and_cache_mla(kv_c, k_pe, cache, torch.arange(12, device=DEVICE), k_scale=0.5)
     expected = quantize_fp8(torch.cat([kv_c, k_pe], dim=-1), 0.5)
     assert torch.equal(cache.flatten(0, 1)[:12].view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_the_mutant_that_writes_k_pe_over_c_kv_is_caught():
+    # kvlab.kernels.mutants' mla_latent_write_offset stores k_pe at the slot's start: c_kv's head is overwritten,
+    # the rope part left unwritten (NaN)
+    from kvlab.kernels import mutants
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    kv_c, k_pe = latents(3, g)
+    slots = torch.tensor([5, 0, 17], device=DEVICE)
+    broken, reference = nan_cache(3, 8), nan_cache(3, 8)
+    mutants.load_mutant("mla_latent_write_offset").concat_and_cache_mla_triton(kv_c, k_pe, broken, slots)
+    concat_and_cache_mla_ref(kv_c, k_pe, reference, slots)
+    assert torch.equal(broken[0, 5, :ROPE], k_pe[0]) and broken[0, 5, RANK:].isnan().all()
+    assert not torch.equal(broken.nan_to_num(), reference.nan_to_num())

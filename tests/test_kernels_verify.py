@@ -24,6 +24,7 @@ CAUGHT_BY = {
     "tile_to_block": "tile spans 4 blocks",
     "merge_weights": "split-KV, 3 splits",
     "fp8_scale_direction": "FP8 cache",
+    "window_off_by_one": "window inside a block",
 }
 
 
