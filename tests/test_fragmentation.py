@@ -168,7 +168,7 @@ def test_bad_input_is_named():
         simulate([(10, 10)], **{**ok, "policy": "buddy"})
     with pytest.raises(KvlabValueError, match="prompt_len and output_len"):
         simulate([(0, 10)], **ok)
-    with pytest.raises(KvlabValueError, match="pairs"):
+    with pytest.raises(KvlabValueError, match=r"requests\[0\] must be a sequence"):
         simulate([1, 2, 3], **ok)
     with pytest.raises(KvlabValueError, match="at least one"):
         simulate([], **ok)
