@@ -42,6 +42,7 @@ def measure_hash_cost(
     for i, name in enumerate(hash_fn_names):
         one_of(f"hash_fn_names[{i}]", name, HASH_FUNCTIONS)
     rng = random.Random(seed)
+    hash_once = hash_block_tokens.__wrapped__  # the hashing itself, without kvlab's argument check
     rows = []
     for block_size in block_sizes:
         block_size = positive_int("block_size", block_size)
@@ -52,7 +53,7 @@ def measure_hash_cost(
             for _ in range(repeat):
                 start = time.perf_counter()
                 for parent, tokens in inputs:
-                    hash_block_tokens(fn, parent, tokens)
+                    hash_once(fn, parent, tokens)
                 best = min(best, time.perf_counter() - start)
             rows.append({"hash_fn": name, "block_size": block_size, "seconds_per_block": best / number})
         if include_digest_only:
