@@ -100,7 +100,7 @@ _CONTAINERS: dict[Any, tuple[type, str]] = {
     abc.Mapping: (abc.Mapping, "a mapping"),
     abc.Collection: (abc.Collection, "a collection"),
     list: (list, "a list"),
-    tuple: (tuple, "a tuple"),
+    tuple: (abc.Sequence, "a tuple"),  # or a list: classes turn a list into their tuple
     dict: (dict, "a dict"),
     set: (set, "a set"),
     frozenset: (frozenset, "a frozenset"),
@@ -194,8 +194,8 @@ def _container_checker(base: Any, args: tuple[Any, ...], signed: bool) -> tuple[
         parts = [_checker(arg, signed) for arg in args]
         checks = [part[0] if part else (lambda x: True) for part in parts]
         what = f"a tuple of {len(args)} ({', '.join(part[1] if part else 'any' for part in parts)})"
-        return (lambda v: isinstance(v, tuple) and len(v) == len(checks)
-                and all(c(x) for c, x in zip(checks, v, strict=True))), what
+        return (lambda v: isinstance(v, abc.Sequence) and not isinstance(v, (str, bytes))
+                and len(v) == len(checks) and all(c(x) for c, x in zip(checks, v, strict=True))), what
     item = _checker(args[0], signed) if args else None
     if item is None:
         return (lambda v: isinstance(v, kind) and not isinstance(v, str)), text
