@@ -372,19 +372,8 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
     if not isinstance(causal, bool):
         raise KernelInputError(f"causal must be True or False, got {causal!r}")
     window = check_sliding_window(sliding_window, causal)
-    if num_kv_splits is not None and (
-        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral) or num_kv_splits < 1
-    ):
-        raise KernelInputError(f"num_kv_splits must be a positive integer or None (choose), got {num_kv_splits!r}")
-    if out is not None:
-        check_ndim("out", out, 3, "[num_tokens, num_q_heads, head_size]")
-        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-            raise KernelInputError(
-                f"out must match query: shape {tuple(query.shape)}, {_name(query.dtype)} on {query.device}; got "
-                f"{tuple(out.shape)}, {_name(out.dtype)} on {out.device}"
-            )
-        if out.stride(-1) != 1:
-            raise KernelInputError("out must be contiguous in its last dimension (stride 1)")
+    check_num_kv_splits(num_kv_splits)
+    check_out(out, "query", query, "[num_tokens, num_q_heads, head_size]")
     ks, vs = check_kv_scales(key_cache.dtype, k_scale, v_scale)
     return AttentionBatch(
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -392,3 +381,25 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
         fp8=key_cache.dtype == FP8_DTYPE, scale=float(scale), k_scale=ks, v_scale=vs, causal=causal,
         sliding_window=window,
     )
+
+
+def check_num_kv_splits(num_kv_splits: object) -> None:
+    """``num_kv_splits``: a positive integer, or None to let the kernel choose."""
+    if num_kv_splits is not None and (
+        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral) or num_kv_splits < 1
+    ):
+        raise KernelInputError(f"num_kv_splits must be a positive integer or None (choose), got {num_kv_splits!r}")
+
+
+def check_out(out: torch.Tensor | None, like_name: str, like: torch.Tensor, layout: str) -> None:
+    """An ``out`` tensor the kernel writes: the shape, dtype and device of ``like``, unit stride last."""
+    if out is None:
+        return
+    check_ndim("out", out, 3, layout)
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        raise KernelInputError(
+            f"out must match {like_name}: shape {tuple(like.shape)}, {_name(like.dtype)} on {like.device}; got "
+            f"{tuple(out.shape)}, {_name(out.dtype)} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise KernelInputError("out must be contiguous in its last dimension (stride 1)")

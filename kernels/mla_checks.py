@@ -23,6 +23,8 @@ from kvlab.kernels.checks import (
     check_index_tensor,
     check_kv_scales,
     check_ndim,
+    check_num_kv_splits,
+    check_out,
     check_same_device,
     check_slot_mapping,
 )
@@ -163,19 +165,8 @@ def check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale, 
             f"scale must be a finite number > 0 (1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's "
             f"mscale squared where the model uses it), got {scale!r}"
         )
-    if num_kv_splits is not None and (
-        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral) or num_kv_splits < 1
-    ):
-        raise KernelInputError(f"num_kv_splits must be a positive integer or None (choose), got {num_kv_splits!r}")
-    if out is not None:
-        check_ndim("out", out, 3, "[num_seqs, num_heads, kv_lora_rank]")
-        if out.shape != q_latent.shape or out.dtype != q_latent.dtype or out.device != q_latent.device:
-            raise KernelInputError(
-                f"out must match q_latent: shape {tuple(q_latent.shape)}, {_name(q_latent.dtype)} on "
-                f"{q_latent.device}; got {tuple(out.shape)}, {_name(out.dtype)} on {out.device}"
-            )
-        if out.stride(-1) != 1:
-            raise KernelInputError("out must be contiguous in its last dimension (stride 1)")
+    check_num_kv_splits(num_kv_splits)
+    check_out(out, "q_latent", q_latent, "[num_seqs, num_heads, kv_lora_rank]")
     ks, _ = check_kv_scales(kv_cache.dtype, k_scale, 1.0)
     return MLADecodeBatch(num_seqs, num_heads, rank, rope_dim, num_blocks, block_size, tuple(lens),
                           kv_cache.dtype == FP8_DTYPE, float(scale), ks)

@@ -214,17 +214,31 @@ def _container_checker(base: Any, args: tuple[Any, ...], signed: bool) -> tuple[
 
 def _resolve(func: Callable[..., Any]) -> dict[str, Any]:
     """The function's annotations as objects; one that names what only type checkers import is skipped."""
-    raw = getattr(func, "__annotations__", {})
-    namespace = {**_kvlab_classes(), **getattr(func, "__globals__", {})}
+    namespace = getattr(func, "__globals__", {})
     out: dict[str, Any] = {}
-    for name, annotation in raw.items():
-        if isinstance(annotation, str):
-            try:
-                annotation = eval(annotation, namespace)  # noqa: S307 - the module's own annotation text
-            except Exception:  # noqa: BLE001 - a name only imported under TYPE_CHECKING
-                continue
-        out[name] = annotation
+    for name, annotation in getattr(func, "__annotations__", {}).items():
+        resolved = _evaluate(annotation, namespace)
+        if resolved is not _UNRESOLVED:
+            out[name] = resolved
     return out
+
+
+_UNRESOLVED = object()
+
+
+def _evaluate(annotation: Any, namespace: Mapping[str, Any]) -> Any:
+    """An annotation as an object: from its module's names, else from kvlab's classes; ``_UNRESOLVED`` if neither."""
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        return eval(annotation, dict(namespace))  # noqa: S307 - the module's own annotation text
+    except NameError:  # a class only imported under TYPE_CHECKING: kvlab's loaded classes stand in
+        try:
+            return eval(annotation, {**_kvlab_classes(), **namespace})  # noqa: S307
+        except Exception:  # noqa: BLE001
+            return _UNRESOLVED
+    except Exception:  # noqa: BLE001
+        return _UNRESOLVED
 
 
 def _kvlab_classes() -> dict[str, type]:
@@ -370,14 +384,11 @@ def _field_rules(klass: type, signed: tuple[str, ...], skip: tuple[str, ...] = (
     hints: dict[str, Any] = {}
     for base in reversed(klass.__mro__):
         if dataclasses.is_dataclass(base):
-            namespace = {**_kvlab_classes(), **vars(sys.modules[base.__module__])}
+            namespace = vars(sys.modules[base.__module__])
             for name, annotation in vars(base).get("__annotations__", {}).items():
-                if isinstance(annotation, str):
-                    try:
-                        annotation = eval(annotation, namespace)  # noqa: S307 - the module's own annotation
-                    except Exception:  # noqa: BLE001 - a name only type checkers import
-                        continue
-                hints[name] = annotation
+                resolved = _evaluate(annotation, namespace)
+                if resolved is not _UNRESOLVED:
+                    hints[name] = resolved
     rules = []
     for f in dataclasses.fields(klass):
         if f.name in hints and f.name not in skip:

@@ -50,7 +50,7 @@ class Target:
     name: str
     func: Callable[..., Any]
     params: tuple[inspect.Parameter, ...]
-    owner: Callable[[], Any] | None = None  # builds the instance a method is called on
+    owner: type | None = None  # the class a method belongs to (its baseline builds the instance)
 
 
 @dataclass
@@ -149,7 +149,7 @@ def _base(annotation: Any) -> Any:
     return origin if origin is not None else annotation
 
 
-def wrong_values(name: str, annotation: Any, baseline: Any, rules: dict[str, Any]) -> list[tuple[str, Any, bool]]:
+def wrong_values(annotation: Any, rules: dict[str, Any]) -> list[tuple[str, Any, bool]]:
     """Values wrong for ``annotation`` (and for the parameter's meaning), each with whether it MUST be refused.
 
     ``rules`` may say a parameter allows negatives (``signed``), large values (``large_ok``) or free text.
@@ -409,12 +409,7 @@ def run_sweep(overrides: dict[str, Callable[[], dict[str, Any]]], rules: dict[st
     for prepared in prepare(overrides, skip, result.baselines_failed):
         target = prepared.target
         for p in probed_parameters(prepared):
-            try:
-                baseline = prepared.make_kwargs().get(p.name, p.default)
-            except LookupError:
-                continue
-            for label, value, must in wrong_values(p.name, p.annotation, baseline,
-                                                   _rules(target.name, p.name, rules)):
+            for label, value, must in wrong_values(p.annotation, _rules(target.name, p.name, rules)):
                 outcome, detail = classify(target, p.name, prepared.probe(p.name, value), must,
                                            also_named.get(f"{target.name}:{p.name}", ()))
                 result.probes.append(Probe(target.name, p.name, label, outcome, detail))

@@ -200,8 +200,7 @@ def _overrides() -> dict[str, Any]:
                                                           "gpu_memory_gib": 141.0, "max_model_len": 8192},
         "kvlab.capacity.parallel.weights_bytes_per_gpu": lambda: {"model": get_model("deepseek-v3"), "layout": "tp",
                                                                   "num_gpus": 8},
-        "kvlab.capacity.models.count_parameters": lambda: {"cfg": dict(get_model("llama-3-8b").config)}
-        if hasattr(get_model("llama-3-8b"), "config") else {"cfg": {}},
+        "kvlab.capacity.models.count_parameters": lambda: {"cfg": dict(get_model("llama-3-8b").config)},
         "kvlab.capacity.playbook.Workload": lambda: {"mean_prompt_tokens": 1000, "mean_output_tokens": 200},
         "kvlab.capacity.source_deployments.reproduce": lambda: {"key": "a"},
         "kvlab.capacity.startup_log.parse_startup_log": lambda: {"lines": _startup_lines()},
