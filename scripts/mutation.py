@@ -139,8 +139,9 @@ class Scratch:
         stem = self.root / "logs" / f"{self.runs:03d}-{label}"
         stem.parent.mkdir(exist_ok=True)
         junit, log, out = stem.with_suffix(".xml"), stem.with_suffix(".imports"), stem.with_suffix(".out")
+        # -m "not ui": never the browser, not even the rendering item conftest.py adds after a notebook's cells.
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvlab_mutation_order",
-               f"--rootdir={ROOT}", "-o", "junit_family=xunit1", f"--junitxml={junit}", *args]
+               f"--rootdir={ROOT}", "-o", "junit_family=xunit1", f"--junitxml={junit}", "-m", "not ui", *args]
         start = time.monotonic()
         with open(out, "wb") as sink:
             proc = subprocess.Popen(cmd, cwd=self.root, env=self.env(log, label, first), stdout=sink,

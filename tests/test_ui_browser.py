@@ -1,8 +1,12 @@
-"""The workbook in a real browser: every notebook run in JupyterLab and shown by Voilà, in Chromium.
+"""The workbook in a real browser: notebooks run live in JupyterLab and shown by Voilà, in Chromium.
 
-nbval proves the cells run; these tests look at what a learner sees. For every notebook
-in ``notebooks/`` (found, not listed): open it in JupyterLab, Run All, wait for the kernel,
-then require
+nbval proves the cells run; the browser tests look at what a learner sees. Every notebook is
+executed once per ``make test``, by nbval, and shown in Chromium from that run's executed copy
+(``tests/_rendered.py``: an item after each notebook's last cell). This module keeps what only a
+live kernel proves: notebooks 01, 02 and 03 are run end to end inside JupyterLab (Run All), because
+their panels are driven here: 01's callback error and glossary link, 02's slider drag (a value typed
+into the slider's readout travels over the widgets' comm to the kernel, which recomputes the budget
+that the page then shows), 03's next/back/reset stepper. For each live run it requires
 
 * no error output, no traceback, every code cell executed;
 * every ipywidgets view and every plotly figure the notebook displays rendered. The
@@ -20,11 +24,10 @@ then require
 Every wait follows what the page or the kernel reports (cells finished, views and figures
 drawn, a layout that stopped moving); ``_browser.WAIT_S`` only bounds a wait that never ends.
 
-Voilà (``make present``) then shows notebooks 01, 02 and 03 with the same counts and the
-same readable figures, and notebook 03's step-through panel fits one projected screen.
-Notebooks 02 and 03 get interactions written against issues 3 and 4; they skip until
-those notebooks exist. Chromium is Debian's (or ``$KVLAB_CHROMIUM``); without it the
-whole module skips and says so. ``KVLAB_UI_NOTEBOOKS=01,03`` limits the run.
+Voilà (``make present``) then shows notebook 03 with the same counts and the same readable
+figures, and its step-through panel fits one projected screen. Chromium is Debian's (or
+``$KVLAB_CHROMIUM``); without it the whole module skips and says so. ``KVLAB_UI_NOTEBOOKS=01,03``
+limits the run.
 """
 
 from __future__ import annotations
@@ -39,18 +42,17 @@ from typing import Any
 
 import _browser as ui
 import pytest
+from _rendered import FIGURE_SHOTS, LIVE_IN_LAB, SCREENSHOTS
 
 pytestmark = pytest.mark.ui
 
-NOTEBOOKS = sorted((ui.ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted(nb for nb in (ui.ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb") if nb.name[:2] in LIVE_IN_LAB)
 if os.environ.get("KVLAB_UI_NOTEBOOKS"):
     _wanted = set(os.environ["KVLAB_UI_NOTEBOOKS"].split(","))
     NOTEBOOKS = [nb for nb in NOTEBOOKS if nb.name[:2] in _wanted]
 BY_NUMBER = {nb.name[:2]: nb for nb in NOTEBOOKS}
-VOILA_NOTEBOOKS = ["01", "02", "03"]
+VOILA_NOTEBOOKS = ["03"]  # the classroom panel; Voilà renders like JupyterLab (the same outputs, the same widgets)
 KEEP_RUNNING = {"01", "02", "03"}  # later tests interact with these; the others' kernels stop once checked
-SCREENSHOTS = Path(os.environ.get("KVLAB_UI_SCREENSHOTS") or ui.ROOT / "build" / "ui-screenshots")
-FIGURE_SHOTS = SCREENSHOTS / "figures"
 RUN_TIMEOUT_S = float(os.environ.get("KVLAB_UI_TIMEOUT", "900"))  # per notebook: 05 and 06 are heavy
 
 if ui.chromium_path() is None:
@@ -86,9 +88,7 @@ def home(request: pytest.FixtureRequest):
     start = time.monotonic()
     path = Path(tempfile.mkdtemp(prefix="kvlab-ui-"))
     ui.stage_workbook(path / "workbook", NOTEBOOKS)
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    for old in [*SCREENSHOTS.glob("lab-*.png"), *SCREENSHOTS.glob("voila-*.png")]:
-        old.unlink()  # the folder shows this run only
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)  # emptied once per run, at its start (conftest.py)
     _say(request, f"\nUI screenshots go to {SCREENSHOTS}")
     yield path
     shots = sorted(p.name for p in SCREENSHOTS.glob("*.png"))
