@@ -100,15 +100,40 @@ class Renderer:
 
     def trust(self, notebook: Path) -> None:
         """Sign ``notebook`` with the test server's own secret, so JupyterLab renders its widgets and figures."""
-        from nbformat.sign import NotebookNotary
+        trust(notebook, self.home / "lab" / "data")
 
-        data_dir = self.home / "lab" / "data"
-        notary = NotebookNotary(data_dir=str(data_dir), db_file=str(data_dir / "nbsignatures.db"))
-        import nbformat
 
-        nb = nbformat.read(str(notebook), as_version=4)
-        notary.sign(nb)
-        notary.store.close()
+def trust(notebook: Path, data_dir: Path) -> None:
+    """Sign ``notebook`` as the Jupyter server whose data folder is ``data_dir`` will check it."""
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
+    notary = NotebookNotary(data_dir=str(data_dir), db_file=str(data_dir / "nbsignatures.db"))
+    notary.sign(nbformat.read(str(notebook), as_version=4))
+    notary.store.close()
+
+
+def problems_in_lab(browser: Any, lab: ui.Server, path: str, want: dict[str, Any],
+                    shot: Path | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+    """Open the notebook at ``path`` (under the server's root) and say where the page falls short of ``want``.
+
+    Returns the problems (``_browser.problems``) and the figures' text boxes; with ``shot``, saves the
+    screenshots too. The notebook's session is closed again, so its kernel does not linger.
+    """
+    page = browser.new_page()
+    try:
+        ui.open_in_lab(page, lab, path)
+        root = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+        ui.wait_for_render(page, root, want["views"], want["plots"])
+        figures = ui.figure_text_report(page, root)
+        if shot is not None:
+            ui.screenshot_whole(page, shot, ui.LAB_SCROLLER, figures=FIGURE_SHOTS)
+        return ui.problems(ui.page_report(page, root), want["views"], want["plots"], want.get("keys")), figures
+    finally:
+        page.close()
+        for session in lab.get_json("api/sessions"):
+            if session["path"] == path:
+                lab.delete(f"api/sessions/{session['id']}")
 
 
 RENDERER_KEY = pytest.StashKey[Renderer]()
@@ -185,27 +210,14 @@ class RenderedNotebook(pytest.Item):
         assert not summary["errors"], summary["errors"]
         assert not summary["not_run"], f"code cells {summary['not_run']} never ran"
         assert want["missing"] == 0, "a displayed widget no longer exists in the kernel"
-        page = renderer.browser.new_page()
         start = time.monotonic()
-        try:
-            ui.open_in_lab(page, renderer.lab, f"notebooks/{path.name}")
-            root = ".jp-NotebookPanel:not(.lm-mod-hidden)"
-            ui.wait_for_render(page, root, want["views"], want["plots"])
-            figures = ui.figure_text_report(page, root)
-            shot = SCREENSHOTS / f"lab-{path.stem}.png"
-            ui.screenshot_whole(page, shot, ui.LAB_SCROLLER, figures=FIGURE_SHOTS)
-            found = ui.problems(ui.page_report(page, root), want["views"], want["plots"], want["keys"])
-            assert found == [], found
-            assert len(figures) == want["plots"]
-            unreadable = ui.figure_text_problems(figures)
-            assert not unreadable, "\n".join([f"{len(unreadable)} problems (screenshots: {FIGURE_SHOTS}):",
-                                              *unreadable])
-            assert shot.stat().st_size > 0
-        finally:
-            page.close()
-            for session in renderer.lab.get_json("api/sessions"):
-                if session["path"] == f"notebooks/{path.name}":
-                    renderer.lab.delete(f"api/sessions/{session['id']}")
+        shot = SCREENSHOTS / f"lab-{path.stem}.png"
+        found, figures = problems_in_lab(renderer.browser, renderer.lab, f"notebooks/{path.name}", want, shot)
+        assert found == [], found
+        assert len(figures) == want["plots"]
+        unreadable = ui.figure_text_problems(figures)
+        assert not unreadable, "\n".join([f"{len(unreadable)} problems (screenshots: {FIGURE_SHOTS}):", *unreadable])
+        assert shot.stat().st_size > 0
         self.user_properties.append(("rendered_s", round(time.monotonic() - start, 1)))
 
 

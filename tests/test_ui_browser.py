@@ -245,6 +245,35 @@ def test_the_readability_check_catches_overlaps_clipped_legends_and_tiny_text(br
     assert not [f for f in found if "'fine'" in f]
 
 
+def test_an_executed_copy_draws_its_panels_from_the_saved_widget_state_and_fails_without_it(lab, browser, home):
+    """What ``_rendered`` relies on: JupyterLab restores a slider and a FigureWidget from the notebook's widget
+    state, with no kernel that made them; the same copy without that state fails the check."""
+    import nbformat
+    from _rendered import WIDGET_STATE, problems_in_lab, trust
+    from nbclient import NotebookClient
+
+    source = ("import ipywidgets, plotly.graph_objects as go\n"
+              "display(ipywidgets.IntSlider(3, description='blocks'))\n"
+              "go.FigureWidget(go.Bar(x=['a', 'b'], y=[1, 2]))")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    NotebookClient(nb, timeout=120, kernel_name="python3", store_widget_state=True).execute()
+    assert WIDGET_STATE in nb.metadata["widgets"]
+    want = {"views": 1, "plots": 1, "keys": ['["",["bar:"]]']}
+    path = home / "workbook" / "notebooks" / "zz_saved_widgets.ipynb"
+    try:
+        for saved_state, expect_clean in ((True, True), (False, False)):
+            copy = nbformat.from_dict(nb)
+            if not saved_state:
+                del copy.metadata["widgets"]
+            nbformat.write(copy, str(path))
+            trust(path, home / "lab" / "data")
+            found, _ = problems_in_lab(browser, lab, f"notebooks/{path.name}", want)
+            assert (found == []) == expect_clean, found
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def test_a_raising_widget_callback_shows_in_the_page_and_fails_the_check(lab_runs):
     """Notebook 01's panel, given a config with no layer count: the error box appears and ``problems`` reports it."""
     run = lab_runs("01")
