@@ -25,14 +25,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from twin import Divergence
+from twin import Divergence, kvlab_specs, vllm_kv_cache_config
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core import kv_cache_utils as vllm_utils
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput as VllmModelRunnerOutput
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus as VllmStatus
@@ -42,8 +40,6 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import RequestStatus
 from kvlab.core.sched.output import GenerationRequest, ModelRunnerOutput, SamplingParams
 from kvlab.core.sched.scheduler import Scheduler
-from kvlab.kv_cache_interface import FullAttentionSpec as KFullAttentionSpec
-from kvlab.kv_cache_interface import SlidingWindowSpec as KSlidingWindowSpec
 
 logging.getLogger("vllm").setLevel(logging.ERROR)
 
@@ -166,8 +162,7 @@ class SchedTwin:
     log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        k_specs = [KFullAttentionSpec(self.block_size) if g == "full" else
-                   KSlidingWindowSpec(self.block_size, sliding_window=g) for g in self.groups]
+        k_specs = kvlab_specs(self.groups, self.block_size)
         manager = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching, "sha256",
                                  max_model_len=self.max_model_len, kv_cache_groups=k_specs)
         self.k = Scheduler(manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -188,10 +183,7 @@ class SchedTwin:
         cache_config.num_gpu_blocks = self.num_blocks
         vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
                                  cache_config=cache_config, device_config=DeviceConfig(device="cpu"))
-        shape = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        kv_cache_config = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}"], FullAttentionSpec(**shape) if g == "full" else
-                             SlidingWindowSpec(**shape, sliding_window=g)) for i, g in enumerate(self.groups)])
+        kv_cache_config = vllm_kv_cache_config(self.groups, self.block_size, self.num_blocks)
         scheduler = VllmScheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                                   structured_output_manager=StructuredOutputManager(vllm_config),
                                   block_size=self.block_size)

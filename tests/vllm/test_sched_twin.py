@@ -25,6 +25,9 @@ from twin import Divergence
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.v1.request import Request as VllmRequest
 
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.sched.scheduler import Scheduler
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
@@ -186,3 +189,43 @@ def test_every_deliberate_difference_is_stated_in_notebook_06():
     text = "".join("".join(c["source"]) for c in cells)
     assert set(STATED_IN_NOTEBOOK_06) == set(DELIBERATE_DIFFERENCES)
     assert [k for k, phrase in STATED_IN_NOTEBOOK_06.items() if phrase not in text] == []
+
+
+# ----------------------------------------------------------------- the comparison catches bugs
+
+
+def _preempted_to_the_back(monkeypatch):  # a preempted request waits behind the queue, not at its front
+    original = Scheduler._preempt_request
+
+    def preempt(self, request):
+        original(self, request)
+        self.waiting.remove(request)
+        self.waiting.append(request)
+    monkeypatch.setattr(Scheduler, "_preempt_request", preempt)
+
+
+def _admits_by_first_chunk(monkeypatch):  # a waiting request admitted when only its first chunk fits
+    original = KVCacheManager.allocate_slots
+    monkeypatch.setattr(KVCacheManager, "allocate_slots",
+                        lambda self, *args, full_sequence_must_fit=False, **kw: original(self, *args, **kw))
+
+
+def _one_token_too_many(monkeypatch):  # max_tokens lets one more token through
+    original = Scheduler._check_stop
+
+    def check_stop(self, request):
+        if request.num_output_tokens == request.max_tokens and request.output_token_ids[-1] != 0:
+            return False
+        return original(self, request)
+    monkeypatch.setattr(Scheduler, "_check_stop", check_stop)
+
+
+@pytest.mark.parametrize("inject", [_preempted_to_the_back, _admits_by_first_chunk, _one_token_too_many])
+def test_each_injected_scheduler_bug_is_caught(checkpoint, inject, monkeypatch):
+    inject(monkeypatch)
+    config = SchedConfig(20, 16)
+    with pytest.raises(Divergence):
+        for seed in range(3):
+            twin = config.twin(checkpoint)
+            for op in generate_ops(config, random.Random(seed), STEPS):
+                apply(twin, op)
