@@ -9,7 +9,8 @@ comments), ``README.md`` and ``GLOSSARY.md``, and returns each citation it recog
 * ``path:line`` / ``path:start-end``: refused outright (cite by symbol; lines move every release);
 * an identifier presented as vLLM's: ``vLLM's `X` ``, ``0.33.0's `X` ``, `` `vllm/a.py`'s `X` ``,
   `` `X` in `vllm/a.py` `` (then ``X`` must be defined in that very file), dotted ``A.b`` each part;
-* a CLI flag ``--x-y`` beside the word vLLM, an environment variable ``VLLM_X``, a metric ``vllm:x``.
+* a CLI flag ``--x-y`` beside the word vLLM, an environment variable ``VLLM_X``, a metric ``vllm:x``;
+* a log line's format quoted with its ``%s`` beside the word vLLM: 0.33.0 must log exactly that string.
 
 ``check`` returns the ones the source contradicts, as ``Claim`` objects naming file and line.
 """
@@ -37,10 +38,12 @@ PATTERNS = {
     "path": re.compile(r"(?<![A-Za-z0-9_./-])(" + _PATH + r")"),
     "csrc": re.compile(r"(?<![A-Za-z0-9_./-])(csrc/[A-Za-z0-9_/.]+)"),
     "owned": re.compile(_OWNER + r"``?(" + _IDENT + r")`"),
-    "in file": re.compile(r"`(" + _IDENT + r")``?\s+(?:in|from|of)\s+(?:its\s+)?`*(" + _PATH + r"\.py)"),
+    "in file": re.compile(r"`(" + _IDENT + r")``?(?:\s+(?:does|is|lives|logs|sits|defined))?\s+(?:in|from|of)\s+"
+                          r"(?:its\s+)?`*(" + _PATH + r"\.py)"),
     "file's": re.compile(r"`*(" + _PATH + r"\.py)`*'s\s+``?(" + _IDENT + r")`"),
     "said absent": re.compile(r"(?:\b0\.33\.0|\bvLLM(?: 0\.33\.0)?) (?:has no|does not have|no longer has|dropped)"
                               r"\s+(?:the\s+|a\s+|older\s+)*``?(" + _IDENT + r")`"),
+    "log": re.compile(r'"([^"]*%[0-9.]*[sdf][^"]*)"'),  # a log line's format, quoted with its %s
     "flag": re.compile(r"`(--[a-z0-9][a-z0-9-]*)"),
     "env": re.compile(r"\b(VLLM_[A-Z0-9_]+)\b"),
     "metric": re.compile(r"\b(vllm:[a-z0-9_]+)"),
@@ -123,6 +126,8 @@ def find_claims() -> list[Claim]:
             if re.search(r"\bvLLM\b|vllm/", flat):
                 for m in PATTERNS["flag"].finditer(flat):
                     claims.append(Claim(src, "flag", m.group(1), context=flat))
+                for m in PATTERNS["log"].finditer(flat):
+                    claims.append(Claim(src, "log", m.group(1), context=flat))
             for m in PATTERNS["env"].finditer(flat):
                 claims.append(Claim(src, "env", m.group(1), context=flat))
             for m in PATTERNS["metric"].finditer(flat):
@@ -178,6 +183,8 @@ def _present(claim: Claim) -> str | None:
         return None if target.exists() or target.with_suffix(".py").exists() else "no such path in 0.33.0"
     if claim.kind == "csrc":
         return None if REVISION.search(claim.context) else "vLLM's C++ is not in 0.33.0's wheel: name the revision"
+    if claim.kind == "log":
+        return None if f'"{claim.text}"' in _source() else "no log line with that format in 0.33.0"
     if claim.kind == "flag":
         field = claim.text[2:].replace("-", "_")
         known = field in _defined("vllm/engine/arg_utils.py") or claim.text in _source()
