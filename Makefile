@@ -67,7 +67,8 @@ test: $(STAMP)
 
 # The vLLM environment is stamped like .venv. A failed download says so loudly and skips (exit 0), as CI wants:
 # the recipe is one shell, so that the skip ends it.
-VLLM_STAMP := $(VLLM_VENV)/.vllm-$(VLLM_VERSION)
+# keyed on the version and the package lists too, so that a package added to VLLM_LIGHT reaches an existing venv
+VLLM_STAMP := $(VLLM_VENV)/.vllm-$(VLLM_VERSION)-$(shell echo '$(VLLM_LIGHT) $(VLLM_NO_DEPS)' | cksum | cut -d' ' -f1)
 VPY := $(VLLM_VENV)/bin/python
 $(VLLM_STAMP): $(STAMP)
 	@set -e; rm -rf $(VLLM_VENV); $(BIN)/python -m venv --without-pip $(VLLM_VENV); \

@@ -9,6 +9,8 @@ metric and log format presented as vLLM's must exist in 0.33.0 with that spellin
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vLLM 0.33.0 is not installed here: run make test-vllm")
 from citations import Claim, find_claims, unresolved
 
 #: kvlab's own names that look like vLLM's (each is kvlab's, not a claim about vLLM).

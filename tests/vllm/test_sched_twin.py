@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 
 import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM 0.33.0 is not installed here: run make test-vllm")
 from sched_twin import (
     DELIBERATE_DIFFERENCES,
     SchedConfig,
