@@ -24,11 +24,12 @@ GPU_PYTHON_VERSION ?= 3.12
 GPU_WHEELS ?= cbor2
 # make test-vllm: a second environment that sees .venv's packages (torch CPU, the editable kvlab) through a .pth
 # file, plus vLLM with --no-deps and only the light pure-Python packages its allocator path imports. Each was
-# checked with `pip install --dry-run`: none pulls torch or a CUDA package. VLLM_ARGS go to pytest.
+# checked with `pip install --dry-run`: none pulls torch or a CUDA package (einops: vLLM's Scheduler imports it,
+# for the scheduler twin). VLLM_ARGS go to pytest.
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.33.0
 VLLM_LIGHT ?= msgspec aiohttp oss-harmony openai pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo \
-	"fastapi<0.137" partial-json-parser "llguidance<1.8"
+	"fastapi<0.137" partial-json-parser "llguidance<1.8" einops
 VLLM_NO_DEPS ?= xgrammar==0.2.8 apache-tvm-ffi
 VLLM_ARGS ?=
 # make test-mutants: arguments for scripts/mutation.py (--only NAME..., --list, --jobs N, --baseline, --keep).
@@ -66,7 +67,8 @@ test: $(STAMP)
 
 # The vLLM environment is stamped like .venv. A failed download says so loudly and skips (exit 0), as CI wants:
 # the recipe is one shell, so that the skip ends it.
-VLLM_STAMP := $(VLLM_VENV)/.vllm-$(VLLM_VERSION)
+# keyed on the version and the package lists too, so that a package added to VLLM_LIGHT reaches an existing venv
+VLLM_STAMP := $(VLLM_VENV)/.vllm-$(VLLM_VERSION)-$(shell echo '$(VLLM_LIGHT) $(VLLM_NO_DEPS)' | cksum | cut -d' ' -f1)
 VPY := $(VLLM_VENV)/bin/python
 $(VLLM_STAMP): $(STAMP)
 	@set -e; rm -rf $(VLLM_VENV); $(BIN)/python -m venv --without-pip $(VLLM_VENV); \

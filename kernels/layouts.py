@@ -1,6 +1,6 @@
 """vLLM's older CUDA PagedAttention cache layout, converted to and from the flash layout kvlab uses.
 
-The hand-written kernels in ``csrc/attention/`` (paged_attention_v1/v2) store, per layer::
+The hand-written kernels in ``csrc/attention/`` (paged_attention_v1/v2; read at v0.6.6) store, per layer::
 
     K: [num_blocks, num_kv_heads, head_size / x, block_size, x]     x = 16 bytes / element size
     V: [num_blocks, num_kv_heads, head_size, block_size]

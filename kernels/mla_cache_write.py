@@ -6,7 +6,7 @@ first, into ``kv_cache[slot // block_size, slot % block_size]``: a single vector
 ``kv_lora_rank + qk_rope_head_dim`` values (576 for DeepSeek-V3), where a GQA layer writes a K and
 a V per KV head. A slot of -1 is padding and is skipped. An FP8 cache stores ``x / k_scale``
 rounded to e4m3 (``quantize_e4m3``, shared with ``reshape_and_cache``); vLLM's kernel is CUDA
-(``csrc/cache_kernels.cu``), called through ``vllm/_custom_ops.py``.
+(``torch.ops._C_cache_ops.concat_and_cache_mla``), called through ``concat_and_cache_mla`` in ``vllm/_custom_ops.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``kvlab.core.kv_offload`` decides which blocks move (vLLM's ``OffloadingConnector`` and
 ``CPUOffloadingManager``); this module moves them, as vLLM's offloading worker and its
-``swap_blocks`` do (``vllm/v1/kv_offload/worker/``, vLLM 0.33.0).
+``swap_blocks`` do (``vllm/v1/kv_offload/cpu/gpu_worker.py``, vLLM 0.33.0).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 vLLM's worker profiles the GPU to find the memory left for KV (``determine_available_memory``
 in ``vllm/v1/worker/gpu_worker.py``), cuts it into blocks (``get_kv_cache_configs`` in
-``vllm/v1/core/kv_cache_utils.py``) and allocates one tensor per layer
+``vllm/v1/core/kv_cache_planning.py``) and allocates one tensor per layer
 (``GPUModelRunner.initialize_kv_cache``), shaped by the layer's ``KVCacheSpec`` (K and V, or MLA's
 one latent). kvlab does not profile: the pool is a block count, a memory budget
 (``kvlab.capacity.budget`` cuts it), or by default what ``max_num_seqs`` requests of

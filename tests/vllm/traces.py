@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from twin import Divergence, Twin
@@ -106,13 +107,18 @@ def replay(config: Config, ops: list[tuple]) -> Divergence | None:
 
 def shrink(config: Config, ops: list[tuple], budget: int = 400) -> list[tuple]:
     """A shorter list of operations that still diverges (greedy delta debugging, at most ``budget`` replays)."""
+    return shrink_ops(lambda candidate: replay(config, candidate) is not None, ops, budget)
+
+
+def shrink_ops(fails: Callable[[list[tuple]], bool], ops: list[tuple], budget: int = 400) -> list[tuple]:
+    """Greedy delta debugging: drop ever smaller runs of ``ops`` while ``fails`` still holds (``budget`` tries)."""
     chunk = max(len(ops) // 2, 1)
     while chunk >= 1 and budget > 0:
         i = 0
         while i < len(ops) and budget > 0:
             candidate = ops[:i] + ops[i + chunk:]
             budget -= 1
-            if candidate and replay(config, candidate) is not None:
+            if candidate and fails(candidate):
                 ops = candidate
             else:
                 i += chunk

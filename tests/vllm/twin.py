@@ -86,6 +86,20 @@ def python_hash_seed(seed: str | None) -> Iterator[None]:
             os.environ["PYTHONHASHSEED"] = old
 
 
+def kvlab_specs(groups: tuple, block_size: int) -> list:
+    """kvlab's spec per KV cache group: "full", or a sliding window's size."""
+    return [KFullAttentionSpec(block_size) if g == "full" else KSlidingWindowSpec(block_size, sliding_window=g)
+            for g in groups]
+
+
+def vllm_kv_cache_config(groups: tuple, block_size: int, num_blocks: int) -> KVCacheConfig:
+    """vLLM's ``KVCacheConfig`` of one layer per group ("full" or a window's size) over ``num_blocks`` blocks."""
+    shape = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        [f"layer{i}"], FullAttentionSpec(**shape) if g == "full" else SlidingWindowSpec(**shape, sliding_window=g))
+        for i, g in enumerate(groups)])
+
+
 @dataclass
 class Pair:
     """One request on both sides, and what the twin knows of it."""
@@ -114,8 +128,7 @@ class Twin:
         self.num_copies = 0  # partial-hit copies seen (both sides agreed on each)
         self.keyed = len(self.groups) > 1  # several groups: keys carry the group id on both sides
         self.k_rec, self.v_rec = Recorder(), Recorder()
-        k_specs = [KFullAttentionSpec(self.block_size) if g == "full" else
-                   KSlidingWindowSpec(self.block_size, sliding_window=g) for g in self.groups]
+        k_specs = kvlab_specs(self.groups, self.block_size)
         self.k = KVCacheManager(self.num_blocks, self.block_size, self.enable_caching, self.hash_fn,
                                 hash_seed=self.seed, hash_block_size=self.hbs, max_model_len=self.max_model_len,
                                 watermark=self.watermark, metrics_collector=self.k_rec, kv_cache_groups=k_specs)
@@ -127,10 +140,7 @@ class Twin:
         self.exact_hashes = self.k.none_hash == vllm_utils.NONE_HASH
         self.k_to_v: dict[bytes, bytes] = {}
         self.v_to_k: dict[bytes, bytes] = {}
-        shape = dict(block_size=self.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        config = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-            [f"layer{i}"], FullAttentionSpec(**shape) if g == "full" else SlidingWindowSpec(**shape, sliding_window=g))
-            for i, g in enumerate(self.groups)])
+        config = vllm_kv_cache_config(self.groups, self.block_size, self.num_blocks)
         with self._fine_grained_coordinator():
             self.v = vllm_kv_cache_manager.KVCacheManager(
                 config, max_model_len=self.max_model_len, scheduler_block_size=self.block_size,

@@ -10,6 +10,8 @@ Mirrors ``vllm/v1/core/sched/scheduler.py`` (first-come-first-served policy). Th
 * **chunked prefill**: a long prompt is computed a budget-sized chunk per step;
 * **decode first**: RUNNING requests are served before WAITING ones, so a stream of new
   prompts cannot stall the requests already generating;
+* **admission by whole prompt**: a waiting request is admitted only if its whole prompt fits the
+  free blocks (vLLM's ``scheduler_reserve_full_isl``), not just the chunk of this step;
 * **prefix caching**: a waiting request first asks ``KVCacheManager.get_computed_blocks``
   for its cached prefix and computes only the rest;
 * **preemption by recompute**: when ``allocate_slots`` finds no free block for a running
@@ -202,8 +204,10 @@ class Scheduler:
                     num_external_tokens = 0
             num_computed_tokens = num_hit_tokens + num_external_tokens
             num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget)
+            # As vLLM 0.33.0 (scheduler_reserve_full_isl): admitted only if the whole prompt fits, not just this chunk.
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_hit_tokens, hit_blocks, num_external_computed_tokens=num_external_tokens)
+                request, num_new_tokens, num_hit_tokens, hit_blocks, num_external_computed_tokens=num_external_tokens,
+                full_sequence_must_fit=True, has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
                 break  # the pool is full: the queue waits, in order
             if self.connector is not None:
