@@ -136,6 +136,7 @@ def _overrides() -> dict[str, Any]:
         "kvlab.capacity.hardware.GPUSpec": lambda: init_fields(get_gpu("H100-SXM-80GB")),
         "kvlab.capacity.hybrid.describe_groups": lambda: {"plan": plan_hybrid_kv_cache(
             "gpt-oss-20b", max_model_len=8192, gpu_memory_gib=80.0)},
+        "kvlab.capacity.hybrid.default_max_num_batched_tokens": lambda: {"gpu": "H100-SXM-80GB"},
         "kvlab.capacity.hybrid.get_kv_cache_groups": lambda: {"specs": layer_specs(get_model("gpt-oss-20b"))},
         "kvlab.capacity.hybrid.plan_hybrid_kv_cache": lambda: {"model": "gpt-oss-20b", "max_model_len": 8192,
                                                                "gpu_memory_gib": 80.0},
@@ -175,6 +176,9 @@ def _overrides() -> dict[str, Any]:
         "kvlab.sim.workloads.lognormal_mus": lambda: {"name": "alpaca"},
         "kvlab.units.cdiv": lambda: {"a": 7, "b": 2},
         "kvlab.units.format_bytes": lambda: {"num_bytes": 1 << 20},
+        "kvlab.capacity.budget.format_gib": lambda: {"num_bytes": 1 << 30},
+        "kvlab.capacity.budget.kv_cache_capacity_line": lambda: {"num_tokens": 56320, "max_model_len": 8192,
+                                                                 "max_concurrency": 6.875},
         "kvlab.capacity.budget.plan_preset": lambda: {"name": "A"},
         "kvlab.capacity.cost_model.CostModel.crossover_hit_rate": lambda: {"computed_tokens": 1000},
         "kvlab.capacity.cost_model.CostModel.forward_seconds": lambda: {"num_new_tokens": 100},
