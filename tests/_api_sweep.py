@@ -472,7 +472,7 @@ def run_config_sweep(configs: dict[str, dict[str, Any]]) -> SweepResult:
     A field kvlab reads (``kvlab.capacity.config_fields``) must be refused by a kvlab error naming it; a field
     it never reads may be accepted; neither may leak a generic error or hang.
     """
-    from kvlab.capacity.config_fields import _NESTED, CONFIG_FIELDS
+    from kvlab.capacity.config_fields import NESTED_FIELDS, CONFIG_FIELDS
 
     result = SweepResult()
     for reader, read in config_readers().items():
@@ -483,7 +483,7 @@ def run_config_sweep(configs: dict[str, dict[str, Any]]) -> SweepResult:
                 result.skipped[f"{reader} @ {name}"] = f"{type(exc).__name__}: {str(exc)[:100]}"
                 continue
             for path, real in _config_paths(config):
-                schema = CONFIG_FIELDS if len(path) == 1 else _NESTED.get(path[0], {})
+                schema = CONFIG_FIELDS if len(path) == 1 else NESTED_FIELDS.get(path[0], {})
                 field = schema.get(path[-1])
                 for label, value, wrong in config_wrong_values(real, field is None or field.nullable,
                                                                field is not None and field.kind == "token_ids"):

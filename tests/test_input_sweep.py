@@ -507,9 +507,9 @@ def test_every_field_kvlab_reads_is_in_the_door() -> None:
     from pathlib import Path
 
     import kvlab
-    from kvlab.capacity.config_fields import _NESTED, CONFIG_FIELDS
+    from kvlab.capacity.config_fields import NESTED_FIELDS, CONFIG_FIELDS
 
-    known = set(CONFIG_FIELDS).union(*(set(fields) for fields in _NESTED.values()))
+    known = set(CONFIG_FIELDS).union(*(set(fields) for fields in NESTED_FIELDS.values()))
     root = Path(kvlab.__file__).parent
     readers = ["capacity/models.py", "capacity/mla.py", "capacity/cost_model.py", "engine/config.py",
                "engine/deepseek_config.py", "engine/deepseek_rope.py"]

@@ -104,7 +104,8 @@ CONFIG_FIELDS: dict[str, _Field] = {
     "rope_scaling": _Field("object"), "rope_parameters": _Field("object"),
     "quantization_config": _Field("object"), "text_config": _Field("object"),
 }
-_NESTED: dict[str, dict[str, _Field]] = {
+#: The nested objects kvlab reads, each with its own fields.
+NESTED_FIELDS: dict[str, dict[str, _Field]] = {
     "rope_scaling": ROPE_FIELDS, "rope_parameters": ROPE_FIELDS, "quantization_config": QUANTIZATION_FIELDS,
     "text_config": CONFIG_FIELDS,
 }
@@ -139,5 +140,5 @@ def _check(config: Mapping[str, Any], fields: Mapping[str, _Field], prefix: str)
         if value is None or not ok(value, field):
             bound = f" and at most {field.at_most:,}" if field.kind in ("size", "count", "number", "number0") else ""
             raise ConfigFieldError(f"{prefix}{key}", f"must be {what}{bound}, got {value!r}")
-        if key in _NESTED:
-            _check(value, _NESTED[key], f"{prefix}{key}.")
+        if key in NESTED_FIELDS:
+            _check(value, NESTED_FIELDS[key], f"{prefix}{key}.")
