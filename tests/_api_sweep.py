@@ -472,7 +472,7 @@ def run_config_sweep(configs: dict[str, dict[str, Any]]) -> SweepResult:
     A field kvlab reads (``kvlab.capacity.config_fields``) must be refused by a kvlab error naming it; a field
     it never reads may be accepted; neither may leak a generic error or hang.
     """
-    from kvlab.capacity.config_fields import NESTED_FIELDS, CONFIG_FIELDS
+    from kvlab.capacity.config_fields import CONFIG_FIELDS, NESTED_FIELDS
 
     result = SweepResult()
     for reader, read in config_readers().items():

@@ -507,7 +507,7 @@ def test_every_field_kvlab_reads_is_in_the_door() -> None:
     from pathlib import Path
 
     import kvlab
-    from kvlab.capacity.config_fields import NESTED_FIELDS, CONFIG_FIELDS
+    from kvlab.capacity.config_fields import CONFIG_FIELDS, NESTED_FIELDS
 
     known = set(CONFIG_FIELDS).union(*(set(fields) for fields in NESTED_FIELDS.values()))
     root = Path(kvlab.__file__).parent
