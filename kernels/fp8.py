@@ -3,10 +3,13 @@
 An FP8 cache stores ``round_e4m3(x / scale)`` and the kernel reads ``stored * scale`` back. e4m3
 keeps 3 mantissa bits for magnitudes from 2^-6 up to 448 and only a few coarse subnormal steps
 (2^-9 apart) below that. ``scale`` decides which window of magnitudes lands in that range:
-vLLM's default ``k_scale = v_scale = 1.0`` trusts the activations to already live there; a
-calibrated scale moves them there. vLLM's ``--calculate-kv-scales`` computes, once, at the first
-forward pass, ``k_scale = amax(|k|) / 200`` and ``v_scale = amax(|v|) / 100`` (``K_SCALE_CONSTANT``,
-``V_SCALE_CONSTANT`` in ``vllm/envs.py``), leaving headroom for later tokens larger than the first.
+vLLM 0.33.0 takes an fp8 cache's ``k_scale`` / ``v_scale`` from the checkpoint
+(``BaseKVCacheMethod.process_weights_after_loading``, ``vllm/model_executor/layers/quantization/kv_cache.py``)
+and, when it has none, uses 1.0 (``set_default_quant_scales``, ``vllm/model_executor/layers/attention/attention.py``),
+which trusts the activations to already live there; it measures no per-tensor scale at run time (only the
+per-token-head dtypes compute theirs as they write). A calibrated scale moves them there: kvlab's
+``calibrated_scale`` takes ``amax(|k|) / 200`` and ``amax(|v|) / 100`` (kvlab's choice, leaving headroom for
+later tokens larger than the ones measured).
 """
 
 from __future__ import annotations

@@ -39,6 +39,14 @@ class MissingConfigKeyError(KvlabValueError):
         super().__init__(f"{where} is missing the required key {key!r}")
 
 
+class ConfigFieldError(KvlabValueError):
+    """A ``config.json`` field kvlab reads has the wrong type or range; the message names the field as the file does."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        super().__init__(f"config.json field {field!r} {problem}")
+
+
 class OutOfBlocksError(KvlabValueError):
     """The block pool has fewer free blocks than were asked for (nothing was taken)."""
 

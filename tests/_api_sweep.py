@@ -18,6 +18,7 @@ is classified:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
@@ -414,3 +415,94 @@ def run_sweep(overrides: dict[str, Callable[[], dict[str, Any]]], rules: dict[st
                                            also_named.get(f"{target.name}:{p.name}", ()))
                 result.probes.append(Probe(target.name, p.name, label, outcome, detail))
     return result
+
+
+# --- config.json contents: every field of every real config, through every reader ---------------------------
+
+def config_readers() -> dict[str, Callable[[dict[str, Any]], Any]]:
+    """Every public function that reads a ``config.json`` dict, by name (the engine's through its registry)."""
+    from kvlab.capacity.models import ModelSpec, count_parameters, get_model, parameter_parts
+    from kvlab.engine.registry import model_config_from_dict
+
+    spec = get_model("llama-3-8b")
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init and f.name != "config"}
+    return {
+        "ModelSpec.from_hf_config": ModelSpec.from_hf_config,
+        "ModelSpec.from_hf_config(text_config)": lambda cfg: ModelSpec.from_hf_config(
+            {"model_type": "wrapper", "text_config": cfg}),
+        "count_parameters": count_parameters,
+        "parameter_parts": parameter_parts,
+        "ModelSpec(config=...)": lambda cfg: ModelSpec(**fields, config=cfg),
+        "model_config_from_dict": model_config_from_dict,
+    }
+
+
+def config_wrong_values(real: Any, nullable: bool, token_ids: bool) -> list[tuple[str, Any, bool]]:
+    """Wrong values for a field whose real value is ``real``: the wrong type, None, NaN, negative, huge."""
+    out: list[tuple[str, Any, bool]] = [("None", None, not nullable), ("nan", math.nan, True)]
+    if isinstance(real, bool):
+        out += [("'yes'", "yes", True), ("2", 2, True)]
+    elif isinstance(real, (int, float)):
+        out += [("'7' (a string)", "7", True), ("[7] (a list)", [7], not token_ids), ("-1", -1, True),
+                ("10**15", 10**15, isinstance(real, int))]
+    elif isinstance(real, str):
+        out += [("7 (an int)", 7, True), ("['x'] (a list)", ["x"], True)]
+    elif isinstance(real, (dict, list)):
+        out += [("'x' (a string)", "x", True), ("7 (an int)", 7, True)]
+    return out
+
+
+def _config_paths(config: dict[str, Any]) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for key, value in config.items():
+        yield (key,), value
+        if isinstance(value, dict):
+            for sub, inner in value.items():
+                yield (key, sub), inner
+
+
+def _with(config: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    if len(path) == 1:
+        return {**config, path[0]: value}
+    return {**config, path[0]: {**config[path[0]], path[1]: value}}
+
+
+def run_config_sweep(configs: dict[str, dict[str, Any]]) -> SweepResult:
+    """Probe each field of each config with each wrong value through each reader whose baseline call works.
+
+    A field kvlab reads (``kvlab.capacity.config_fields``) must be refused by a kvlab error naming it; a field
+    it never reads may be accepted; neither may leak a generic error or hang.
+    """
+    from kvlab.capacity.config_fields import CONFIG_FIELDS, NESTED_FIELDS
+
+    result = SweepResult()
+    for reader, read in config_readers().items():
+        for name, config in configs.items():
+            try:
+                call_with_alarm(lambda read=read, config=config: read(config))
+            except Exception as exc:  # noqa: BLE001 - a reader that does not serve this model is not probed
+                result.skipped[f"{reader} @ {name}"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                continue
+            for path, real in _config_paths(config):
+                schema = CONFIG_FIELDS if len(path) == 1 else NESTED_FIELDS.get(path[0], {})
+                field = schema.get(path[-1])
+                for label, value, wrong in config_wrong_values(real, field is None or field.nullable,
+                                                               field is not None and field.kind == "token_ids"):
+                    wrong = wrong and field is not None
+                    probe = functools.partial(lambda r, c: r(c), read, _with(config, path, value))
+                    outcome, detail = _classify_config(probe, path[-1], wrong)
+                    result.probes.append(Probe(f"{reader} @ {name}", ".".join(path), label, outcome, detail))
+    return result
+
+
+def _classify_config(thunk: Callable[[], Any], field_name: str, wrong: bool) -> tuple[str, str]:
+    try:
+        call_with_alarm(thunk)
+    except _Timeout:
+        return "hang", f"ran past {PROBE_SECONDS} s"
+    except KvlabError as exc:
+        if not wrong or field_name in str(exc):
+            return "ok", ""
+        return "unnamed", f"{type(exc).__name__}: {str(exc)[:160]}"
+    except Exception as exc:  # noqa: BLE001 - the point is to catch what leaks
+        return "generic", f"{type(exc).__name__}: {str(exc)[:160]}"
+    return ("silent" if wrong else "accepted"), ""

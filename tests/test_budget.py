@@ -61,10 +61,20 @@ def test_the_worked_example_of_preset_a():
     assert plan.bytes_per_block == 20 * MiB
     assert (plan.num_blocks, plan.num_usable_blocks, plan.usable_tokens) == (880, 879, 56_256)
     assert (plan.blocks_per_request, plan.max_concurrency, plan.concurrency) == (128, 6.875, 6)
+    assert plan.startup_log() == [  # vLLM 0.33.0's one line (update_kv_cache_capacity)
+        "GPU KV cache size: 56,320 tokens, Maximum concurrency for 8,192 tokens per request: 6.88x"]
+    assert plan.startup_log(form="article") == [  # the source article's two lines
+        "GPU KV cache size: 56,320 tokens", "Maximum concurrency for 8,192 tokens per request: 6.88x"]
+
+
+def test_the_logged_tokens_are_max_concurrency_times_max_model_len_not_the_pool():
+    """0.33.0's get_kv_cache_capacity: int(max_concurrency x max_model_len), which is not num_blocks x block_size
+    when max_model_len is not a multiple of block_size."""
+    plan = plan_kv_cache("llama-3-8b", gpu_memory_gib=80, max_model_len=8190)
+    assert (plan.num_blocks, plan.blocks_per_request) == (30_024, 512)
+    assert plan.kv_cache_size_tokens == int(30_024 / 512 * 8190) == 480_266 != 30_024 * 16
     assert plan.startup_log() == [
-        "GPU KV cache size: 56,320 tokens",
-        "Maximum concurrency for 8,192 tokens per request: 6.88x",
-    ]
+        "GPU KV cache size: 480,266 tokens, Maximum concurrency for 8,190 tokens per request: 58.64x"]
 
 
 def test_fp8_weights_from_the_parameter_count_still_give_65():
@@ -83,7 +93,7 @@ def test_eight_gib_holds_sixteen_requests_of_4096_tokens_by_bytes_but_only_fifte
                           max_model_len=4096)
     assert short.kv_bytes_per_token == 128 * KiB and short.num_blocks == 4096
     assert short.max_concurrency == 16.0 and short.concurrency == 16 and short.usable_concurrency == 15
-    assert short.startup_log()[1] == "Maximum concurrency for 4,096 tokens per request: 16.00x"
+    assert short.startup_log()[0].endswith("Maximum concurrency for 4,096 tokens per request: 16.00x")
     longer = plan_kv_cache(toy_llama3_8b(), gpu_memory_gib=24, kv_cache_memory_gib=8, kv_dtype="fp16",
                            block_size=16, max_model_len=4096 + 128)
     assert longer.concurrency == longer.usable_concurrency == 15 == (8 * GiB) // (4224 * 128 * KiB)
@@ -103,15 +113,22 @@ def test_preset_c_does_not_fit_and_says_why():
     assert plan.concurrency == 0 and not plan.fits
     (warning,) = plan.warnings
     assert "131,072" in warning and "2,048 blocks" in warning and "56,256" in warning
-    (line,) = plan.startup_log()
-    assert line.startswith("ValueError: To serve at least one request") and "56320" in line
+    assert plan.startup_log() == [  # vLLM 0.33.0's _check_enough_kv_cache_memory, word for word
+        "ValueError: To serve at least one request with the model's max seq len (131072), (40.0 GiB KV cache is "
+        "needed, which is larger than the available KV cache memory (17.2 GiB). Based on the available memory, the "
+        "estimated maximum model length is 56320. Try increasing `gpu_memory_utilization` (which also controls CPU "
+        "memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. See "
+        "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."]
 
 
 def test_weights_over_budget_warn_instead_of_raising():
     plan = plan_kv_cache("llama-3-70b", gpu_memory_gib=80, max_model_len=8192)  # ~131 GiB of bf16 weights
     assert plan.available_bytes < 0 and plan.num_blocks == 0 and plan.concurrency == 0
     assert "nothing is left for the KV cache" in plan.warnings[0]
-    assert plan.startup_log()[0].startswith("ValueError: No available memory for the cache blocks")
+    assert plan.startup_log() == [
+        "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+        "initializing the engine (this flag also controls CPU memory reservation on the CPU backend, despite its "
+        "name). See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."]
 
 
 def test_a_pool_of_exactly_one_request_starts_but_cannot_hold_it():
@@ -195,7 +212,9 @@ def test_max_model_len_for_counts_usable_whole_blocks():
     assert max_model_len_for(4096, 16, 16) == 4080  # the null block costs the 16th request one block
     assert max_model_len_for(880, 64, 1000) == 0
     assert max_model_len_for(0, 16, 1) == 0
-    assert num_gpu_blocks(-5, 10) == 0 and num_gpu_blocks(99, 10) == 9
+    assert num_gpu_blocks(0, 10) == 0 and num_gpu_blocks(99, 10) == 9
+    with pytest.raises(KvlabValueError, match="available_bytes"):  # a negative budget is the caller's mistake
+        num_gpu_blocks(-5, 10)
     assert max_concurrency(880, 8200, 64) == 880 / 129
 
 

@@ -85,3 +85,17 @@ def test_the_hybrid_plan_uses_the_same_budget_as_plan_kv_cache():
         plan_hybrid_kv_cache("gpt-oss-20b", max_model_len=4096, max_num_batched_tokens=0, **BUDGET)
     specs = layer_specs(get_model("gpt-oss-20b"), 16)
     assert len(specs) == 24 and dataclasses.replace(specs["model.layers.0.self_attn.attn"]).sliding_window == 128
+
+
+def test_the_offline_llm_class_gets_16384_batched_tokens_on_an_h100_and_the_window_reserves_for_them():
+    """vLLM 0.33.0's EngineArgs.get_batch_defaults: 16,384 for the LLM class on a >= 70 GiB GPU that is not an A100
+    (the API server 8,192); 8,192 on the A100 and smaller GPUs."""
+    from kvlab.capacity.hybrid import default_max_num_batched_tokens
+
+    assert [default_max_num_batched_tokens(g) for g in ("L4", "A100-80GB", "H100-SXM-80GB", "H200-SXM-141GB")] == [
+        8192, 8192, 16384, 16384]
+    assert default_max_num_batched_tokens("H100-SXM-80GB", api_server=True) == 8192
+    plan = plan_hybrid_kv_cache("gpt-oss-20b", max_model_len=131072, gpu_memory_gib=80, kv_cache_memory_gib=40,
+                                max_num_batched_tokens=default_max_num_batched_tokens("H100-SXM-80GB"))
+    assert plan.blocks_per_request == (cdiv(127 + 2 * 16384, 16) + 1, 8192) == (2057, 8192)
+    assert round(plan.concurrency_gain, 2) == 1.60

@@ -136,6 +136,7 @@ def _overrides() -> dict[str, Any]:
         "kvlab.capacity.hardware.GPUSpec": lambda: init_fields(get_gpu("H100-SXM-80GB")),
         "kvlab.capacity.hybrid.describe_groups": lambda: {"plan": plan_hybrid_kv_cache(
             "gpt-oss-20b", max_model_len=8192, gpu_memory_gib=80.0)},
+        "kvlab.capacity.hybrid.default_max_num_batched_tokens": lambda: {"gpu": "H100-SXM-80GB"},
         "kvlab.capacity.hybrid.get_kv_cache_groups": lambda: {"specs": layer_specs(get_model("gpt-oss-20b"))},
         "kvlab.capacity.hybrid.plan_hybrid_kv_cache": lambda: {"model": "gpt-oss-20b", "max_model_len": 8192,
                                                                "gpu_memory_gib": 80.0},
@@ -158,6 +159,7 @@ def _overrides() -> dict[str, Any]:
         "kvlab.capacity.hardware.LinkSpec": lambda: init_fields(get_link("PCIe 5.0 x16")),
         "kvlab.capacity.models.ModelSpec": lambda: init_fields(get_model("llama-3-8b")),
         "kvlab.capacity.models.ModelSpec.from_hf_config": lambda: {"config": MODELS_DIR / "llama-3-8b.json"},
+        "kvlab.capacity.config_fields.check_config_fields": lambda: {"config": dict(get_model("llama-3-8b").config)},
         "kvlab.capacity.source_deployments.source_arithmetic": lambda: {"source": SOURCE_DEPLOYMENTS["a"]},
         **{f"kvlab.core.block_pool.BlockHashToBlockMap.{m}": (lambda: {"key": none, "block_id": 1})
            for m in ("block_ids", "contain", "get_one_block", "pop")},
@@ -174,6 +176,9 @@ def _overrides() -> dict[str, Any]:
         "kvlab.sim.workloads.lognormal_mus": lambda: {"name": "alpaca"},
         "kvlab.units.cdiv": lambda: {"a": 7, "b": 2},
         "kvlab.units.format_bytes": lambda: {"num_bytes": 1 << 20},
+        "kvlab.capacity.budget.format_gib": lambda: {"num_bytes": 1 << 30},
+        "kvlab.capacity.budget.kv_cache_capacity_line": lambda: {"num_tokens": 56320, "max_model_len": 8192,
+                                                                 "max_concurrency": 6.875},
         "kvlab.capacity.budget.plan_preset": lambda: {"name": "A"},
         "kvlab.capacity.cost_model.CostModel.crossover_hit_rate": lambda: {"computed_tokens": 1000},
         "kvlab.capacity.cost_model.CostModel.forward_seconds": lambda: {"num_new_tokens": 100},
@@ -349,13 +354,13 @@ def _aborted() -> Any:
 
 # Parameters whose meaning allows what the generic probes call wrong.
 RULES: dict[str, dict[str, Any]] = {
-    "kvlab.capacity.budget.num_gpu_blocks:available_bytes": {"signed": True},
     "kvlab.core.kv_cache_utils.KVCacheBlock:block_id": {"signed": True},  # the free queue's sentinels are -1
     "kvlab.core.kv_cache_metrics.Histogram:documentation": {"free_text": True},
     "kvlab.sim.block_scenarios.Op:seq": {"free_text": True},  # a sequence's name
     "kvlab.sim.lifecycle.Event:request": {"free_text": True},  # a request's name
     "kvlab.sim.prefix_sim.SimRequest:after": {"free_text": True},  # another request's id
     "kvlab.capacity.models.resolve_model:parameter": {"free_text": True},  # the caller's parameter name
+    "kvlab.capacity.config_fields.check_config_fields:parameter": {"free_text": True},  # likewise
     "kvlab.units.format_bytes:num_bytes": {"signed": True},  # a difference of sizes prints too
     "kvlab.units.cdiv:a": {"signed": True},  # vLLM's cdiv takes any integer numerator
 }
@@ -472,3 +477,72 @@ def test_random_values_never_leak_a_generic_error(prepared: list[sweep.Prepared]
     outcome, detail = sweep.classify(target.target, parameter, target.probe(parameter, value), must_refuse=False,
                                      also_named=ALSO_NAMED.get(f"{target.target.name}:{parameter}", ()))
     assert outcome in ("ok", "accepted"), f"{target.target.name}({parameter}={value!r}): {outcome} {detail}"
+
+
+# config.json contents are a door too (issue 27 item 4): every field of every real config in data/models/, given
+# the wrong type, None, NaN, a negative or a huge value, through every function that reads a config dict.
+@pytest.fixture(scope="module")
+def config_result() -> sweep.SweepResult:
+    import json
+
+    from kvlab.capacity.models import MODELS_DIR
+
+    configs = {p.stem: json.loads(p.read_text()) for p in sorted(MODELS_DIR.glob("*.json"))}
+    return sweep.run_config_sweep(configs)
+
+
+def test_the_config_sweep_reaches_every_reader(config_result: sweep.SweepResult) -> None:
+    readers = {p.target.split(" @ ")[0] for p in config_result.probes}
+    assert readers == set(sweep.config_readers()), config_result.skipped
+    assert len(config_result.probes) >= 5000
+
+
+@pytest.mark.parametrize("outcome", ["generic", "silent", "hang", "unnamed"])
+def test_no_config_field_is_misread(config_result: sweep.SweepResult, outcome: str) -> None:
+    assert not config_result.of(outcome), _report(config_result.of(outcome))
+
+
+def test_every_field_kvlab_reads_is_in_the_door() -> None:
+    """A reader's ``cfg.get("x")`` / ``params["x"]`` on a field the door does not know would read it unchecked."""
+    from pathlib import Path
+
+    import kvlab
+    from kvlab.capacity.config_fields import CONFIG_FIELDS, NESTED_FIELDS
+
+    known = set(CONFIG_FIELDS).union(*(set(fields) for fields in NESTED_FIELDS.values()))
+    root = Path(kvlab.__file__).parent
+    readers = ["capacity/models.py", "capacity/mla.py", "capacity/cost_model.py", "engine/config.py",
+               "engine/deepseek_config.py", "engine/deepseek_rope.py"]
+    pattern = re.compile(r"\b(?:cfg|config|params|quant|raw)(?:\.get\(|\[)\"(\w+)\"")
+    read = {key for path in readers for key in pattern.findall((root / path).read_text())}
+    assert read and read <= known, sorted(read - known)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("vocab_size", "32000", "config.json field 'vocab_size' must be a positive integer"),
+    ("vocab_size", [32000], "config.json field 'vocab_size'"),
+    ("model_type", None, "config.json field 'model_type' must be a string, got None"),
+    ("model_type", 5, "config.json field 'model_type' must be a string, got 5"),
+    ("quantization_config", "fp8", "config.json field 'quantization_config' must be an object"),
+    ("vocab_size", -1, "config.json field 'vocab_size'"),
+    ("intermediate_size", -1, "config.json field 'intermediate_size'"),
+    ("torch_dtype", 5, "config.json field 'torch_dtype' must be one of"),
+    ("torch_dtype", float("nan"), "config.json field 'torch_dtype'"),
+])
+def test_the_issues_config_examples_are_refused_by_field(field: str, value: Any, message: str) -> None:
+    import json
+
+    from kvlab.capacity.models import MODELS_DIR, ModelSpec, count_parameters
+    from kvlab.errors import ConfigFieldError
+
+    config = {**json.loads((MODELS_DIR / "llama-3-8b.json").read_text()), field: value}
+    for read in (ModelSpec.from_hf_config, count_parameters):
+        with pytest.raises(ConfigFieldError, match=re.escape(message)):
+            read(config)
+
+
+def test_a_model_of_a_quadrillion_layers_is_refused_not_built() -> None:
+    from kvlab.errors import KvlabValueError
+
+    with pytest.raises(KvlabValueError, match="num_layers"):
+        _spec(num_layers=10**15)

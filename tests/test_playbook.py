@@ -205,10 +205,10 @@ def test_the_source_arithmetic_reproduces_its_rounded_figures():
 
 def test_the_exact_plans_log_what_vllm_would_print():
     logs = {k: reproduce(k)["exact"].startup_log for k in "abc"}
-    assert logs["a"][1:] == ("GPU KV cache size: 149,600 tokens",
-                             "Maximum concurrency for 8,192 tokens per request: 18.26x")
-    assert logs["b"][2] == "Maximum concurrency for 32,768 tokens per request: 40.98x"
-    assert logs["c"][2] == "Maximum concurrency for 131,072 tokens per request: 2.61x"
+    assert logs["a"][1:] == ("GPU KV cache size: 149,600 tokens, Maximum concurrency for 8,192 tokens per request: "
+                             "18.26x",)
+    assert logs["b"][1].endswith("Maximum concurrency for 32,768 tokens per request: 40.98x")
+    assert logs["c"][1].endswith("Maximum concurrency for 131,072 tokens per request: 2.61x")
     assert all(log[0].startswith("Model loading took ") for log in logs.values())
 
 

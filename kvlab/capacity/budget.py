@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from kvlab._validate import (
     checked,
@@ -120,34 +120,59 @@ class KVCachePlan:
         """The largest ``max_model_len`` at which ``concurrency`` requests all hold their blocks at once."""
         return max_model_len_for(self.num_blocks, self.block_size, concurrency)
 
-    @checked
-    def startup_log(self) -> list[str]:
-        """The lines vLLM prints (or raises) at start-up for this plan.
+    @property
+    def kv_cache_size_tokens(self) -> int:
+        """vLLM 0.33.0's "GPU KV cache size": ``int(max_concurrency x max_model_len)`` (``get_kv_cache_capacity``)."""
+        return int(self.max_concurrency * self.max_model_len)
 
-        Formatted as ``_report_kv_cache_config`` does in ``vllm/v1/core/kv_cache_utils.py``:
-        "GPU KV cache size" is ``num_blocks x block_size`` tokens, null block included, with
-        thousands separators; concurrency is ``%.2fx``. (Some later revisions log
-        ``int(max_concurrency x max_model_len)`` tokens: the same number for full attention
-        when ``max_model_len`` is a multiple of ``block_size``.) A plan that does not fit gets
-        the ``ValueError`` of ``_check_enough_kv_cache_memory`` instead.
+    @checked
+    def startup_log(self, form: StartupLogForm = "0.33.0") -> list[str]:
+        """The line vLLM 0.33.0 logs (or the error it raises) at start-up for this plan.
+
+        0.33.0 logs one line, from ``update_kv_cache_capacity`` in ``vllm/v1/core/kv_cache_utils.py``
+        (``kv_cache_capacity_line``). ``form="article"`` gives instead the two lines the source article
+        quotes (Part 2, section 8.1; it names no vLLM revision), in which "GPU KV cache size" is
+        ``num_blocks x block_size`` tokens: the same number when ``max_model_len`` is a multiple of
+        ``block_size``. A plan that does not fit gets the ``ValueError`` of 0.33.0's
+        ``_check_enough_kv_cache_memory`` (``vllm/v1/core/kv_cache_planning.py``) instead.
         """
         if self.available_bytes <= 0:
-            return ["ValueError: No available memory for the cache blocks. Try increasing "
-                    "`gpu_memory_utilization` when initializing the engine."]
+            return ["ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+                    "when initializing the engine (this flag also controls CPU memory reservation on the CPU "
+                    f"backend, despite its name). {CONSERVING_MEMORY_DOCS}"]
         needed = self.blocks_per_request * self.bytes_per_block
         if needed > self.available_bytes:
             estimate = min(self.num_blocks * self.block_size, self.max_model_len)
             hint = (f"Based on the available memory, the estimated maximum model length is {estimate}. "
                     if estimate > 0 else "")
-            return [f"ValueError: To serve at least one request with the models's max seq len "
-                    f"({self.max_model_len}), ({needed / GiB:.2f} GiB KV cache is needed, which is larger "
-                    f"than the available KV cache memory ({self.available_bytes / GiB:.2f} GiB). {hint}"
-                    "Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when "
-                    "initializing the engine."]
-        return [
-            f"GPU KV cache size: {self.num_blocks * self.block_size:,} tokens",
-            f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x",
-        ]
+            return [f"ValueError: To serve at least one request with the model's max seq len "
+                    f"({self.max_model_len}), ({format_gib(needed)} GiB KV cache is needed, which is larger than "
+                    f"the available KV cache memory ({format_gib(self.available_bytes)} GiB). {hint}"
+                    "Try increasing `gpu_memory_utilization` (which also controls CPU memory on the CPU backend) "
+                    f"or decreasing `max_model_len` when initializing the engine. {CONSERVING_MEMORY_DOCS}"]
+        if form == "article":
+            return [f"GPU KV cache size: {self.num_blocks * self.block_size:,} tokens",
+                    f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"]
+        return [kv_cache_capacity_line(self.kv_cache_size_tokens, self.max_model_len, self.max_concurrency)]
+
+
+#: Which start-up log ``KVCachePlan.startup_log`` prints: vLLM 0.33.0's one line, or the source article's two.
+StartupLogForm = Literal["0.33.0", "article"]
+#: The sentence 0.33.0's memory errors end with (``vllm/v1/core/kv_cache_planning.py``).
+CONSERVING_MEMORY_DOCS = "See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+
+
+@checked
+def format_gib(num_bytes: int) -> str:
+    """GiB as vLLM prints them (``vllm/utils/mem_utils.py``, ``format_gib``): rounded to two decimals, ``%s``."""
+    return f"{round(num_bytes / GiB, 2)}"
+
+
+@checked
+def kv_cache_capacity_line(num_tokens: int, max_model_len: int, max_concurrency: float) -> str:
+    """vLLM 0.33.0's start-up line (``update_kv_cache_capacity``, ``vllm/v1/core/kv_cache_utils.py``)."""
+    return (f"GPU KV cache size: {num_tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens per "
+            f"request: {max_concurrency:.2f}x")
 
 
 def _gib_to_bytes(name: str, value: object, *, allow_zero: bool = True) -> int:
@@ -284,10 +309,13 @@ def resolved_gpu_memory_utilization(gpu_memory_utilization: float | None = None,
     return EXTENSIBLE_KV_CACHE_UTILIZATION if extensible_kv_cache else DEFAULT_GPU_MEMORY_UTILIZATION
 
 
-@checked(signed=("available_bytes",))
+@checked
 def num_gpu_blocks(available_bytes: int, bytes_per_block: int) -> int:
-    """Blocks the pool gets: ``available // bytes_per_block``, and none when nothing is available."""
-    return max(int(available_bytes), 0) // positive_int("bytes_per_block", bytes_per_block)
+    """Blocks the pool gets: ``available // bytes_per_block``, none below zero (vLLM's ``get_num_blocks``).
+
+    A learner's negative ``available_bytes`` is refused; kvlab's own plans pass what is left, which can be.
+    """
+    return max(available_bytes, 0) // positive_int("bytes_per_block", bytes_per_block)
 
 
 @checked

@@ -29,17 +29,41 @@ import dataclasses
 from typing import Any
 
 from kvlab._validate import checked, positive_int
-from kvlab.capacity.budget import DEFAULT_BLOCK_SIZE, KVCachePlan, num_gpu_blocks, plan_kv_cache
+from kvlab.capacity.budget import (
+    DEFAULT_BLOCK_SIZE,
+    KVCachePlan,
+    kv_cache_capacity_line,
+    num_gpu_blocks,
+    plan_kv_cache,
+)
+from kvlab.capacity.hardware import GPUSpec, get_gpu
 from kvlab.capacity.models import ModelSpec, resolve_model
 from kvlab.capacity.sizing import page_size_bytes
 from kvlab.errors import KvlabValueError
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheSpec, SlidingWindowSpec
 from kvlab.units import GiB, cdiv
 
-__all__ = ["HybridKVCachePlan", "describe_groups", "get_kv_cache_groups", "layer_specs", "plan_hybrid_kv_cache"]
+__all__ = ["HybridKVCachePlan", "default_max_num_batched_tokens", "describe_groups", "get_kv_cache_groups",
+           "layer_specs", "plan_hybrid_kv_cache"]
 
-#: EngineArgs' token budget for the offline ``LLM`` class on most GPUs in vLLM 0.33.0 (16384 on an H100/H200).
+#: EngineArgs' token budget for the offline ``LLM`` class on a GPU under 70 GiB or an A100 in vLLM 0.33.0
+#: (``default_max_num_batched_tokens`` gives it for a named GPU: 16,384 on an H100 or H200).
 VLLM_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@checked
+def default_max_num_batched_tokens(gpu: GPUSpec | str, api_server: bool = False) -> int:
+    """vLLM 0.33.0's default ``max_num_batched_tokens`` on ``gpu`` (``EngineArgs.get_batch_defaults``).
+
+    From 160 GiB both the offline ``LLM`` class and the API server get 16,384; from 70 GiB, unless the GPU
+    is an A100, the ``LLM`` class 16,384 and the API server 8,192; otherwise 8,192 and 2,048.
+    """
+    spec = get_gpu(gpu)
+    if spec.memory_gib >= 160:
+        return 16384
+    if spec.memory_gib >= 70 and "a100" not in spec.name.lower():
+        return 8192 if api_server else 16384
+    return 2048 if api_server else VLLM_MAX_NUM_BATCHED_TOKENS
 
 
 @checked
@@ -123,8 +147,7 @@ class HybridKVCachePlan:
     @checked
     def startup_log(self) -> list[str]:
         """vLLM 0.33.0's one start-up line for the pool (``update_kv_cache_capacity``)."""
-        return [f"GPU KV cache size: {self.kv_cache_size_tokens:,} tokens, Maximum concurrency for "
-                f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"]
+        return [kv_cache_capacity_line(self.kv_cache_size_tokens, self.max_model_len, self.max_concurrency)]
 
 
 @checked

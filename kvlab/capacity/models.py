@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvlab._validate import checked, positive_int
+from kvlab.capacity.config_fields import MAX_LAYERS, TORCH_DTYPES, check_config_fields
 from kvlab.data import DATA_DIR
 from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
 
@@ -34,7 +35,6 @@ WEIGHT_DTYPE_BYTES: dict[str, float] = {
     "mxfp4": 4.25 / 8,
     "nvfp4": 0.5625,
 }
-_TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 MODELS_DIR = DATA_DIR / "models"
 
@@ -71,6 +71,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
             positive_int(field, getattr(self, field))
+        if self.num_layers > MAX_LAYERS:  # layer_types holds one entry per layer
+            raise KvlabValueError(f"num_layers must be at most {MAX_LAYERS:,}, got {self.num_layers!r}")
+        object.__setattr__(self, "config", check_config_fields(self.config, "config"))
         if self.weights_dtype not in WEIGHT_DTYPE_BYTES:
             raise UnknownNameError("weights_dtype", self.weights_dtype, WEIGHT_DTYPE_BYTES)
         if self.attention not in ("mha", "gqa", "mqa", "mla"):
@@ -149,12 +152,8 @@ class ModelSpec:
             except (OSError, ValueError) as error:  # missing, unreadable, or not JSON
                 raise KvlabValueError(f"config={str(config)!r}: cannot read {path} as JSON ({error})") from error
             name = name or (path.parent.name if path.name == "config.json" else path.stem)
-        if not isinstance(config, Mapping):
-            raise KvlabValueError(f"config must be a dict or a path to config.json, got {type(config).__name__}")
-        raw = dict(config)
-        cfg = dict(raw)
-        if isinstance(cfg.get("text_config"), Mapping):
-            cfg = {**cfg, **cfg["text_config"]}
+        raw = check_config_fields(config, "config")
+        cfg = {**raw, **(raw.get("text_config") or {})}
 
         def need(key: str) -> Any:
             if cfg.get(key) is None:
@@ -199,7 +198,7 @@ class ModelSpec:
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=rope_dim,
             mha_head_dim=mha_head_dim,
-            num_params=count_parameters(cfg),
+            num_params=_count_parameters(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings"),
             config=raw,
         )
@@ -242,8 +241,7 @@ def _weights_dtype(cfg: Mapping[str, Any]) -> str:
     method = str(quant.get("quant_method", "")).lower()
     if method in WEIGHT_DTYPE_BYTES:
         return method
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    return _TORCH_DTYPES.get(str(dtype), "bf16")
+    return TORCH_DTYPES[cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"]
 
 
 #: The parts ``parameter_parts`` counts. ``routed_experts`` is what expert parallelism splits across GPUs;
@@ -260,7 +258,11 @@ def count_parameters(cfg: Mapping[str, Any]) -> int | None:
     the count needs. Multi-token-prediction layers (``num_nextn_predict_layers``) are not counted:
     serving loads them separately.
     """
-    parts = parameter_parts(cfg)
+    return _count_parameters(check_config_fields(cfg, "cfg"))
+
+
+def _count_parameters(cfg: Mapping[str, Any]) -> int | None:
+    parts = _parameter_parts(cfg)
     return None if parts is None else sum(parts.values())
 
 
@@ -272,6 +274,10 @@ def parameter_parts(cfg: Mapping[str, Any]) -> dict[str, int] | None:
     norm; ``norms`` the per-layer norms around attention and MLP; ``attention`` its projections and
     the norms inside it (MLA's ``q_a_layernorm`` / ``kv_a_layernorm``, Qwen3's q/k norms).
     """
+    return _parameter_parts(check_config_fields(cfg, "cfg"))
+
+
+def _parameter_parts(cfg: Mapping[str, Any]) -> dict[str, int] | None:
     family = cfg.get("model_type", "")
     H, V, L, nq = (cfg.get(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"))
     if None in (H, V, L, nq):

@@ -24,13 +24,14 @@ from kvlab.capacity.budget import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     KVCachePlan,
+    format_gib,
     plan_kv_cache,
 )
 from kvlab.capacity.hardware import GPUSpec, get_gpu
 from kvlab.capacity.models import WEIGHT_DTYPE_BYTES, ModelSpec, resolve_model
 from kvlab.capacity.sizing import canonical_kv_dtype, dtype_bytes, kv_heads_per_rank
 from kvlab.errors import KvlabValueError
-from kvlab.units import GiB, cdiv, format_bytes
+from kvlab.units import cdiv, format_bytes
 
 RankBy = Literal["max_model_len", "typical"]
 #: The source material's advice for the middle band: raise gpu_memory_utilization "to 0.93-0.95".
@@ -367,14 +368,14 @@ class PlaybookResult:
 
 @checked
 def startup_log(deployment: Deployment, plan: KVCachePlan | None = None) -> list[str]:
-    """The lines vLLM prints at start-up: the weights line, then the two KV cache lines (or its error).
+    """The lines vLLM 0.33.0 prints at start-up: the weights line, then the KV cache line (or its error).
 
     The weights line is worded and rounded as vLLM 0.33.0 logs it (``gpu_model_runner.py``:
     "Model loading took %s GiB memory and %.6f seconds", the GiB rounded to two decimals by
     ``format_gib``). Its load time depends on the disk and nothing kvlab models: it is shown as "…".
     """
     plan = plan or deployment.plan()
-    return [f"Model loading took {round(plan.weights_bytes / GiB, 2)} GiB memory and … seconds",
+    return [f"Model loading took {format_gib(plan.weights_bytes)} GiB memory and … seconds",
             *plan.startup_log()]
 
 

@@ -1,11 +1,13 @@
 """Reading vLLM's start-up log backwards: from the lines it prints to a plan that prints them.
 
 A start-up log states three numbers: the weights, the KV cache in tokens, and the maximum
-concurrency at ``max_model_len``. Given the model, those numbers fix the pool: ``tokens x
-bytes per token``. ``reconstruct`` finds that pool, plans it with ``plan_kv_cache`` (as
-``kv_cache_memory_bytes``), checks that the plan logs the same lines, and, given a GPU, says how
+concurrency at ``max_model_len``. Given the model, those numbers fix the pool's blocks, and so its
+bytes. ``reconstruct`` finds that pool, plans it with ``plan_kv_cache`` (as
+``kv_cache_memory_bytes``), checks that the plan logs the same numbers, and, given a GPU, says how
 much non-KV memory (activations, CUDA graphs) the budget must have held for the pool to come out
-so. ``parse_startup_log`` reads vLLM 0.33.0's one-line form as well as the older two lines.
+so. ``parse_startup_log`` reads vLLM 0.33.0's one line (``update_kv_cache_capacity``: tokens =
+``int(max_concurrency x max_model_len)``) as well as the two lines the source article quotes
+(tokens = ``num_blocks x block_size``); ``StartupLog.form`` says which it read.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ import re
 from collections.abc import Iterable
 
 from kvlab._validate import checked, positive_int
-from kvlab.capacity.budget import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, KVCachePlan, plan_kv_cache
+from kvlab.capacity.budget import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    KVCachePlan,
+    StartupLogForm,
+    plan_kv_cache,
+)
 from kvlab.capacity.hardware import GPUSpec, get_gpu
 from kvlab.capacity.models import ModelSpec, resolve_model
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.errors import KvlabValueError
-from kvlab.units import GiB
+from kvlab.units import GiB, cdiv
 
 _WEIGHTS = re.compile(r"Model loading took ([\d.]+) GiB")
-_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens(, Maximum concurrency)?")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
@@ -36,6 +44,7 @@ class StartupLog:
     kv_cache_tokens: int
     max_model_len: int
     max_concurrency: float  # as printed, two decimals
+    form: StartupLogForm  # "0.33.0" (one line) or "article" (the two lines the source article quotes)
 
 
 @checked
@@ -50,7 +59,8 @@ def parse_startup_log(lines: Iterable[str] | str) -> StartupLog:
     return StartupLog(weights_gib=float(weights.group(1)) if weights else None,
                       kv_cache_tokens=int(tokens.group(1).replace(",", "")),
                       max_model_len=int(concurrency.group(1).replace(",", "")),
-                      max_concurrency=float(concurrency.group(2)))
+                      max_concurrency=float(concurrency.group(2)),
+                      form="0.33.0" if tokens.group(2) else "article")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +69,8 @@ class Reconstruction:
 
     log: StartupLog
     plan: KVCachePlan  # the pool planned from the log's tokens
-    pool_bytes: int  # kv_cache_tokens x bytes per token
-    matches: bool  # the plan logs the same tokens and concurrency
+    pool_bytes: int  # the log's blocks x bytes per block
+    matches: bool  # the plan logs the same tokens and concurrency, in the log's form
     gpu: GPUSpec | None
     implied_non_kv_bytes: int | None  # requested - weights - pool, on ``gpu``; None without one
 
@@ -83,18 +93,25 @@ def reconstruct(
 ) -> Reconstruction:
     """The KV pool a start-up log implies for ``model``, planned and checked against the log's own lines.
 
-    The log's token count must be a whole number of blocks (vLLM's pool is); the plan then uses
-    ``kv_cache_memory_bytes`` = tokens x bytes per token. With ``gpu``, ``implied_non_kv_bytes``
+    The pool is a whole number of blocks: the article's two lines count ``num_blocks x block_size`` tokens
+    (which must then be a whole number of blocks), 0.33.0's line ``int(num_blocks / blocks_per_request x
+    max_model_len)``, whose smallest ``num_blocks`` is taken. The plan then uses ``kv_cache_memory_bytes``
+    = blocks x bytes per block. With ``gpu``, ``implied_non_kv_bytes``
     is what the budget ``ceil(total x gpu_memory_utilization)`` must have lost besides the weights
     the log states and the pool (negative: the log cannot come from that GPU).
     """
     spec = resolve_model(model)
     log = parse_startup_log(lines)
     block_size = positive_int("block_size", block_size)
-    if log.kv_cache_tokens % block_size:
-        raise KvlabValueError(f"the log's {log.kv_cache_tokens:,} tokens are not a whole number of blocks of "
-                              f"block_size={block_size}")
-    pool = log.kv_cache_tokens * kv_bytes_per_token(spec, kv_dtype, tp)
+    if log.form == "article":
+        if log.kv_cache_tokens % block_size:
+            raise KvlabValueError(f"the log's {log.kv_cache_tokens:,} tokens are not a whole number of blocks of "
+                                  f"block_size={block_size}")
+        num_blocks = log.kv_cache_tokens // block_size
+    else:  # tokens = int(num_blocks / per_request x max_model_len): the smallest num_blocks that logs it
+        per_request = cdiv(log.max_model_len, block_size)
+        num_blocks = cdiv(log.kv_cache_tokens * per_request, log.max_model_len)
+    pool = num_blocks * block_size * kv_bytes_per_token(spec, kv_dtype, tp)
     gpu_spec = None if gpu is None else get_gpu(gpu)
     weights_gib = log.weights_gib or 0.0
     room = gpu_spec.memory_gib if gpu_spec else pool / GiB + weights_gib + 1  # without a GPU: one that holds both
@@ -102,8 +119,7 @@ def reconstruct(
                          gpu_memory_utilization=gpu_memory_utilization, weights_gib=weights_gib,
                          kv_cache_memory_gib=pool / GiB, kv_dtype=kv_dtype, block_size=block_size,
                          max_model_len=log.max_model_len, tp=tp)
-    matches = (plan.num_blocks * plan.block_size == log.kv_cache_tokens
-               and f"{plan.max_concurrency:.2f}" == f"{log.max_concurrency:.2f}")
+    matches = parse_startup_log(plan.startup_log(form=log.form)) == dataclasses.replace(log, weights_gib=None)
     implied = None
     if gpu_spec is not None and log.weights_gib is not None:
         implied = math.ceil(gpu_spec.memory_bytes * gpu_memory_utilization) - round(log.weights_gib * GiB) - pool

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvlab._validate import positive_int, positive_number
+from kvlab.capacity.config_fields import check_config_fields
 from kvlab.capacity.models import ModelSpec
 from kvlab.errors import CheckpointError, KvlabValueError, MissingConfigKeyError, UnknownNameError
 
@@ -90,9 +91,7 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], name: str | None = None) -> DecoderConfig:
         """Read and check a ``config.json`` dict; unsupported architectures and bad values raise naming the field."""
-        if not isinstance(config, Mapping):
-            raise KvlabValueError(f"a config must be a JSON object (a dict of fields), got a {type(config).__name__}")
-        cfg = dict(config)
+        cfg = check_config_fields(config)  # every field's type and range, by the field's name
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnknownNameError("model_type", model_type, SUPPORTED_MODEL_TYPES)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvlab._validate import positive_int, positive_number
+from kvlab.capacity.config_fields import check_config_fields
 from kvlab.capacity.mla import MLADims, mla_dims
 from kvlab.capacity.models import ModelSpec
 from kvlab.engine.config import config_from_pretrained, eos_token_ids
@@ -64,7 +65,7 @@ class DeepseekConfig:
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], name: str | None = None) -> DeepseekConfig:
         """Read and check a ``config.json`` dict; unsupported variants raise naming the field."""
-        cfg = dict(config)
+        cfg = check_config_fields(config)  # every field's type and range, by the field's name
         if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
             raise UnknownNameError("model_type", cfg.get("model_type"), SUPPORTED_MODEL_TYPES)
         _refuse_unsupported(cfg)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvlab.capacity.config_fields import check_config_fields
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.errors import KvlabValueError
 
@@ -69,7 +70,7 @@ def compare_allocations(model_dir: str | os.PathLike, prompts: Sequence[Sequence
 def without_sliding_window(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Copy a checkpoint with every layer full attention (``layer_types``): the same weights, no window."""
     src, dst = Path(model_dir), Path(out_dir)
-    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    config = dict(check_config_fields(json.loads((src / "config.json").read_text(encoding="utf-8"))))
     if not config.get("layer_types") or "sliding_attention" not in config["layer_types"]:
         raise KvlabValueError(f"{src / 'config.json'} has no sliding-window layer in layer_types: nothing to drop")
     shutil.copytree(src, dst, dirs_exist_ok=True)

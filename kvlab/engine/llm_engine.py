@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvlab.capacity.budget import KVCachePlan
+from kvlab.capacity.budget import KVCachePlan, format_gib
 from kvlab.capacity.hybrid import HybridKVCachePlan
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
@@ -50,7 +50,6 @@ from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.registry import kv_cache_specs
 from kvlab.errors import KvlabValueError, RequestStateError
-from kvlab.units import GiB
 
 
 class LLMEngine:
@@ -145,7 +144,7 @@ class LLMEngine:
 
     def startup_log(self) -> list[str]:
         """The start-up lines a vLLM user reads: weights, KV cache size, maximum concurrency."""
-        return [f"Model loading took {self.weights_bytes / GiB:.4f} GiB memory and {self.load_seconds:.6f} seconds",
+        return [f"Model loading took {format_gib(self.weights_bytes)} GiB memory and {self.load_seconds:.6f} seconds",
                 *self.plan.startup_log()]
 
     # ----------------------------------------------------------------- requests
@@ -223,9 +222,9 @@ class LLMEngine:
         """Abort requests, as vLLM's ``LLMEngine.abort_request``: free their blocks, finish them with "abort".
 
         A parent's id aborts its parallel samples too (``n > 1``), as vLLM's output processor does.
-        Ids that are unknown or already finished are ignored, as in vLLM. Each aborted request
-        counts in ``vllm:request_success_total{finished_reason="abort"}``; vLLM 0.33.0 drops a
-        client-aborted request before its statistics are taken, so there that count stays 0.
+        Ids that are unknown or already finished are ignored, as in vLLM. An aborted request is not
+        counted in ``vllm:request_success_total``: vLLM 0.33.0's ``OutputProcessor.abort_requests`` drops
+        it before ``_update_stats_from_finished`` would count it, so the "abort" label stays 0.
         Returns the ids aborted, samples included.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -281,7 +280,8 @@ class LLMEngine:
                 self.latency.tokens(out.request_id, bool(out.new_token_ids), out.finished, now)
             if out.finished:
                 self.finish_reasons[out.request_id] = out.finish_reason
-                self.metrics.record_finished(out.finish_reason)
+                if out.finish_reason != "abort":  # a client's abort is dropped before vLLM counts it
+                    self.metrics.record_finished(out.finish_reason)
             if out.error is not None:
                 self.errors[out.request_id] = out.error
 

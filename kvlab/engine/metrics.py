@@ -9,7 +9,9 @@ rate(vllm:prefix_cache_queries_total[5m])``. Prefix-cache counters are in tokens
 count only first admissions: a preempted request re-finding its own blocks is not a hit.
 
 ``vllm:request_success`` counts finished requests by ``finished_reason`` (stop, length, abort,
-error, repetition: vLLM exports all five, kvlab never repeats-detects so its last stays 0).
+error, repetition: vLLM exports all five). A client's abort is never counted: vLLM 0.33.0's
+``OutputProcessor.abort_requests`` drops the request before ``_update_stats_from_finished``, so
+``LLMEngine`` leaves "abort" at 0, and kvlab never repeats-detects, so "repetition" stays 0 too.
 
 ``LatencyMetrics`` keeps vLLM's request-latency histograms: time to first token, the time
 between a request's consecutive tokens (``vllm:inter_token_latency_seconds``), each request's

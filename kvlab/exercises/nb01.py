@@ -138,8 +138,11 @@ register(Exercise(
     task=(
         "Return the bytes of KV one request of `tokens` tokens holds. A layer that slides keeps "
         "only the last `sliding_window` tokens. If the config lists `layer_types`, the layers marked "
-        "'sliding_attention' slide; without `layer_types`, a non-null `sliding_window` applies to "
-        "every layer (as in Mistral-7B-v0.1)."
+        "'sliding_attention' slide. Without `layer_types`, a non-null `sliding_window` follows the model "
+        "family's rule, as `ModelSpec.from_hf_config` reads it: Gemma 2 (`model_type` 'gemma2') alternates, "
+        "even layers sliding; Qwen2/Qwen3 slide only with `use_sliding_window: true` (Qwen2.5's files carry "
+        "a window but set it false), from layer `max_window_layers` on; any other family slides in every "
+        "layer (as in Mistral-7B-v0.1)."
     ),
     signature="def request_bytes(config: dict, tokens: int, kv_dtype: str = 'bf16') -> int:",
     reference=request_bytes,
@@ -158,8 +161,9 @@ register(Exercise(
     hints=[
         "Count, layer by layer, how many tokens the layer keeps; then multiply by the bytes one "
         "token takes in one layer.",
-        "Which layers slide? Those marked 'sliding_attention' in layer_types; a config without layer_types but "
-        "with a sliding_window slides in every layer.",
+        "Which layers slide? Those marked 'sliding_attention' in layer_types; without layer_types, Gemma 2 "
+        "alternates, Qwen2/Qwen3 follow use_sliding_window, and any other config with a sliding_window slides "
+        "in every layer.",
         "A sliding layer keeps min(tokens, sliding_window) tokens; a full-attention layer keeps all of them.",
         "Reuse your bytes_per_token: per-layer bytes = bytes_per_token(config, kv_dtype) // num_hidden_layers.",
     ],

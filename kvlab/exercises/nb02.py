@@ -239,11 +239,11 @@ def _startup_values() -> dict[str, Any]:
 ask(
     "02.q1",
     ("Preset A: Llama-3-70B in bf16 on a 160 GiB GPU at gpu_memory_utilization 0.92, 130 GiB of weights, block "
-     "64, max_model_len 8192. What two lines does vLLM print at start-up, and how many token slots can requests "
+     "64, max_model_len 8192. What line does vLLM 0.33.0 print at start-up, and how many token slots can requests "
      "really use?"),
     _startup_values,
     lambda v: (
-        f"{v['log'][0]} and {v['log'][1]}. The pool has {v['num_blocks']} blocks of {format_bytes(v['block_bytes'])}, "
+        f"{v['log'][0]}. The pool has {v['num_blocks']} blocks of {format_bytes(v['block_bytes'])}, "
         f"but block 0 is the null block, so requests can use {v['usable_tokens']:,} token slots: "
         f"{v['usable_concurrency']} requests of {v['max_model_len']:,} tokens held whole at once "
         f"({v['max_concurrency']:.3f} before rounding down)."

@@ -288,7 +288,7 @@ ask(
      "vLLM really log for Qwen2.5-32B-Instruct, and where does the difference come from?"),
     _deployment_c,
     lambda v: (
-        f"{v['log'][2]}, against the source's {v['source']:.2f}x. The source assumes 160 KB of KV per token; the real "
+        f"{v['log'][1]}, against the source's {v['source']:.2f}x. The source assumes 160 KB of KV per token; the real "
         f"config (64 layers, 8 KV heads of 128 dimensions, bf16) stores {v['per_token'] // 1024} KiB, split over the "
         "two GPUs. The reported 80 GiB per A100 and the source's decimal units move the figure much less."
     ),

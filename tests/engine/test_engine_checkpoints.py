@@ -90,17 +90,18 @@ def test_a_config_json_that_is_not_a_json_object_is_refused(checkpoint, text, wo
 
 
 @pytest.mark.parametrize("changes, words", [
-    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
-    ({"num_attention_heads": "4"}, "num_attention_heads must be a positive integer, got '4'"),
-    ({"rms_norm_eps": "1e-6"}, r"rms_norm_eps must be a finite number >= 0, got '1e-6'"),
-    ({"rms_norm_eps": -1.0}, r"rms_norm_eps must be a finite number >= 0, got -1\.0"),
-    ({"rms_norm_eps": 0.0}, r"rms_norm_eps must be a finite number > 0"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, r"rope_theta must be a finite number >= 0"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": math.nan}}, "rope_theta must be a finite number"),
-    ({"rope_parameters": None, "rope_theta": 0}, "rope_theta must be a finite number > 0"),  # the older spelling
-    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
-    ({"eos_token_id": "2"}, "eos_token_id must be a token id"),
-    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+    ({"hidden_size": "64"}, r"config\.json field 'hidden_size' must be a positive integer .*, got '64'"),
+    ({"num_attention_heads": "4"}, r"field 'num_attention_heads' must be a positive integer .*, got '4'"),
+    ({"rms_norm_eps": "1e-6"}, r"field 'rms_norm_eps' must be a finite number > 0 .*, got '1e-6'"),
+    ({"rms_norm_eps": -1.0}, r"field 'rms_norm_eps' must be a finite number > 0 .*, got -1\.0"),
+    ({"rms_norm_eps": 0.0}, r"field 'rms_norm_eps' must be a finite number > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}},
+     r"field 'rope_parameters\.rope_theta' must be a finite number > 0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": math.nan}}, "rope_theta' must be a finite number"),
+    ({"rope_parameters": None, "rope_theta": 0}, "field 'rope_theta' must be a finite number > 0"),  # older spelling
+    ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' must be true or false"),
+    ({"eos_token_id": "2"}, "field 'eos_token_id' must be a token id"),
+    ({"max_position_embeddings": 0}, "field 'max_position_embeddings' must be a positive integer"),
 ])
 def test_bad_values_in_config_json_are_refused_naming_the_file_and_the_field(checkpoint, changes, words):
     edit_config(checkpoint, **changes)

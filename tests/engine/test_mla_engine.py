@@ -43,8 +43,8 @@ def test_the_pool_holds_one_latent_per_token_and_layer_exactly_as_planned(tiny_d
     assert per_token == 2 * 1 * 40 * 4 == 320                                          # f = 1, one head of L + R
     assert eng.plan.bytes_per_block == sum(s.page_size_bytes for s in eng.kv_cache_specs) == 16 * per_token
     assert eng.kv_cache_bytes == eng.plan.kv_pool_bytes == 40 * 16 * per_token
-    assert eng.startup_log()[1:] == ["GPU KV cache size: 640 tokens",
-                                     "Maximum concurrency for 512 tokens per request: 1.25x"]
+    assert eng.startup_log()[1:] == ["GPU KV cache size: 640 tokens, Maximum concurrency for 512 tokens per "
+                                     "request: 1.25x"]
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek"])

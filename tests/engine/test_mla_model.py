@@ -20,7 +20,7 @@ from kvlab.engine.deepseek_rope import DeepseekRotaryEmbedding, deepseek_rope, y
 from kvlab.engine.evaluation import relative_error
 from kvlab.engine.mla import MLAAttention, allocate_mla_kv_caches
 from kvlab.engine.toy import random_token_ids
-from kvlab.errors import KvlabValueError, MissingConfigKeyError, UnknownNameError
+from kvlab.errors import ConfigFieldError, KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 DSV3_JSON = json.loads((DATA_DIR / "models" / "deepseek-v3.json").read_text())
 
@@ -90,7 +90,8 @@ def test_the_rotation_equals_transformers_bit_for_bit(interleave, tiny_deepseek_
     ({"scoring_func": "softmax"}, KvlabValueError, "scoring_func"),
     ({"attention_bias": True}, KvlabValueError, "attention_bias"),
     ({"n_group": 3}, KvlabValueError, "n_group"),
-    ({"kv_lora_rank": 0}, MissingConfigKeyError, "kv_lora_rank"),
+    ({"kv_lora_rank": 0}, ConfigFieldError, "kv_lora_rank"),  # the door: 0 is no rank at all
+    ({"kv_lora_rank": None}, MissingConfigKeyError, "kv_lora_rank"),
 ])
 def test_variants_kvlab_does_not_compute_are_refused_by_name(tiny_deepseek_dir, change, error, words):
     config = json.loads((tiny_deepseek_dir / "config.json").read_text())
