@@ -22,8 +22,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(FP8_DTYPE).max)      # 448.0
 E4M3_MIN_NORMAL = 2.0**-6                          # below this only subnormal steps of 2^-9 remain
-K_SCALE_CONSTANT = 200.0                           # vLLM: k_scale = amax(|k|) / 200
-V_SCALE_CONSTANT = 100.0                           # vLLM: v_scale = amax(|v|) / 100
+K_SCALE_CONSTANT = 200.0                           # kvlab's calibration: k_scale = amax(|k|) / 200
+V_SCALE_CONSTANT = 100.0                           # kvlab's calibration: v_scale = amax(|v|) / 100
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -37,7 +37,7 @@ def dequantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def calibrated_scale(x: torch.Tensor, range_constant: float = K_SCALE_CONSTANT) -> float:
-    """A per-tensor scale from data, as vLLM's ``calc_kv_scales``: ``amax(|x|) / range_constant``."""
+    """A per-tensor scale measured from data (kvlab's calibration, not 0.33.0's): ``amax(|x|) / range_constant``."""
     amax = float(x.abs().max())
     return amax / range_constant if amax > 0 else 1.0
 

@@ -164,7 +164,7 @@ CONSERVING_MEMORY_DOCS = "See https://docs.vllm.ai/en/latest/configuration/conse
 
 @checked
 def format_gib(num_bytes: int) -> str:
-    """GiB as vLLM prints them (``vllm/utils/mem_utils.py``, ``format_gib``): rounded to two decimals, ``%s``."""
+    """GiB as vLLM prints them (``format_gib`` in ``vllm/utils/mem_utils.py``): ``round(b / GiB, 2)`` as text."""
     return f"{round(num_bytes / GiB, 2)}"
 
 
@@ -311,7 +311,10 @@ def resolved_gpu_memory_utilization(gpu_memory_utilization: float | None = None,
 
 @checked
 def num_gpu_blocks(available_bytes: int, bytes_per_block: int) -> int:
-    """Blocks the pool gets: ``available // bytes_per_block``, none below zero (vLLM's ``get_num_blocks``).
+    """Blocks the pool gets: ``available // bytes_per_block``, none below zero.
+
+    vLLM 0.33.0 computes ``available_memory // bytes_per_block`` in ``get_kv_cache_config_from_groups``
+    (``vllm/v1/core/kv_cache_planning.py``), after ``_check_enough_kv_cache_memory`` stopped a budget <= 0.
 
     A learner's negative ``available_bytes`` is refused; kvlab's own plans pass what is left, which can be.
     """

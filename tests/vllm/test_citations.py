@@ -20,13 +20,7 @@ ALLOWLIST = {
 }
 
 #: Stale statements another branch fixes: fixed on branch b-config. The lead empties this list after merging it.
-KNOWN_PENDING = {
-    ("02_budget_simulator.ipynb cell 12", "_report_kv_cache_config"),  # fixed on branch b-config (start-up log)
-    ("kvlab/capacity/budget.py", "_report_kv_cache_config"),  # fixed on branch b-config (start-up log)
-    ("kernels/fp8.py", "--calculate-kv-scales"),  # fixed on branch b-config (FP8 scales)
-    ("kernels/fp8.py", "V_SCALE_CONSTANT"),  # fixed on branch b-config (FP8 scales: not in 0.33.0's vllm/envs.py)
-    ("kernels/fp8.py", "calc_kv_scales"),  # fixed on branch b-config (FP8 scales)
-}
+KNOWN_PENDING: set[tuple[str, str]] = set()  # b-config fixed every entry it held
 
 
 def pending(claim: Claim) -> bool:
