@@ -6,9 +6,11 @@
 * patching kvlab's module data cannot move the expected values, and the message says what changed.
 """
 
+import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -359,3 +361,24 @@ def test_a_function_that_cannot_be_sent_is_checked_here_and_says_so():
 
         result = ex.check("01.bytes_per_token", holds_a_socket, seed=1)
     assert result.passed and "checked in this kernel, not in a fresh process" in result.message
+
+
+_ONE_CHECK_AND_EXIT = """
+import kvlab.exercises as ex
+from kvlab.exercises.isolated import CHECKER
+
+assert ex.check("01.bytes_per_token", lambda config, kv_dtype="bf16": 0, seed=1).status == "fail"
+print(CHECKER._process.pid)
+"""
+
+
+def test_the_checking_process_ends_with_the_kernel():
+    done = subprocess.run([sys.executable, "-c", _ONE_CHECK_AND_EXIT], capture_output=True, text=True, timeout=120)
+    pid = int(done.stdout.split()[-1])
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the checker {pid} outlived its kernel")

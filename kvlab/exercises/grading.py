@@ -25,7 +25,8 @@ from kvlab.exercises.records import (
 )
 from kvlab.exercises.state import STATE
 
-__all__ = ["CheckResult", "cases_for", "copies", "failure_lines", "grade", "judge", "limit_for", "state_note"]
+__all__ = ["CheckResult", "cases_for", "copies", "failure_lines", "grade", "judge", "limit_for", "not_attempted",
+           "state_note"]
 
 
 class ReportedError(Exception):  # noqa: N818  (the learner's exception, as its process reported it)
@@ -166,6 +167,14 @@ def _not_attempted(error: BaseException | None) -> bool:
     return isinstance(error, NotImplementedError) or (isinstance(error, ReportedError) and error.not_implemented)
 
 
+def not_attempted(exercise: Exercise) -> CheckResult:
+    """The result for a function that still raises ``NotImplementedError`` on the first case."""
+    return CheckResult(exercise.id, "not attempted", 0,
+                       f"… {exercise.id} ({exercise.title}): not attempted yet. Replace the "
+                       f"`raise NotImplementedError` and run the cell again; hint(\"{exercise.id}\") gives "
+                       "a first nudge.")
+
+
 def grade(exercise: Exercise, cases: list[Case], seed: int, limit: float, run_case: Callable[[int, Case], Outcome],
           expected_for: Callable[[Case], Any], notes: Callable[[], list[str]]) -> CheckResult:
     """Run the cases in order (``run_case`` calls the learner's function, ``expected_for`` the reference) and
@@ -173,10 +182,7 @@ def grade(exercise: Exercise, cases: list[Case], seed: int, limit: float, run_ca
     for number, case in enumerate(cases, start=1):
         outcome = run_case(number, case)
         if number == 1 and _not_attempted(outcome.error):
-            return CheckResult(exercise.id, "not attempted", 0,
-                               f"… {exercise.id} ({exercise.title}): not attempted yet. Replace the "
-                               f"`raise NotImplementedError` and run the cell again; hint(\"{exercise.id}\") gives "
-                               "a first nudge.")
+            return not_attempted(exercise)
         expected = expected_for(case)
         verdict = judge(exercise, case, expected, outcome, limit)
         if verdict.got is not None:

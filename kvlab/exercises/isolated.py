@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import importlib
 import io
 import os
 import pickle
@@ -122,8 +124,10 @@ def _as_sent(value: Any) -> tuple:
         return ("not comparable", type_name(value), str(why))
 
 
-def _learner_process(request: dict, cases: list, fd: int) -> None:
+def _learner_process(request: dict, fd: int) -> None:
     """Call the learner's function on every case in order; send each outcome as plain data."""
+    sys.path[:] = request["path"]
+    cases = cases_for(get_exercise(request["exercise_id"]), request["seed"])  # drawn before any learner code runs
     sys.stdout = sys.stderr = _Printed(fd)
     try:
         function = pickle.loads(request["function"])
@@ -171,8 +175,12 @@ class _Learner:
             self.stopped = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, 0)
+
+    def reap(self) -> None:
+        """Wait for the killed process to end (after the reply: its teardown need not delay it)."""
+        self.stop()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
 
     def outcome(self, number: int, case: Any = None) -> Outcome:
         """Case ``number``'s outcome; past a limit, the process is killed and the case timed out."""
@@ -227,21 +235,33 @@ def _changed_note(changed: list[tuple[str, str]]) -> list[str]:
             "kvlab is as it was)."]
 
 
-def _judge(request: dict, reply_fd: int) -> None:
-    """Draw the cases, fork the learner's process, grade its outcomes, send the result."""
+def _judge(request_fd: int, reply_fd: int) -> None:
+    """Fork the learner's process, wait for a request, draw its cases, grade the outcomes, send the result.
+
+    Both processes exist before the request comes (``_spare``), so no fork delays a check.
+    """
+    learner_request_fd, to_learner_fd = os.pipe()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the learner's process: it never sees an expected value
+        try:
+            for fd in (to_learner_fd, read_fd, request_fd, reply_fd):
+                os.close(fd)
+            with contextlib.suppress(EOFError):
+                _learner_process(_receive(learner_request_fd, plain=True), write_fd)
+        finally:
+            os._exit(0)
+    for fd in (learner_request_fd, write_fd):
+        os.close(fd)
+    try:
+        request = _receive(request_fd, plain=True)
+    except EOFError:  # the checker ended before this spare was used
+        return
+    _send(to_learner_fd, request)
     sys.path[:] = request["path"]
     exercise = get_exercise(request["exercise_id"])
     limit = limit_for(exercise, request["time_limit"])
     cases = cases_for(exercise, request["seed"])
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the learner's process: it never sees an expected value
-        os.close(read_fd)
-        try:
-            _learner_process(request, cases, write_fd)
-        finally:
-            os._exit(0)
-    os.close(write_fd)
     learner = _Learner(pid, read_fd, limit)
     reference = exercise.prepare(exercise.reference) if exercise.prepare else exercise.reference
 
@@ -256,44 +276,72 @@ def _judge(request: dict, reply_fd: int) -> None:
         learner.stop()
     if learner.setup_error is not None and result.cases_run <= 1 and result.status != "pass":
         _send(reply_fd, ("not sendable", learner.setup_error[1]))
-        return
-    try:
-        _send(reply_fd, ("result", result, "".join(learner.printed)))
-    except Exception:  # noqa: BLE001  (a case or value pickle cannot write: the message is what matters)
-        plain = CheckResult(result.exercise_id, result.status, result.cases_run, result.message, seed=result.seed)
-        _send(reply_fd, ("result", plain, "".join(learner.printed)))
+    else:
+        try:
+            _send(reply_fd, ("result", result, "".join(learner.printed)))
+        except Exception:  # noqa: BLE001  (a case or value pickle cannot write: the message is what matters)
+            plain = CheckResult(result.exercise_id, result.status, result.cases_run, result.message, seed=result.seed)
+            _send(reply_fd, ("result", plain, "".join(learner.printed)))
+    learner.reap()
+
+
+def _spare(requests_fd: int, reply_fd: int) -> tuple[int, int]:
+    """Fork a judge (which forks its learner's process) to wait for the next request: (pid, fd to send it on)."""
+    request_fd, send_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(send_fd)
+            os.close(requests_fd)
+            _judge(request_fd, reply_fd)
+        except BaseException as exc:  # noqa: BLE001  (the judge must answer, whatever happened)
+            with contextlib.suppress(Exception):
+                _send(reply_fd, ("broken", f"{type(exc).__name__}: {exc}"))
+        finally:
+            os._exit(0)
+    os.close(request_fd)
+    return pid, send_fd
+
+
+def _retire(spare: tuple[int, int]) -> None:
+    """End a spare judge that was never used (it reads EOF) and wait for it."""
+    os.close(spare[1])
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(spare[0], 0)
 
 
 def serve() -> None:
-    """The checker's loop: one request at a time on stdin, each graded in a forked judge; ends at EOF."""
+    """The checker's loop: one request at a time on stdin, each graded by a spare judge; ends at EOF."""
     requests, reply_fd = os.dup(0), os.dup(1)
     os.dup2(2, 1)  # a stray print (a warning at import) must not land in the replies
     with open(os.devnull, "rb") as devnull:
         os.dup2(devnull.fileno(), 0)
+    gc.freeze()  # what kvlab imported stays out of the collector's way: fewer pages copied in each fork
     _send(reply_fd, ("ready", kvlab_code()))
+    spare = _spare(requests, reply_fd)
     while True:
         try:
             request = _receive(requests, plain=True)
         except EOFError:
+            _retire(spare)
             return
         if request["kind"] == "data":
             _send(reply_fd, ("data", module_data(request["modules"])))
             continue
-        for module_name in request["modules"]:
-            if module_name not in sys.modules:
+        missing = [m for m in request["modules"] if m not in sys.modules]
+        if missing:  # imported once here (a test module, a learner's own file), for every later judge
+            sys.path[:] = request["path"]
+            for module_name in missing:
                 with contextlib.suppress(Exception):
-                    sys.path[:] = request["path"]
-                    __import__(module_name)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                _judge(request, reply_fd)
-            except BaseException as exc:  # noqa: BLE001  (the judge must answer, whatever happened)
-                with contextlib.suppress(Exception):
-                    _send(reply_fd, ("broken", f"{type(exc).__name__}: {exc}"))
-            finally:
-                os._exit(0)
-        _, status = os.waitpid(pid, 0)
+                    importlib.import_module(module_name)
+            gc.freeze()
+            _retire(spare)
+            spare = _spare(requests, reply_fd)
+        (judge, send_fd), spare = spare, None
+        _send(send_fd, request)
+        os.close(send_fd)
+        spare = _spare(requests, reply_fd)
+        _, status = os.waitpid(judge, 0)
         if status != 0:
             _send(reply_fd, ("broken", f"the judging process ended with status {status}"))
 

@@ -5,14 +5,19 @@ change lasts until the kernel restarts. The references that ``check`` runs read 
 module globals, so a patch could move the expected values towards a wrong answer. This
 module keeps kvlab's own values and puts them back for exactly as long as a reference runs.
 
-Where kvlab's own values come from: a fresh Python process imports the same kvlab modules and
-sends their module-level data back (pickled), once per kernel and module. A copy taken in this
+Where kvlab's own values come from: a fresh Python process (the checking process of
+``isolated.py`` when it runs) imports the same kvlab modules and sends their module-level data
+back (pickled), once per kernel and module. A copy taken in this
 process could already hold a patch made before ``kvlab.exercises`` was imported; the fresh
 process cannot. Guarded are the public module-level *data* (numbers, strings, bytes, paths and
 containers or dataclasses of them) of the layers the references read at call time: the top
 level, ``capacity``, ``core`` and ``sim``. Functions and classes are not compared: a rebound
 function could not be told from a lazily bound one. Where no process can be started, the
 values at import of ``kvlab.exercises`` stand in, and ``source`` says so.
+
+Code is compared apart (``kvlab_code``): each public function, class and method of kvlab's by
+where it was defined, so ``check`` can name what a notebook replaced (``core.judge``,
+``ModelSpec.kv_factor``) next to kvlab as the fresh process has it.
 """
 
 from __future__ import annotations
