@@ -124,10 +124,9 @@ def _as_sent(value: Any) -> tuple:
         return ("not comparable", type_name(value), str(why))
 
 
-def _learner_process(request: dict, fd: int) -> None:
+def _learner_process(request: dict, cases: list, fd: int) -> None:
     """Call the learner's function on every case in order; send each outcome as plain data."""
     sys.path[:] = request["path"]
-    cases = cases_for(get_exercise(request["exercise_id"]), request["seed"])  # drawn before any learner code runs
     sys.stdout = sys.stderr = _Printed(fd)
     try:
         function = pickle.loads(request["function"])
@@ -149,8 +148,8 @@ def _learner_process(request: dict, fd: int) -> None:
         _send(fd, ("returned", number))
         if sent[0] == "value":
             sent = _as_sent(sent[1])
-        # Reading kvlab's data takes a few ms: after cases 1, 2, 4, 8, ... and the last, not after each.
-        changed = STATE.changed_since(before) if number & (number - 1) == 0 or number == len(cases) else None
+        # Reading kvlab's data takes a few ms: after the first case and the last, not after each.
+        changed = STATE.changed_since(before) if number in (1, len(cases)) else None
         try:
             _send(fd, ("done", number, sent, changed))
         except Exception as exc:  # noqa: BLE001  (a value pickle cannot write)
@@ -235,10 +234,11 @@ def _changed_note(changed: list[tuple[str, str]]) -> list[str]:
             "kvlab is as it was)."]
 
 
-def _judge(request_fd: int, reply_fd: int) -> None:
+def _judge(request_fd: int, reply_fd: int, code: tuple[int, dict[str, str]]) -> None:
     """Fork the learner's process, wait for a request, draw its cases, grade the outcomes, send the result.
 
-    Both processes exist before the request comes (``_spare``), so no fork delays a check.
+    Both processes exist before the request comes (``_spare``), so no fork delays a check. ``code`` is
+    kvlab's code as the checker has it (``state.kvlab_code``), with a version: sent when the kernel's is older.
     """
     learner_request_fd, to_learner_fd = os.pipe()
     read_fd, write_fd = os.pipe()
@@ -248,7 +248,7 @@ def _judge(request_fd: int, reply_fd: int) -> None:
             for fd in (to_learner_fd, read_fd, request_fd, reply_fd):
                 os.close(fd)
             with contextlib.suppress(EOFError):
-                _learner_process(_receive(learner_request_fd, plain=True), write_fd)
+                _learner_process(*_receive(learner_request_fd), write_fd)  # the judge's (request, cases)
         finally:
             os._exit(0)
     for fd in (learner_request_fd, write_fd):
@@ -257,11 +257,11 @@ def _judge(request_fd: int, reply_fd: int) -> None:
         request = _receive(request_fd, plain=True)
     except EOFError:  # the checker ended before this spare was used
         return
-    _send(to_learner_fd, request)
     sys.path[:] = request["path"]
     exercise = get_exercise(request["exercise_id"])
     limit = limit_for(exercise, request["time_limit"])
     cases = cases_for(exercise, request["seed"])
+    _send(to_learner_fd, (request, cases))
     learner = _Learner(pid, read_fd, limit)
     reference = exercise.prepare(exercise.reference) if exercise.prepare else exercise.reference
 
@@ -274,18 +274,19 @@ def _judge(request_fd: int, reply_fd: int) -> None:
                        lambda: _changed_note(learner.changed))
     finally:
         learner.stop()
+    news = code if request["code_version"] != code[0] else None
     if learner.setup_error is not None and result.cases_run <= 1 and result.status != "pass":
         _send(reply_fd, ("not sendable", learner.setup_error[1]))
     else:
         try:
-            _send(reply_fd, ("result", result, "".join(learner.printed)))
+            _send(reply_fd, ("result", result, "".join(learner.printed), news))
         except Exception:  # noqa: BLE001  (a case or value pickle cannot write: the message is what matters)
             plain = CheckResult(result.exercise_id, result.status, result.cases_run, result.message, seed=result.seed)
-            _send(reply_fd, ("result", plain, "".join(learner.printed)))
+            _send(reply_fd, ("result", plain, "".join(learner.printed), news))
     learner.reap()
 
 
-def _spare(requests_fd: int, reply_fd: int) -> tuple[int, int]:
+def _spare(requests_fd: int, reply_fd: int, code: tuple[int, dict[str, str]]) -> tuple[int, int]:
     """Fork a judge (which forks its learner's process) to wait for the next request: (pid, fd to send it on)."""
     request_fd, send_fd = os.pipe()
     pid = os.fork()
@@ -293,7 +294,7 @@ def _spare(requests_fd: int, reply_fd: int) -> tuple[int, int]:
         try:
             os.close(send_fd)
             os.close(requests_fd)
-            _judge(request_fd, reply_fd)
+            _judge(request_fd, reply_fd, code)
         except BaseException as exc:  # noqa: BLE001  (the judge must answer, whatever happened)
             with contextlib.suppress(Exception):
                 _send(reply_fd, ("broken", f"{type(exc).__name__}: {exc}"))
@@ -316,9 +317,13 @@ def serve() -> None:
     os.dup2(2, 1)  # a stray print (a warning at import) must not land in the replies
     with open(os.devnull, "rb") as devnull:
         os.dup2(devnull.fileno(), 0)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # the judge and the learner's process run side by side on exercise-sized tensors:
+        torch.set_num_threads(1)  # one thread each (two spinning thread pools made a check 80x slower)
     gc.freeze()  # what kvlab imported stays out of the collector's way: fewer pages copied in each fork
-    _send(reply_fd, ("ready", kvlab_code()))
-    spare = _spare(requests, reply_fd)
+    code, warm = (0, kvlab_code()), set()
+    _send(reply_fd, ("ready", code))
+    spare = _spare(requests, reply_fd, code)
     while True:
         try:
             request = _receive(requests, plain=True)
@@ -329,18 +334,22 @@ def serve() -> None:
             _send(reply_fd, ("data", module_data(request["modules"])))
             continue
         missing = [m for m in request["modules"] if m not in sys.modules]
-        if missing:  # imported once here (a test module, a learner's own file), for every later judge
+        if missing or request["exercise_id"] not in warm:  # done once here, for every later judge to inherit
             sys.path[:] = request["path"]
-            for module_name in missing:
+            for module_name in missing:  # kvlab's modules the notebook loaded, a test module, a learner's file
                 with contextlib.suppress(Exception):
                     importlib.import_module(module_name)
+            with contextlib.suppress(Exception):  # kvlab's door checks compile on first use: once, here
+                cases_for(get_exercise(request["exercise_id"]), 0)
+            warm.add(request["exercise_id"])
             gc.freeze()
+            code = (code[0] + 1, kvlab_code()) if missing else code
             _retire(spare)
-            spare = _spare(requests, reply_fd)
+            spare = _spare(requests, reply_fd, code)
         (judge, send_fd), spare = spare, None
         _send(send_fd, request)
         os.close(send_fd)
-        spare = _spare(requests, reply_fd)
+        spare = _spare(requests, reply_fd, code)
         _, status = os.waitpid(judge, 0)
         if status != 0:
             _send(reply_fd, ("broken", f"the judging process ended with status {status}"))
@@ -358,7 +367,7 @@ class Checker:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
-        self._own_code: dict[str, str] = {}
+        self._own_code: tuple[int, dict[str, str]] = (-1, {})
         self._lock = threading.Lock()
         self._broken: str | None = None
 
@@ -369,7 +378,9 @@ class Checker:
     def _start(self) -> subprocess.Popen:
         if self._process is not None and self._process.poll() is None:
             return self._process
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # The checker forks every judge: torch must ask NVML, not CUDA, whether there is a GPU (CUDA does
+        # not survive a fork), so the judges and learners' processes can each start CUDA of their own.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTORCH_NVML_BASED_CUDA_CHECK="1")
         process = subprocess.Popen(
             [sys.executable, "-c", "from kvlab.exercises.isolated import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True, close_fds=True)
@@ -401,7 +412,7 @@ class Checker:
     @property
     def own_code(self) -> dict[str, str]:
         """kvlab's functions, classes and methods as the fresh process has them (``state.kvlab_code``)."""
-        return self._own_code
+        return self._own_code[1]
 
     def own_data(self, modules: list[str]) -> dict[str, dict[str, Any]]:
         """kvlab's own module data of ``modules``, as the checker imported them (``KvlabState.fetch``)."""
@@ -429,8 +440,13 @@ class Checker:
             raise Unavailable("this system cannot fork a process")
         if self._broken is not None:
             raise Unavailable(self._broken)
-        reply = self._exchange({"kind": "check", **request}, backstop_s)
+        loaded = [m for m in sys.modules if m.startswith("kvlab.")]  # so the checker has kvlab's own of each
+        modules = sorted({*request["modules"], *loaded})
+        reply = self._exchange({"kind": "check", **request, "modules": modules, "code_version": self._own_code[0]},
+                               backstop_s)
         if reply[0] == "result":
+            if reply[3] is not None:
+                self._own_code = reply[3]
             return reply[1], reply[2]
         raise Unavailable(reply[1] if reply[0] == "not sendable" else f"the checking process failed: {reply[1]}")
 
