@@ -257,6 +257,18 @@ def _judge(request_fd: int, reply_fd: int, code: tuple[int, dict[str, str]]) -> 
         request = _receive(request_fd, plain=True)
     except EOFError:  # the checker ended before this spare was used
         return
+    try:
+        _judge_request(request, pid, read_fd, to_learner_fd, reply_fd, code)
+    except BaseException as exc:  # noqa: BLE001  (the judge must answer, whatever happened)
+        with contextlib.suppress(Exception):
+            _send(reply_fd, ("broken", request["number"], f"{type(exc).__name__}: {exc}"))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _judge_request(request: dict, pid: int, read_fd: int, to_learner_fd: int, reply_fd: int,
+                   code: tuple[int, dict[str, str]]) -> None:
+    """Grade one request with the learner's process ``pid``; exactly one reply, then the process is reaped."""
     sys.path[:] = request["path"]
     exercise = get_exercise(request["exercise_id"])
     limit = limit_for(exercise, request["time_limit"])
@@ -275,15 +287,19 @@ def _judge(request_fd: int, reply_fd: int, code: tuple[int, dict[str, str]]) -> 
     finally:
         learner.stop()
     news = code if request["code_version"] != code[0] else None
+    number, printed = request["number"], "".join(learner.printed)
     if learner.setup_error is not None and result.cases_run <= 1 and result.status != "pass":
-        _send(reply_fd, ("not sendable", learner.setup_error[1]))
+        reply: tuple = ("not sendable", number, learner.setup_error[1])
     else:
+        reply = ("result", number, result, printed, news)
         try:
-            _send(reply_fd, ("result", result, "".join(learner.printed), news))
+            pickle.dumps(reply)
         except Exception:  # noqa: BLE001  (a case or value pickle cannot write: the message is what matters)
             plain = CheckResult(result.exercise_id, result.status, result.cases_run, result.message, seed=result.seed)
-            _send(reply_fd, ("result", plain, "".join(learner.printed), news))
-    learner.reap()
+            reply = ("result", number, plain, printed, news)
+    _send(reply_fd, reply)
+    with contextlib.suppress(Exception):
+        learner.reap()
 
 
 def _spare(requests_fd: int, reply_fd: int, code: tuple[int, dict[str, str]]) -> tuple[int, int]:
@@ -295,9 +311,6 @@ def _spare(requests_fd: int, reply_fd: int, code: tuple[int, dict[str, str]]) ->
             os.close(send_fd)
             os.close(requests_fd)
             _judge(request_fd, reply_fd, code)
-        except BaseException as exc:  # noqa: BLE001  (the judge must answer, whatever happened)
-            with contextlib.suppress(Exception):
-                _send(reply_fd, ("broken", f"{type(exc).__name__}: {exc}"))
         finally:
             os._exit(0)
     os.close(request_fd)
@@ -331,7 +344,7 @@ def serve() -> None:
             _retire(spare)
             return
         if request["kind"] == "data":
-            _send(reply_fd, ("data", module_data(request["modules"])))
+            _send(reply_fd, ("data", request["number"], module_data(request["modules"])))
             continue
         missing = [m for m in request["modules"] if m not in sys.modules]
         if missing or request["exercise_id"] not in warm:  # done once here, for every later judge to inherit
@@ -352,7 +365,7 @@ def serve() -> None:
         spare = _spare(requests, reply_fd, code)
         _, status = os.waitpid(judge, 0)
         if status != 0:
-            _send(reply_fd, ("broken", f"the judging process ended with status {status}"))
+            _send(reply_fd, ("broken", request["number"], f"the judging process ended with status {status}"))
 
 
 # --------------------------------------------------------------------------- the kernel's side
@@ -370,6 +383,7 @@ class Checker:
         self._own_code: tuple[int, dict[str, str]] = (-1, {})
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._number = 0  # of the last request: each reply names the request it answers
 
     @staticmethod
     def supported() -> bool:
@@ -418,7 +432,7 @@ class Checker:
         """kvlab's own module data of ``modules``, as the checker imported them (``KvlabState.fetch``)."""
         if not self.supported() or self._broken is not None:
             raise Unavailable("no checking process")
-        return self._exchange({"kind": "data", "modules": modules}, START_LIMIT_S)[1]
+        return self._exchange({"kind": "data", "modules": modules}, START_LIMIT_S)[2]
 
     def _exchange(self, request: dict, backstop_s: float) -> tuple:
         with self._lock:
@@ -427,9 +441,14 @@ class Checker:
             except Exception as exc:  # noqa: BLE001
                 self._broken = f"the checking process could not start ({type(exc).__name__}: {exc})"
                 raise Unavailable(self._broken) from None
+            self._number += 1
+            deadline = time.monotonic() + backstop_s
             try:
-                _send(process.stdin.fileno(), request)
-                return _receive(process.stdout.fileno(), time.monotonic() + backstop_s)
+                _send(process.stdin.fileno(), {**request, "number": self._number})
+                while True:  # a late word about an earlier request (a judge that died after replying) is skipped
+                    reply = _receive(process.stdout.fileno(), deadline)
+                    if reply[1] == self._number:
+                        return reply
             except BaseException:  # a time-out, a dead checker or the learner's Stop: start afresh next time
                 self.close()
                 raise
@@ -445,10 +464,10 @@ class Checker:
         reply = self._exchange({"kind": "check", **request, "modules": modules, "code_version": self._own_code[0]},
                                backstop_s)
         if reply[0] == "result":
-            if reply[3] is not None:
-                self._own_code = reply[3]
-            return reply[1], reply[2]
-        raise Unavailable(reply[1] if reply[0] == "not sendable" else f"the checking process failed: {reply[1]}")
+            if reply[4] is not None:
+                self._own_code = reply[4]
+            return reply[2], reply[3]
+        raise Unavailable(reply[2] if reply[0] == "not sendable" else f"the checking process failed: {reply[2]}")
 
 
 CHECKER = Checker()
