@@ -4,9 +4,19 @@
 * ``np.array(correct)`` passes (numpy values are compared as the Python values they hold);
 * ``while True: pass`` is stopped by the per-case time limit, in the main thread and in another;
 * patching kvlab's module data cannot move the expected values, and the message says what changed.
+
+And issue 28's (items 15-17): a result too large to compare is refused by its size; a bare ``except:``
+cannot outlast the time limit; what a notebook replaces in kvlab (the judge, ``difference``, the
+function a reference calls, a method, the case list) cannot pass a wrong answer and is named; the
+grader's frames hold no reference; what the learner's function prints is shown; the checking process
+ends with its kernel.
 """
 
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,3 +212,179 @@ def test_rebinding_a_module_constant_is_seen_too(restore):
     sizing.KV_DTYPE_BYTES = {**sizing.KV_DTYPE_BYTES, "bf16": 3}
     result = ex.check("01.bytes_per_token", ex.solution("01.bytes_per_token"), seed=1)
     assert result.expected == 524288 and "KV_DTYPE_BYTES['bf16'] is 3" in result.message
+
+
+# --------------------------------------------------------------------------- issue 28, items 15-17
+
+
+def _within(seconds, fn):
+    """fn() run in a thread, or None if it is still running after ``seconds`` (the old grader hung)."""
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(r=fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return box.get("r")
+
+
+def _aliased_rows(config, kv_dtype="bf16"):
+    return [[0] * 20000] * 20000        # one row, 20,000 times: built in a millisecond, 400 M values to compare
+
+
+def test_a_huge_result_is_refused_by_its_size_not_compared_for_minutes():
+    result = _within(30, lambda: ex.check("01.bytes_per_token", _aliased_rows, seed=1))
+    assert result is not None, "still comparing after 30 s"
+    assert result.status == "fail" and "holds more than 100,000 values" in result.message
+    assert "[row] * n" in result.message
+
+
+def test_every_expected_value_is_far_inside_the_size_bound(monkeypatch):
+    import kvlab.exercises.canonical as canonical_module
+    from kvlab.exercises.grading import cases_for, copies
+
+    monkeypatch.setattr(canonical_module, "MAX_VALUES", canonical_module.MAX_VALUES // 20)
+    for exercise_id in PLAIN:
+        exercise = ex.get_exercise(exercise_id)
+        for case in cases_for(exercise, seed=0):
+            args, kwargs = copies(case)
+            canonical(exercise.reference(*args, **kwargs))   # raises past a twentieth of the bound
+
+
+_CATCHES_EVERYTHING = """
+import kvlab.exercises as ex
+
+def catches_everything(*args, **kwargs):
+    while True:
+        try:
+            while True:
+                pass
+        except:  # a retry loop that swallows even the time limit's exception
+            pass
+
+result = ex.check("02.max_model_len_for", catches_everything, seed=1, time_limit=0.5)
+print(result.status, result.cases_run)
+print(result.message)
+"""
+
+
+def test_a_bare_except_in_a_retry_loop_cannot_outlast_the_time_limit():
+    # In a process of its own, as a notebook runs it (main thread): the old grader never returned there.
+    done = subprocess.run([sys.executable, "-c", _CATCHES_EVERYTHING], capture_output=True, text=True, timeout=120)
+    status, message = done.stdout.split("\n", 1)
+    assert status == "fail 1" and "no answer within 0.5 s" in message, done.stdout + done.stderr
+
+
+def _zero(config, kv_dtype="bf16"):
+    return 0
+
+
+def _asks_the_grader(config, kv_dtype="bf16"):
+    """Looks up the call stack for the grader's reference or expected value, as a curious learner might."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "expected" in frame.f_locals and type(frame.f_locals["expected"]) is int:
+            return frame.f_locals["expected"]
+        if callable(frame.f_locals.get("reference")):
+            return frame.f_locals["reference"](config, kv_dtype)
+        frame = frame.f_back
+    return 0
+
+
+def _always_agree(*args, **kwargs):
+    from kvlab.exercises.grading import _Verdict
+
+    return _Verdict()
+
+
+@pytest.mark.parametrize("patch", ["judge", "difference", "kv_bytes_per_token", "kv_factor"])
+def test_what_a_notebook_replaces_in_kvlab_cannot_pass_a_wrong_answer_and_is_named(patch, monkeypatch):
+    import kvlab.exercises.core as core
+    import kvlab.exercises.grading as grading
+    import kvlab.exercises.nb01 as nb01
+    from kvlab.capacity.models import ModelSpec
+
+    target, name, value = {
+        "judge": (core, "judge", _always_agree),
+        "difference": (grading, "difference", lambda expected, actual, path="the result": None),
+        "kv_bytes_per_token": (nb01, "kv_bytes_per_token", lambda spec, kv_dtype="bf16", tp=1: 0),
+        "kv_factor": (ModelSpec, "kv_factor", property(lambda self: 0)),
+    }[patch]
+    monkeypatch.setattr(target, name, value)
+    result = ex.check("01.bytes_per_token", _zero, seed=1)
+    assert result.status == "fail" and result.expected == 524288, result.message
+    assert "this notebook changed kvlab's code" in result.message and name in result.message.split("note:")[-1]
+    assert "did not reach the verdict" in result.message
+
+
+def test_the_grader_s_frames_hold_no_reference_for_the_learner_to_read():
+    result = ex.check("01.bytes_per_token", _asks_the_grader, seed=1)
+    assert result.status == "fail" and "got:      0" in result.message
+
+
+def test_clearing_the_case_list_does_not_shrink_the_check():
+    exercise = ex.get_exercise("01.bytes_per_token")
+    saved = list(exercise.edge_cases)
+    exercise.edge_cases.clear()
+    object.__setattr__(exercise, "num_random", 0)
+    try:
+        result = ex.check("01.bytes_per_token", _zero, seed=1)
+        assert result.status == "fail" and "failed on case 1 of 32" in result.message
+        assert "passed all 32 cases (7 edge, 25 random)" in ex.check(
+            "01.bytes_per_token", ex.solution("01.bytes_per_token"), seed=1).message
+    finally:
+        exercise.edge_cases[:] = saved
+        object.__setattr__(exercise, "num_random", 25)
+
+
+def test_what_the_learner_s_function_prints_is_shown_in_the_notebook(capsys):
+    def chatty(config, kv_dtype="bf16"):
+        print("layers:", config["num_hidden_layers"])
+        return 0
+
+    ex.check("01.bytes_per_token", chatty, seed=1)
+    assert "layers: 32" in capsys.readouterr().out
+
+
+def test_a_notebook_function_that_uses_a_notebook_helper_is_sent_with_it():
+    factor = 2
+
+    def helper(config):
+        return config.get("num_key_value_heads") or config["num_attention_heads"]
+
+    def per_token(config, kv_dtype="bf16"):
+        return ex.solution("01.bytes_per_token")(config, kv_dtype) * helper(config) // helper(config) * factor // 2
+
+    assert ex.check("01.bytes_per_token", per_token, seed=1).passed
+
+
+def test_a_function_that_cannot_be_sent_is_checked_here_and_says_so():
+    import socket
+
+    with socket.socket() as sock:
+        def holds_a_socket(config, kv_dtype="bf16"):
+            return sock.fileno() * 0 + ex.solution("01.bytes_per_token")(config, kv_dtype)
+
+        result = ex.check("01.bytes_per_token", holds_a_socket, seed=1)
+    assert result.passed and "checked in this kernel, not in a fresh process" in result.message
+
+
+_ONE_CHECK_AND_EXIT = """
+import kvlab.exercises as ex
+from kvlab.exercises.isolated import CHECKER
+
+assert ex.check("01.bytes_per_token", lambda config, kv_dtype="bf16": 0, seed=1).status == "fail"
+print(CHECKER._process.pid)
+"""
+
+
+def test_the_checking_process_ends_with_the_kernel():
+    done = subprocess.run([sys.executable, "-c", _ONE_CHECK_AND_EXIT], capture_output=True, text=True, timeout=120)
+    pid = int(done.stdout.split()[-1])
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the checker {pid} outlived its kernel")

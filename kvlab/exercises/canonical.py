@@ -11,6 +11,11 @@ through their own classes, never through the value.
 ``difference(expected, actual)`` then compares two canonical values with exact types (an
 ``int`` is not a ``float`` nor a ``bool``; a list and a tuple are both a sequence) and says
 where they first part, in words.
+
+Both are bounded: a result of more than ``MAX_VALUES`` values in all (counting every visit, so
+``[[0] * 20000] * 20000``, one row repeated, counts 400 million) is refused with that reason
+after ``MAX_VALUES`` steps, before anything builds or compares it; ``difference`` walks at most
+the expected value, which kvlab keeps small.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 SCALARS = (type(None), bool, int, float, str, bytes, Fraction)
 MAX_DEPTH = 40
+MAX_VALUES = 100_000  # values in one canonical result; the largest expected value of any exercise holds ~2,600
 HASH_BYTES = 16  # bytes this long or longer are shown as a short hex hash, as kvlab's figures show block hashes
 
 
@@ -38,12 +44,28 @@ def type_name(value: Any) -> str:
         return "object"
 
 
-def _numpy_item(value: Any, path: str) -> Any | None:
+class _Budget:
+    """How many more values ``canonical`` may visit before it refuses the result as too large."""
+
+    def __init__(self, limit: int, path: str) -> None:
+        self.left, self.limit, self.path = limit, limit, path
+
+    def spend(self, count: int, *, keep: bool = True) -> None:
+        """Count ``count`` values (``keep=False``: only see that they would fit, as their visits count them)."""
+        if count > self.left:
+            raise NotComparable(f"{self.path} holds more than {self.limit:,} values, far more than any answer here: "
+                                "a list repeated ([row] * n), or grown without end?")
+        if keep:
+            self.left -= count
+
+
+def _numpy_item(value: Any, path: str, budget: _Budget) -> Any | None:
     """A numpy scalar or array as Python values; None when ``value`` is not numpy's."""
     numpy = sys.modules.get("numpy")
     if numpy is None:
         return None
     if isinstance(value, numpy.ndarray):
+        budget.spend(int(numpy.ndarray.__getattribute__(value, "size")), keep=False)
         return numpy.ndarray.tolist(value)  # the C method, whatever a subclass defines
     if isinstance(value, numpy.generic):
         item = numpy.generic.item(value)
@@ -53,7 +75,7 @@ def _numpy_item(value: Any, path: str) -> Any | None:
     return None
 
 
-def _torch_value(value: Any, path: str, keep_tensors: bool) -> tuple[bool, Any]:
+def _torch_value(value: Any, path: str, keep_tensors: bool, budget: _Budget) -> tuple[bool, Any]:
     """(is a tensor, its canonical form): the tensor itself when expected so, else its values as lists."""
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(value, torch.Tensor):
@@ -61,25 +83,30 @@ def _torch_value(value: Any, path: str, keep_tensors: bool) -> tuple[bool, Any]:
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         raise NotComparable(f"{path} is a {type_name(value)}, a subclass of torch.Tensor: return a plain tensor")
     tensor = torch.Tensor.detach(value)
+    budget.spend(torch.Tensor.numel(tensor), keep=keep_tensors)
     if keep_tensors:
         return True, torch.Tensor.clone(tensor).cpu()
     return True, torch.Tensor.tolist(tensor)
 
 
 def canonical(value: Any, *, keep_tensors: bool = False, path: str = "the result", _depth: int = 0,
-              _seen: frozenset[int] = frozenset()) -> Any:
-    """``value`` rebuilt from exact built-in types; raises ``NotComparable`` naming the part that is not."""
+              _seen: frozenset[int] = frozenset(), _budget: _Budget | None = None) -> Any:
+    """``value`` rebuilt from exact built-in types; raises ``NotComparable`` naming the part that is not
+    (or saying that it holds more than ``MAX_VALUES`` values)."""
+    budget = _Budget(MAX_VALUES, path) if _budget is None else _budget
+    budget.spend(1)
     if _depth > MAX_DEPTH:
         raise NotComparable(f"{path} is nested more than {MAX_DEPTH} levels deep")
     kind = type(value)
     if kind in SCALARS:
         return value
-    item = _numpy_item(value, path)
+    item = _numpy_item(value, path, budget)
     if item is not None:
-        return canonical(item, keep_tensors=keep_tensors, path=path, _depth=_depth + 1, _seen=_seen)
-    is_tensor, tensor = _torch_value(value, path, keep_tensors)
+        return canonical(item, keep_tensors=keep_tensors, path=path, _depth=_depth + 1, _seen=_seen, _budget=budget)
+    is_tensor, tensor = _torch_value(value, path, keep_tensors, budget)
     if is_tensor:
-        return tensor if keep_tensors else canonical(tensor, path=path, _depth=_depth + 1, _seen=_seen)
+        return tensor if keep_tensors else canonical(tensor, path=path, _depth=_depth + 1, _seen=_seen,
+                                                     _budget=budget)
     if kind not in (list, tuple, dict, set, frozenset):
         raise NotComparable(f"{path} is a {type_name(value)}, not a plain Python value (int, float, str, bytes, "
                             "bool, None, or a list, tuple, dict or set of them)")
@@ -88,7 +115,7 @@ def canonical(value: Any, *, keep_tensors: bool = False, path: str = "the result
     seen = _seen | {id(value)}
 
     def inner(part: Any, where: str) -> Any:
-        return canonical(part, keep_tensors=keep_tensors, path=where, _depth=_depth + 1, _seen=seen)
+        return canonical(part, keep_tensors=keep_tensors, path=where, _depth=_depth + 1, _seen=seen, _budget=budget)
 
     if kind is dict:
         return {inner(k, f"a key of {path}"): inner(v, f"{path}[{k!r}]" if type(k) in SCALARS else path)

@@ -7,136 +7,57 @@ A stub that still raises ``NotImplementedError`` is "not attempted yet", so an u
 notebook runs cleanly under nbval.
 
 What the grader cannot be fooled by: each result is compared in its canonical form (exact
-built-in types, numpy and torch values as Python values; ``canonical.py``), so an object
-whose ``__eq__`` always says yes, or raises, is a failed case with its reason; each call of
-the learner's function has a time limit (``limits.py``); and the reference runs on kvlab's
-own module data, whatever the notebook changed (``state.py``), which the message reports.
+built-in types, numpy and torch values as Python values, at most ``canonical.MAX_VALUES`` of
+them; ``canonical.py``), so an object whose ``__eq__`` always says yes, or raises, is a failed
+case with its reason; the cases, expected values and verdict are computed in a fresh process
+that the notebook's changes to kvlab cannot reach, and the learner's function runs in another,
+killed at the time limit (``isolated.py``); the message names what the notebook changed in
+kvlab (``state.py``). Where no such process can run, the check runs here (``limits.py``'s
+time limit) and says so.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import dis
 import html
 import inspect
+import pickle
 import random
+import sys
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+import types
+from collections.abc import Callable
 from typing import Any
 
 from kvlab._validate import positive_number
 from kvlab.errors import KvlabValueError, UnknownNameError
 from kvlab.exercises.canonical import type_name
-from kvlab.exercises.grading import CheckResult, copies, failure_lines, judge, state_note
-from kvlab.exercises.limits import call_with_time_limit
-from kvlab.exercises.state import STATE
+from kvlab.exercises.catalogue import (
+    EXERCISES,
+    QUESTIONS,
+    ask,
+    get_exercise,
+    list_exercises,
+    register,
+    register_question,
+)
+from kvlab.exercises.grading import cases_for, copies, grade, judge, limit_for, not_attempted, state_note
+from kvlab.exercises.isolated import CHECKER, COMPARE_LIMIT_S, START_LIMIT_S, Unavailable
+from kvlab.exercises.limits import Outcome, call_with_time_limit
+from kvlab.exercises.records import (
+    DEFAULT_TIME_LIMIT_S,
+    PREPARED_TIME_LIMIT_S,
+    Case,
+    CheckResult,
+    Exercise,
+    Question,
+)
+from kvlab.exercises.state import STATE, code_changes
+from kvlab.exercises.transfer import NotSendable, dumps_function
 
-DEFAULT_TIME_LIMIT_S = 10.0  # per call of the learner's function; generous for a laptop
-PREPARED_TIME_LIMIT_S = 60.0  # where `prepare` runs the learner's code in a kernel: its first call compiles it
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One input to an exercise, with the idea it probes in words a learner can act on."""
-
-    args: tuple = ()
-    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    probes: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Exercise:
-    """A task with its signature, hints, reference solution and cases.
-
-    ``random_case(rng)`` draws a fresh case; ``compare(expected, actual)`` decides agreement
-    on canonical values (default: exact types, ``canonical.difference``); ``explain(case,
-    expected, actual)`` may return a sharper diagnosis than "the results differ" for a known
-    mistake. ``prepare(fn)``, if set, turns the learner's function and the reference into what
-    the cases call (notebook 05: a Triton kernel launch that calls the learner's
-    ``@triton.jit`` helper). A ``transfer`` exercise asks for the idea on a case the notebook
-    did not work through (another model, layout or failure). ``time_limit_s`` bounds each call
-    of the learner's function.
-    """
-
-    id: str
-    title: str
-    task: str
-    signature: str
-    reference: Callable[..., Any]
-    edge_cases: Sequence[Case]
-    hints: Sequence[str]
-    random_case: Callable[[random.Random], Case] | None = None
-    num_random: int = 25
-    compare: Callable[[Any, Any], bool] | None = None
-    explain: Callable[[Case, Any, Any], str | None] | None = None
-    prepare: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
-    transfer: bool = False
-    time_limit_s: float | None = None  # None: DEFAULT_TIME_LIMIT_S, or PREPARED_TIME_LIMIT_S with `prepare`
-
-    @property
-    def function_name(self) -> str:
-        """The name the notebook's stub defines (taken from ``signature``)."""
-        return self.signature.split("def ", 1)[1].split("(", 1)[0].strip()
-
-    @property
-    def notebook(self) -> str:
-        """The notebook number this exercise belongs to ("03" for "03.cow_append")."""
-        return self.id.split(".", 1)[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class Question:
-    """A self-test question whose answer is written from the numbers kvlab computes (``values``)."""
-
-    id: str
-    text: str
-    values: Callable[[], Mapping[str, Any]]
-    write: Callable[[Any], str]
-    transfer: bool = False
-
-    def answer(self) -> str:
-        """The answer as text, from one computation of the values."""
-        return self.write(self.values())
-
-
-_EXERCISES: dict[str, Exercise] = {}
-_QUESTIONS: dict[str, Question] = {}
-EXERCISES: Mapping[str, Exercise] = MappingProxyType(_EXERCISES)  # read-only: a notebook cannot swap a checker
-QUESTIONS: Mapping[str, Question] = MappingProxyType(_QUESTIONS)
-
-
-def register(exercise: Exercise) -> Exercise:
-    """Add an exercise to the catalogue (done once, at import of its ``nbXX`` module)."""
-    if exercise.id in _EXERCISES:
-        raise KvlabValueError(f"exercise id {exercise.id!r} is registered twice")
-    _EXERCISES[exercise.id] = exercise
-    return exercise
-
-
-def register_question(question: Question) -> Question:
-    """Add a self-test question to the catalogue."""
-    if question.id in _QUESTIONS:
-        raise KvlabValueError(f"question id {question.id!r} is registered twice")
-    _QUESTIONS[question.id] = question
-    return question
-
-
-def ask(question_id: str, text: str, values: Callable[[], Any], answer: Callable[[Any], str], *,
-        transfer: bool = False) -> Question:
-    """Register a self-test question whose answer ``answer(v)`` is written from ``v = values()``."""
-    return register_question(Question(question_id, text, values, answer, transfer))
-
-
-def get_exercise(exercise_id: str) -> Exercise:
-    """The exercise called ``exercise_id``; an unknown id raises and lists the known ones."""
-    if exercise_id not in _EXERCISES:
-        raise UnknownNameError("exercise_id", exercise_id, _EXERCISES)
-    return _EXERCISES[exercise_id]
-
-
-def list_exercises(notebook: str | None = None) -> list[str]:
-    """Exercise ids, optionally only those of one notebook ("01")."""
-    return sorted(e for e in _EXERCISES if notebook is None or e.startswith(f"{notebook}."))
+__all__ = ["DEFAULT_TIME_LIMIT_S", "EXERCISES", "PREPARED_TIME_LIMIT_S", "QUESTIONS", "Case", "CheckResult",
+           "Exercise", "Question", "ask", "check", "describe", "get_exercise", "hint", "judge", "list_exercises",
+           "register", "register_question", "self_test", "show_solution", "solution"]
 
 
 def check(exercise_id: str, learner_fn: Callable[..., Any], *, seed: int | None = None,
@@ -147,41 +68,80 @@ def check(exercise_id: str, learner_fn: Callable[..., Any], *, seed: int | None 
     than ``time_limit`` seconds, the exercise's own limit by default) and reports the inputs,
     expected and actual results, and the idea the case probes. ``seed`` fixes the random cases;
     by default each run draws new ones (the seed is reported, so a failure can be replayed).
+    The check runs in a fresh process (``isolated``), where what this notebook changed in kvlab
+    cannot reach the cases, the expected values or the verdict; the result names those changes.
     """
     exercise = get_exercise(exercise_id)
     if not callable(learner_fn):
         raise KvlabValueError(f"learner_fn must be a function, got {type_name(learner_fn)}")
-    if time_limit is not None:
-        limit = positive_number("time_limit", time_limit)
-    else:
-        limit = exercise.time_limit_s or (PREPARED_TIME_LIMIT_S if exercise.prepare else DEFAULT_TIME_LIMIT_S)
+    limit = positive_number("time_limit", time_limit) if time_limit is not None else None
     seed = random.randrange(2**31) if seed is None else seed
-    rng = random.Random(seed)
-    cases = list(exercise.edge_cases) + [exercise.random_case(rng) for _ in range(exercise.num_random)
-                                         if exercise.random_case is not None]
+    if _only_raises_not_implemented(learner_fn):  # the stub as shipped: no process needed to see that
+        return not_attempted(exercise)
+    data_changes = STATE.live_changes()
+    try:
+        function, modules = dumps_function(learner_fn)
+        changes = pickle.dumps(data_changes, protocol=pickle.HIGHEST_PROTOCOL)
+        request = {"exercise_id": exercise_id, "function": function, "modules": modules, "changes": changes,
+                   "seed": seed, "time_limit": limit, "path": [p for p in sys.path if type(p) is str]}
+        cases = len(exercise.edge_cases) + exercise.num_random
+        backstop = START_LIMIT_S + max(cases, 64) * (limit_for(exercise, limit) + COMPARE_LIMIT_S)
+        result, printed = CHECKER.check(request, backstop)
+    except (NotSendable, Unavailable, pickle.PicklingError) as why:
+        return _check_here(exercise, learner_fn, seed, limit, str(why))
+    if printed:
+        sys.stdout.write(printed)
+    changed = code_changes(CHECKER.own_code)
+    notes = state_note([]) + _code_note(changed)
+    if notes:
+        result.message = "\n".join([result.message, *notes])
+    return result
+
+
+_STUB_OPS = {"RESUME", "NOP", "CACHE", "PUSH_NULL", "LOAD_GLOBAL", "LOAD_CONST", "PRECALL", "CALL", "RAISE_VARARGS"}
+
+
+def _only_raises_not_implemented(fn: Any) -> bool:
+    """True for a function whose whole body is ``raise NotImplementedError(...)`` (a ``@triton.jit`` one too)."""
+    code = getattr(getattr(fn, "fn", fn), "__code__", None)
+    if not isinstance(code, types.CodeType) or code.co_names != ("NotImplementedError",):
+        return False
+    return all(op.opname in _STUB_OPS for op in dis.get_instructions(code))
+
+
+def _code_note(changed: list[str]) -> list[str]:
+    """Lines naming kvlab's functions and classes this notebook replaced, which the check did not use."""
+    if not changed:
+        return []
+    shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+    return ["  note:     this notebook changed kvlab's code: " + shown + ".",
+            "            Checked in a fresh process with kvlab as installed, so these changes did not reach the "
+            "verdict (nor your function). Restart the kernel to undo them here."]
+
+
+def _check_here(exercise: Exercise, learner_fn: Callable[..., Any], seed: int, time_limit: float | None,
+                why: str) -> CheckResult:
+    """The check in this kernel, where no fresh process can run it; the result says why and what that means."""
+    limit = limit_for(exercise, time_limit)
     prepare = exercise.prepare or (lambda fn: fn)
     reference, learner = prepare(exercise.reference), prepare(learner_fn)
     before = STATE.fingerprint()  # to tell the learner's changes from the notebook's
-    for number, case in enumerate(cases, start=1):
+
+    def run_case(number: int, case: Case) -> Outcome:
         args, kwargs = copies(case)
-        outcome = call_with_time_limit(learner, args, kwargs, limit)
-        if number == 1 and isinstance(outcome.error, NotImplementedError):
-            return CheckResult(exercise_id, "not attempted", 0,
-                               f"… {exercise.id} ({exercise.title}): not attempted yet. Replace the "
-                               f"`raise NotImplementedError` and run the cell again; hint(\"{exercise_id}\") gives "
-                               "a first nudge.")
-        ref_args, ref_kwargs = copies(case)
+        return call_with_time_limit(learner, args, kwargs, limit)
+
+    def expected_for(case: Case) -> Any:
+        args, kwargs = copies(case)
         with STATE.own_values():  # the reference reads kvlab's own values, never a patched one
-            expected = reference(*ref_args, **ref_kwargs)
-        verdict = judge(exercise, case, expected, outcome, limit)
-        if verdict.got is not None:
-            lines, actual = failure_lines(exercise, number, cases, seed, expected, verdict)
-            note = state_note(STATE.changed_since(before))
-            return CheckResult(exercise_id, "fail", number, "\n".join(lines + note), case, expected, actual, seed)
-    note = state_note(STATE.changed_since(before))
-    return CheckResult(exercise_id, "pass", len(cases), "\n".join([
-        f"✓ {exercise.id} ({exercise.title}): passed all {len(cases)} cases ({len(exercise.edge_cases)} edge, "
-        f"{len(cases) - len(exercise.edge_cases)} random).", *note]), seed=seed)
+            return reference(*args, **kwargs)
+
+    def notes() -> list[str]:
+        return state_note(STATE.changed_since(before)) + [
+            f"  note:     checked in this kernel, not in a fresh process ({why}): changes this notebook made to "
+            "kvlab's code can reach the verdict."]
+
+    return grade(exercise, cases_for(exercise, seed), seed, limit, run_case, expected_for, notes)
 
 
 # --------------------------------------------------------------------------- hints and solutions

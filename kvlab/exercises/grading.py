@@ -10,50 +10,44 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-import html
-from typing import TYPE_CHECKING, Any, Literal
+import random
+from collections.abc import Callable
+from typing import Any
 
 from kvlab.exercises.canonical import NotComparable, canonical, difference, short_repr, type_name
 from kvlab.exercises.limits import Outcome, call_with_time_limit
+from kvlab.exercises.records import (
+    DEFAULT_TIME_LIMIT_S,
+    PREPARED_TIME_LIMIT_S,
+    Case,
+    CheckResult,
+    Exercise,
+)
 from kvlab.exercises.state import STATE
 
-if TYPE_CHECKING:
-    from kvlab.exercises.core import Case, Exercise
-
-Status = Literal["pass", "fail", "not attempted"]
+__all__ = ["CheckResult", "cases_for", "copies", "failure_lines", "grade", "judge", "limit_for", "not_attempted",
+           "state_note"]
 
 
-@dataclasses.dataclass
-class CheckResult:
-    """What ``check`` found. Shows as a coloured box in JupyterLab and as text elsewhere."""
+class ReportedError(Exception):  # noqa: N818  (the learner's exception, as its process reported it)
+    """An exception raised by the learner's code in the checking process: its type's name and its message."""
 
-    exercise_id: str
-    status: Status
-    cases_run: int
-    message: str
-    case: Case | None = None
-    expected: Any = None
-    actual: Any = None
-    seed: int | None = None
+    def __init__(self, kind: str, text: str, not_implemented: bool = False) -> None:
+        super().__init__(text)
+        self.kind, self.text, self.not_implemented = kind, text, not_implemented
 
-    @property
-    def passed(self) -> bool:
-        return self.status == "pass"
 
-    def __str__(self) -> str:
-        return self.message
+class UnreadableResult(ReportedError):
+    """A result the learner's process could not turn into plain data: its type's name and why."""
 
-    def __repr__(self) -> str:
-        return self.message
 
-    def _repr_html_(self) -> str:
-        colour = {"pass": "#1b7f3b", "fail": "#b42318", "not attempted": "#6b7280"}[self.status]
-        body = html.escape(self.message)
-        return (
-            f'<div class="kvlab-check kvlab-check-{self.status.replace(" ", "-")}" '
-            f'style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0;'
-            f'font-family:var(--jp-code-font-family,monospace);white-space:pre-wrap">{body}</div>'
-        )
+def describe_error(error: BaseException) -> tuple[str, str]:
+    """(type name, message) of the learner's exception; its own ``__str__`` may misbehave, so under a limit."""
+    if isinstance(error, ReportedError):
+        return error.kind, error.text
+    said = call_with_time_limit(str, (error,), seconds=1.0)
+    text = said.value if type(said.value) is str else "(its message could not be read)"
+    return type_name(error), text[:300]
 
 
 def copies(case: Case) -> tuple[tuple, dict[str, Any]]:
@@ -99,10 +93,11 @@ def judge(exercise: Exercise, case: Case, expected: Any, outcome: Outcome, limit
     if outcome.timed_out:
         left = " It is still running in the background (stuck in C code): restart the kernel." * outcome.still_running
         return _Verdict(f"no answer within {limit:g} s: stopped by the time limit per case (an endless loop?).{left}")
+    if isinstance(outcome.error, UnreadableResult):
+        return _Verdict(f"<{outcome.error.kind}>", where=outcome.error.text)
     if outcome.error is not None:
-        said = call_with_time_limit(str, (outcome.error,), seconds=1.0)  # the learner's own __str__ may misbehave
-        text = said.value if type(said.value) is str else "(its message could not be read)"
-        return _Verdict(f"{type_name(outcome.error)}: {text[:300]}")
+        kind, text = describe_error(outcome.error)
+        return _Verdict(f"{kind}: {text}")
     try:
         actual = (outcome.value if _is_exercise_output(expected, outcome.value)
                   else canonical(outcome.value, keep_tensors=_is_tensor(expected)))
@@ -152,3 +147,47 @@ def failure_lines(exercise: Exercise, number: int, cases: list[Case], seed: int,
     lines += [f"  {label:<9} {text}" for label, text in (("where:", verdict.where), ("likely:", verdict.likely))
               if text]
     return lines, verdict.actual
+
+
+def limit_for(exercise: Exercise, time_limit: float | None) -> float:
+    """The time limit per case: the caller's, else the exercise's own, else the default for its kind."""
+    if time_limit is not None:
+        return time_limit
+    return exercise.time_limit_s or (PREPARED_TIME_LIMIT_S if exercise.prepare else DEFAULT_TIME_LIMIT_S)
+
+
+def cases_for(exercise: Exercise, seed: int) -> list[Case]:
+    """The edge cases, then ``num_random`` random cases drawn from ``seed``."""
+    rng = random.Random(seed)
+    return list(exercise.edge_cases) + [exercise.random_case(rng) for _ in range(exercise.num_random)
+                                        if exercise.random_case is not None]
+
+
+def _not_attempted(error: BaseException | None) -> bool:
+    return isinstance(error, NotImplementedError) or (isinstance(error, ReportedError) and error.not_implemented)
+
+
+def not_attempted(exercise: Exercise) -> CheckResult:
+    """The result for a function that still raises ``NotImplementedError`` on the first case."""
+    return CheckResult(exercise.id, "not attempted", 0,
+                       f"… {exercise.id} ({exercise.title}): not attempted yet. Replace the "
+                       f"`raise NotImplementedError` and run the cell again; hint(\"{exercise.id}\") gives "
+                       "a first nudge.")
+
+
+def grade(exercise: Exercise, cases: list[Case], seed: int, limit: float, run_case: Callable[[int, Case], Outcome],
+          expected_for: Callable[[Case], Any], notes: Callable[[], list[str]]) -> CheckResult:
+    """Run the cases in order (``run_case`` calls the learner's function, ``expected_for`` the reference) and
+    stop at the first that disagrees; ``notes`` adds the lines about kvlab's state to the message."""
+    for number, case in enumerate(cases, start=1):
+        outcome = run_case(number, case)
+        if number == 1 and _not_attempted(outcome.error):
+            return not_attempted(exercise)
+        expected = expected_for(case)
+        verdict = judge(exercise, case, expected, outcome, limit)
+        if verdict.got is not None:
+            lines, actual = failure_lines(exercise, number, cases, seed, expected, verdict)
+            return CheckResult(exercise.id, "fail", number, "\n".join(lines + notes()), case, expected, actual, seed)
+    return CheckResult(exercise.id, "pass", len(cases), "\n".join([
+        f"✓ {exercise.id} ({exercise.title}): passed all {len(cases)} cases ({len(exercise.edge_cases)} edge, "
+        f"{len(cases) - len(exercise.edge_cases)} random).", *notes()]), seed=seed)

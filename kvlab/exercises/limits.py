@@ -1,17 +1,19 @@
-"""A time limit on each call of a learner's function, so ``while True: pass`` fails a case instead of hanging.
+"""A time limit on each call of a learner's function in this process, where ``check`` cannot use another.
 
-Why this design. A thread cannot be killed, and a subprocess cannot run the learner's
-function: it is defined in the notebook's kernel (closures, notebook globals, a
-``@triton.jit`` helper) and does not survive pickling. Jupyter, Voila and pytest run a cell in
-the main thread, where a POSIX interval timer (``SIGALRM``) interrupts Python code between two
-bytecodes: that is the main path. ``CaseTimeout`` derives from ``BaseException``, so the
-learner's ``except Exception`` does not swallow it, and the timer fires again every
-``REFIRE_S`` until the call is over; the handler never raises inside this module, so the
-grader's own bookkeeping cannot be cut in half. Where that path is closed (another thread,
-Windows, a timer someone else armed), the call runs in a worker thread and, at the limit, the
-same exception is raised inside it with CPython's ``PyThreadState_SetAsyncExc``. Neither path can
-stop one long call inside C code (a huge numpy product): the case still fails as timed out,
-and the result says whether the call was left running.
+``check`` runs the learner's function in a process of its own and kills it at the limit
+(``isolated.py``); this module serves where that cannot be done (no ``fork``, a function that
+cannot be sent) and for a call of the learner's own ``__str__``. It cannot stop code that
+catches ``BaseException`` (a bare ``except:``). Why this design: a thread cannot be killed.
+Jupyter, Voila and pytest run a cell in the main thread, where a POSIX interval timer
+(``SIGALRM``) interrupts Python code between two bytecodes: that is the main path.
+``CaseTimeout`` derives from ``BaseException``, so the learner's ``except Exception`` does not
+swallow it, and the timer fires again every ``REFIRE_S`` until the call is over; the handler
+never raises inside this module, so the grader's own bookkeeping cannot be cut in half. Where
+that path is closed (another thread, Windows, a timer someone else armed), the call runs in a
+worker thread and, at the limit, the same exception is raised inside it with CPython's
+``PyThreadState_SetAsyncExc``. Neither path can stop one long call inside C code (a huge numpy
+product): the case still fails as timed out, and the result says whether the call was left
+running.
 """
 
 from __future__ import annotations

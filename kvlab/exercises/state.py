@@ -5,14 +5,19 @@ change lasts until the kernel restarts. The references that ``check`` runs read 
 module globals, so a patch could move the expected values towards a wrong answer. This
 module keeps kvlab's own values and puts them back for exactly as long as a reference runs.
 
-Where kvlab's own values come from: a fresh Python process imports the same kvlab modules and
-sends their module-level data back (pickled), once per kernel and module. A copy taken in this
+Where kvlab's own values come from: a fresh Python process (the checking process of
+``isolated.py`` when it runs) imports the same kvlab modules and sends their module-level data
+back (pickled), once per kernel and module. A copy taken in this
 process could already hold a patch made before ``kvlab.exercises`` was imported; the fresh
 process cannot. Guarded are the public module-level *data* (numbers, strings, bytes, paths and
 containers or dataclasses of them) of the layers the references read at call time: the top
 level, ``capacity``, ``core`` and ``sim``. Functions and classes are not compared: a rebound
 function could not be told from a lazily bound one. Where no process can be started, the
 values at import of ``kvlab.exercises`` stand in, and ``source`` says so.
+
+Code is compared apart (``kvlab_code``): each public function, class and method of kvlab's by
+where it was defined, so ``check`` can name what a notebook replaced (``core.judge``,
+``ModelSpec.kv_factor``) next to kvlab as the fresh process has it.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
 import inspect
 import os
 import pickle
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -55,25 +61,26 @@ def is_data(value, depth=0):
     return "PurePath" in [c.__name__ for c in type(value).__mro__]
 
 
-_CHILD = inspect.getsource(is_data) + """
-import importlib, pickle, sys
-out = {}
-for name in sys.argv[1:]:
-    try:
-        module = importlib.import_module(name)
-    except Exception:
-        continue
-    values = {}
-    for key, value in vars(module).items():
-        if key.startswith("_") or not is_data(value):
-            continue
+def module_data(names: list[str]) -> dict[str, dict[str, Any]]:
+    """The public, picklable module data of each named module, imported here (in a fresh process: kvlab's own)."""
+    out = {}
+    for name in names:
         try:
-            pickle.dumps(value)
+            module = importlib.import_module(name)
         except Exception:
             continue
-        values[key] = value
-    out[name] = values
-sys.stdout.buffer.write(pickle.dumps(out))
+        values = {}
+        for key, value in vars(module).items():
+            if key.startswith("_") or not is_data(value) or _pickle(value) is None:
+                continue
+            values[key] = value
+        out[name] = values
+    return out
+
+
+_CHILD = """import pickle, sys
+from kvlab.exercises.state import module_data
+sys.stdout.buffer.write(pickle.dumps(module_data(sys.argv[1:])))
 """
 
 
@@ -135,6 +142,8 @@ class KvlabState:
         self._pickled: dict[tuple[str, str], bytes] = {}  # a fast first test; equal pickles mean equal values
         self._modules_seen = 0
         self.source = "a fresh Python process"
+        #: Where kvlab's own values come from: the checking process when it runs (``isolated``), else a fresh one.
+        self.fetch: Callable[[list[str]], dict[str, dict[str, Any]]] | None = None
         self._at_import = self._read_here(guarded_modules())
 
     @staticmethod
@@ -155,17 +164,24 @@ class KvlabState:
         wanted = [m for m in guarded_modules() if m not in self.own]
         if not wanted:
             return
+        fetched = self._fetch(wanted)
+        for name in wanted:
+            self.own[name] = {k: v for k, v in fetched.get(name, {}).items() if (name, k) not in PER_PROCESS}
+            self._pickled.update({(name, k): _pickle(v) for k, v in self.own[name].items()})
+
+    def _fetch(self, wanted: list[str]) -> dict[str, dict[str, Any]]:
+        """kvlab's own data of the ``wanted`` modules, from a process that imported them afresh."""
+        if self.fetch is not None:
+            with contextlib.suppress(Exception):
+                return self.fetch(wanted)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             done = subprocess.run([sys.executable, "-c", _CHILD, *wanted], capture_output=True, check=True,
                                   timeout=CHILD_TIMEOUT_S, env=env)
-            fetched = pickle.loads(done.stdout)
+            return pickle.loads(done.stdout)
         except Exception:  # no process, no pickle: fall back on the values seen at import
             self.source = "the values at import of kvlab.exercises (no fresh process could be started)"
-            fetched = {m: self._at_import.get(m) or self._read_here([m]).get(m, {}) for m in wanted}
-        for name in wanted:
-            self.own[name] = {k: v for k, v in fetched.get(name, {}).items() if (name, k) not in PER_PROCESS}
-            self._pickled.update({(name, k): _pickle(v) for k, v in self.own[name].items()})
+            return {m: self._at_import.get(m) or self._read_here([m]).get(m, {}) for m in wanted}
 
     def changes(self) -> list[tuple[str, str]]:
         """(module, name) of every guarded value that differs from kvlab's own."""
@@ -193,6 +209,22 @@ class KvlabState:
     def describe(self, changes: list[tuple[str, str]]) -> list[str]:
         """One line per change: where, what it holds now, and kvlab's own value."""
         return [_describe(f"{m}.{n}", vars(sys.modules[m]).get(n, _MISSING), self.own[m][n]) for m, n in changes]
+
+    @staticmethod
+    def set_value(module_name: str, name: str, value: Any) -> None:
+        """Give ``module.name`` a value (in place for a dict, list or set, which other modules alias)."""
+        module = sys.modules.get(module_name)
+        if module is None:
+            return
+        live = vars(module).get(name, _MISSING)
+        if type(live) is type(value) and type(live) in (dict, list, set):
+            _replace_contents(live, value)
+        else:
+            setattr(module, name, value)
+
+    def live_changes(self) -> list[tuple[str, str, Any]]:
+        """(module, name, value now) of every guarded value that differs from kvlab's own."""
+        return [(m, n, vars(sys.modules[m]).get(n)) for m, n in self.changes() if n in vars(sys.modules[m])]
 
     def _put_back(self, changes: list[tuple[str, str]]) -> list[Any]:
         """Give every changed value kvlab's own; return what undoes that."""
@@ -225,6 +257,63 @@ class KvlabState:
         lines = self.describe(changes)
         self._put_back(changes)
         return lines
+
+
+def _code_signature(value: Any) -> str | None:
+    """Where a function, method or class of kvlab's was defined; None for data (compared apart)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        inner = _code_signature(value.__func__)
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, property):
+        return "property(" + ", ".join(str(_code_signature(f)) for f in (value.fget, value.fset, value.fdel)) + ")"
+    if isinstance(value, ModuleType):
+        return f"module {value.__name__}"
+    if isinstance(value, type):
+        return f"class {value.__module__}.{value.__qualname__}"
+    code = getattr(value, "__code__", None)
+    if inspect.isfunction(value) and code is not None:
+        return f"{value.__module__}.{value.__qualname__} at {code.co_filename}:{code.co_firstlineno}"
+    if callable(value):
+        return f"{type(value).__qualname__} {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    return None
+
+
+def kvlab_code() -> dict[str, str]:
+    """Every public function, class and method of the kvlab modules loaded now, by dotted name."""
+    found = {}
+    for module_name in [m for m in list(sys.modules) if m == "kvlab" or m.startswith("kvlab.")]:
+        module = sys.modules.get(module_name)
+        if not isinstance(module, ModuleType):
+            continue
+        for name, value in list(vars(module).items()):
+            if name.startswith("_"):
+                continue
+            signature = _code_signature(value)
+            if signature is not None:
+                found[f"{module_name}.{name}"] = signature
+            if isinstance(value, type) and value.__module__ == module_name:
+                for attribute, member in list(vars(value).items()):
+                    member_signature = None if attribute.startswith("_") else _code_signature(member)
+                    if member_signature is not None:
+                        found[f"{module_name}.{name}.{attribute}"] = member_signature
+    return found
+
+
+def code_changes(own: dict[str, str]) -> list[str]:
+    """Dotted names of kvlab's functions, classes and methods that differ here from ``own`` (kvlab as installed)."""
+    here = kvlab_code()
+    loaded = {m for m in sys.modules if m == "kvlab" or m.startswith("kvlab.")}
+    return sorted(name for name, signature in own.items()
+                  if here.get(name, signature if _module_of(name, loaded) is None else None) != signature)
+
+
+def _module_of(name: str, loaded: set[str]) -> str | None:
+    """The loaded module a dotted name lives in (None when that module is not loaded here)."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:end]) in loaded:
+            return ".".join(parts[:end])
+    return None
 
 
 STATE = KvlabState()  # created at import of kvlab.exercises, after every notebook's module has loaded kvlab
