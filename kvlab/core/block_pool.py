@@ -439,7 +439,6 @@ class BlockPool:
             else:
                 self._remove_cached_block_hashes(block)
 
-    @checked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (returns False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_usable_blocks:

@@ -86,7 +86,6 @@ class CachingMetrics:
             self.aggregated_query_total -= old_queries
             self.aggregated_query_hit -= old_hits
 
-    @checked
     def reset(self) -> None:
         """Forget everything (after ``reset_prefix_cache``)."""
         self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0

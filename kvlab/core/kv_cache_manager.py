@@ -383,7 +383,6 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self.coordinator.free(request.request_id)
         self._requests.pop(request.request_id, None)
 
-    @checked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update, say); refused (False) while any block is in use."""
         if not self.block_pool.reset_prefix_cache():
