@@ -26,12 +26,12 @@ import cbor2
 import xxhash as _xxhash
 
 from kvlab._validate import checked, non_negative_int, one_of, positive_int
+from kvlab.core.kv_cache_utils import BlockHash  # the one home of the type
 from kvlab.errors import KvlabValueError
 
 if TYPE_CHECKING:
     from kvlab.core.request import Request
 
-BlockHash = bytes
 HashFn = Callable[[Any], bytes]
 
 

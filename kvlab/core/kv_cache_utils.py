@@ -15,7 +15,9 @@ from typing import NamedTuple
 from kvlab._validate import checked, non_negative_int
 from kvlab.errors import BlockStateError, OutOfBlocksError
 
-BlockHash = Hashable  # bytes from kvlab.core.hashing; any hashable value works for teaching
+#: The one block-hash type (vLLM's ``BlockHash`` is bytes): bytes from ``kvlab.core.hashing``'s functions, or any
+#: hashable value but None from a teaching hash function. ``hashing``, the pool and the CPU tier all use this one.
+BlockHash = Hashable
 
 
 @checked
