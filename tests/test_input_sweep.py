@@ -40,7 +40,7 @@ SKIP: dict[str, str] = {
         "kvlab.core.sched.output.ModelRunnerOutput", "kvlab.core.sched.output.RequestOutput",
         "kvlab.core.sched.output.ScheduledRequest", "kvlab.core.sched.output.SchedulerOutput",
         "kvlab.core.sched.output.SchedulerStats", "kvlab.core.kv_cache_utils.KVCacheBlockCopy",
-        "kvlab.sim.block_scenarios.BlockView", "kvlab.sim.block_scenarios.PoolSnapshot",
+        "kvlab.sim.block_types.BlockView", "kvlab.sim.block_types.PoolSnapshot",
         "kvlab.sim.block_scenarios.Step", "kvlab.sim.collisions.BlockCollision",
         "kvlab.sim.fragmentation.FragmentationResult", "kvlab.sim.fragmentation_fast.SlotSteps",
         "kvlab.sim.prefix_sim.SimResult", "kvlab.sim.serving_sim.ChatRun", "kvlab.sim.sharing.SharingResult",
@@ -277,8 +277,8 @@ def _overrides() -> dict[str, Any]:
         "kvlab.core.sequence.Sequence.extend": lambda: {"token_ids": [7, 8]},
         "kvlab.core.sequence.compute_slot_mapping": lambda: {"block_table": [1, 2], "block_size": 4,
                                                             "positions": [0, 5]},
-        "kvlab.sim.block_scenarios.Op": lambda: {"kind": "append", "seq": "a", "tokens": (1,)},
-        "kvlab.sim.block_scenarios.Scenario": lambda: {"name": "s", "description": "d", "num_blocks": 4,
+        "kvlab.sim.block_types.Op": lambda: {"kind": "append", "seq": "a", "tokens": (1,)},
+        "kvlab.sim.block_types.Scenario": lambda: {"name": "s", "description": "d", "num_blocks": 4,
                                                        "block_size": 4, "ops": (Op("append", "a", (1,)),)},
         "kvlab.sim.block_scenarios.get_scenario": lambda: {"name": "random workload"},
         "kvlab.sim.block_scenarios.record": lambda: {"scenario": get_scenario("random workload")},
@@ -352,7 +352,7 @@ RULES: dict[str, dict[str, Any]] = {
     "kvlab.capacity.budget.num_gpu_blocks:available_bytes": {"signed": True},
     "kvlab.core.kv_cache_utils.KVCacheBlock:block_id": {"signed": True},  # the free queue's sentinels are -1
     "kvlab.core.kv_cache_metrics.Histogram:documentation": {"free_text": True},
-    "kvlab.sim.block_scenarios.Op:seq": {"free_text": True},  # a sequence's name
+    "kvlab.sim.block_types.Op:seq": {"free_text": True},  # a sequence's name
     "kvlab.sim.lifecycle.Event:request": {"free_text": True},  # a request's name
     "kvlab.sim.prefix_sim.SimRequest:after": {"free_text": True},  # another request's id
     "kvlab.capacity.models.resolve_model:parameter": {"free_text": True},  # the caller's parameter name

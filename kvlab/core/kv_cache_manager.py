@@ -178,7 +178,10 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     @checked
     def get_block_ids_per_group(self, request_id: str) -> tuple[list[int], ...]:
         """The block ids of a live request in every group: the rows of the block tables the kernels read."""
-        return tuple([b.block_id for b in group] for group in self.get_blocks_per_group(request_id))
+        if request_id not in self.req_to_blocks:
+            self.get_blocks_per_group(request_id)  # raises: the request holds no blocks
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())]  # one pass, no copy of the blocks
+                     for m in self.coordinator.single_type_managers)
 
     @checked
     def get_blocks(self, request_id: str) -> list[KVCacheBlock] | tuple[list[KVCacheBlock], ...]:
