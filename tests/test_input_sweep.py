@@ -91,7 +91,7 @@ SKIP: dict[str, str] = {
         "kvlab.sim.block_scenarios.pool_snapshot",
         "kvlab.sim.block_scenarios.snapshot",
         *(f"kvlab.core.{owner}.on_block_{event}"
-          for owner in ("cache_stats.EvictionCounter", "kv_cache_metrics.KVCacheMetricsCollector",
+          for owner in ("kv_cache_metrics.KVCacheMetricsCollector",
                         "kv_offload.OffloadingConnector")
           for event in ("accessed", "allocated", "evicted")),
     )},
@@ -212,7 +212,6 @@ def _overrides() -> dict[str, Any]:
         "kvlab.core.block_pool.BlockPool.get_new_blocks": lambda: {"num_blocks": 2},
         "kvlab.core.block_pool.BlockPool.evict_blocks": lambda: {"block_ids": []},
         "kvlab.core.block_pool.BlockPool.get_cached_block": lambda: {"block_hash": none},
-        "kvlab.core.cache_stats.EvictionCounter.missed": lambda: {"block_hashes": [none]},
         "kvlab.core.cache_stats.interpret_hit_rate": lambda: {"hit_rate": 0.5, "workload_shares_prefixes": True},
         "kvlab.core.hashing.generate_block_hash_extra_keys": lambda: {"request": Request("r", list(range(8))),
                                                                       "start_token_idx": 0, "end_token_idx": 4},
