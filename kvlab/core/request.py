@@ -150,14 +150,9 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self._all_token_ids) - len(self.prompt_token_ids)
 
-    @checked
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens; hashes every block they complete (once a manager has seen the request)."""
-        if type(token_ids) is int:  # checked at the door
-            new = [token_ids]
-        else:
-            new = list(token_ids)
-            _check_token_ids("token_ids", new)  # an iterator's items: the door could not look at them
+        new = [token_ids] if type(token_ids) is int and 0 <= token_ids < 2**63 else _token_list(token_ids)
         if self.status in FINISHED:
             raise RequestStateError(f"request {self.request_id!r} is {self.status.value}: it takes no more tokens")
         self._all_token_ids.extend(new)
@@ -180,6 +175,15 @@ class Request:
 
 #: The finished states, for a quick membership test (a tuple: members compare by identity, in C).
 FINISHED = tuple(s for s in RequestStatus if RequestStatus.is_finished(s))
+
+
+def _token_list(token_ids: object) -> list[int]:
+    """``append_output_token_ids``'s argument as a checked list: one token id, or an iterable of them."""
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (int, Iterable)):
+        raise KvlabValueError(f"token_ids must be a token id or an iterable of them, got {token_ids!r}")
+    new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+    _check_token_ids("token_ids", new)
+    return new  # type: ignore[return-value]
 
 
 def _check_token_ids(name: str, tokens: Sequence[object]) -> None:
