@@ -351,7 +351,7 @@ def _fast(check: Check, value: str, namespace: dict[str, Any]) -> str | None:
         return template.format(v=value)
     kind = getattr(check, "kind", None)
     if kind is not None:
-        name = f"k{len(namespace)}"
+        name = f"_k{len(namespace)}"  # "_": never a parameter's name (see _with_own_signature)
         namespace[name] = kind
         return f"isinstance({value}, {name})"
     inline = [_fast(part, value, namespace) for part, _ in getattr(check, "parts", ())]
@@ -425,6 +425,7 @@ def _with_own_signature(fn: F, signed: tuple[str, ...], at_most: Mapping[str, in
             heads.append(f"{p.name}=_d{i}")
         passes.append(p.name if p.kind is p.POSITIONAL_OR_KEYWORD else f"{p.name}={p.name}")
     head, call = ", ".join(heads), ", ".join(passes)
+    defaults = {p.name: f"_d{i}" for i, p in enumerate(params) if p.default is not p.empty}
 
     def build(body: list[str]) -> Any:
         code: dict[str, Any] = {}
@@ -439,9 +440,7 @@ def _with_own_signature(fn: F, signed: tuple[str, ...], at_most: Mapping[str, in
             namespace[f"_c{i}"], namespace[f"_f{i}"] = check, functools.partial(_refusal, name, check, what)
             inline = _fast(check, name, namespace)
             test = f"({inline} or _c{i}({name}))" if inline else f"_c{i}({name})"
-            default = next(f"_d{j}" for j, p in enumerate(params) if p.name == name) \
-                if params[[p.name for p in params].index(name)].default is not inspect.Parameter.empty else None
-            guard = f"{name} is not {default} and " if default else ""
+            guard = f"{name} is not {defaults[name]} and " if name in defaults else ""  # a default is trusted
             body += [f"    if {guard}not {test}:", f"        raise _f{i}({name})"]
         wrapper.__code__ = build([*body, f"    return _fn({call})"])
 
