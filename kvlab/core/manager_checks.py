@@ -158,47 +158,62 @@ class AllocationChecks:
         partial hit to copy), else 0.
         """
         # The counts are ints >= 0 and the request a Request (@checked saw them at the door).
-        if request.status in FINISHED or self._requests.get(request.request_id, request) is not request:
+        rid, num_computed = request.request_id, request.num_computed_tokens
+        if request.status in FINISHED or self._requests.get(rid, request) is not request:
             self._check_request(request)
-        held = self.req_to_blocks.get(request.request_id)
-        num_external = num_external_computed_tokens
         if num_encoder_tokens:
             raise KvlabValueError("num_encoder_tokens must be 0: kvlab models no cross-attention (decoder-only)")
-        if skip_zeroing_group_ids != () and tuple(skip_zeroing_group_ids):
+        if skip_zeroing_group_ids:
             raise KvlabValueError("skip_zeroing_group_ids must be empty: kvlab's worker zeroes no blocks")
+        num_external = num_external_computed_tokens
         if num_new_tokens == 0 and num_external == 0 and num_new_computed_tokens == 0:
             raise KvlabValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
-        if held is None and request.num_computed_tokens > 0:
+        held = self.req_to_blocks.get(rid)
+        if held is not None:  # a running request: no hits, no external tokens, no write into a shared block
+            if new_computed_blocks or num_new_computed_tokens or num_external:
+                self._refuse_hits_of_a_running_request(request, new_computed_blocks, num_new_computed_tokens,
+                                                       num_external)
+            if num_computed + num_new_tokens > len(request._all_token_ids):
+                self._refuse_past_the_end(request, num_new_tokens, 0, 0)
+            index, offset = divmod(num_computed, self.block_size)
+            if offset and index < len(held) and held[index].ref_cnt > 1:
+                self._check_not_writing_shared(request, held)
+            return self._no_hits, 0
+        if num_computed > 0:
             raise RequestStateError(
-                f"request {request.request_id!r} holds no blocks but has num_computed_tokens="
-                f"{request.num_computed_tokens}: it was freed. A preempted request restarts from "
-                "num_computed_tokens = 0"
+                f"request {rid!r} holds no blocks but has num_computed_tokens={num_computed}: it was freed. "
+                "A preempted request restarts from num_computed_tokens = 0"
+            )
+        if self.enable_caching and request._hasher_owner not in (None, self):
+            raise RequestStateError(
+                f"request {rid!r} was hashed by another KVCacheManager (its own hash seed and "
+                "function); create a new Request for this manager"
             )
         computed = self._no_hits if new_computed_blocks is None else self._group_hits(new_computed_blocks)
-        if held is not None and (any(computed) or num_new_computed_tokens or num_external):
+        partial = self._check_hits(request, computed, num_new_computed_tokens)
+        if num_computed + num_new_computed_tokens + num_external + num_new_tokens > len(request._all_token_ids):
+            self._refuse_past_the_end(request, num_new_tokens, num_new_computed_tokens, num_external)
+        return computed, partial
+
+    @staticmethod
+    def _refuse_past_the_end(request: Request, num_new_tokens: int, num_new_computed_tokens: int,
+                             num_external: int) -> None:
+        computed = request.num_computed_tokens + num_new_computed_tokens + num_external
+        raise KvlabValueError(
+            f"request {request.request_id!r} has {request.num_tokens} tokens; computing num_new_tokens="
+            f"{num_new_tokens} after {computed} computed (num_new_computed_tokens="
+            f"{num_new_computed_tokens}, num_external_computed_tokens={num_external}) would pass its end "
+            "(reserve slots for future tokens with num_lookahead_tokens)"
+        )
+
+    def _refuse_hits_of_a_running_request(self, request: Request, new_computed_blocks: object,
+                                          num_new_computed_tokens: int, num_external: int) -> None:
+        """A running request takes no hits and no external tokens (empty hits, as a list, are fine)."""
+        if any(self._group_hits(new_computed_blocks)) or num_new_computed_tokens or num_external:
             raise RequestStateError(
                 f"request {request.request_id!r} already holds blocks; prefix hits and external tokens are taken "
                 "only at admission"
             )
-        if held is None and self.enable_caching and request._hasher_owner not in (None, self):
-            raise RequestStateError(
-                f"request {request.request_id!r} was hashed by another KVCacheManager (its own hash seed and "
-                "function); create a new Request for this manager"
-            )
-        partial = self._check_hits(request, computed, num_new_computed_tokens) if held is None else 0
-        total = request.num_computed_tokens + num_new_computed_tokens + num_external + num_new_tokens
-        if total > len(request._all_token_ids):
-            raise KvlabValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens; computing num_new_tokens="
-                f"{num_new_tokens} after {total - num_new_tokens} computed (num_new_computed_tokens="
-                f"{num_new_computed_tokens}, num_external_computed_tokens={num_external}) would pass its end "
-                "(reserve slots for future tokens with num_lookahead_tokens)"
-            )
-        if held is not None and request.num_computed_tokens % self.block_size:
-            index = request.num_computed_tokens // self.block_size
-            if index < len(held) and held[index].ref_cnt > 1:
-                self._check_not_writing_shared(request, held)
-        return computed, partial
 
     def _check_hits(self, request: Request, groups: tuple[list[KVCacheBlock], ...], num_tokens: int) -> int:
         """The hits must be exactly what ``get_computed_blocks`` returned for this request, in every group."""
