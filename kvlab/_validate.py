@@ -36,6 +36,8 @@ from kvlab.errors import KvlabValueError, UnknownNameError
 
 def positive_int(name: str, value: object) -> int:
     """Return ``value`` if it is an integer >= 1 (bools refused), else raise naming ``name``."""
+    if type(value) is int and value >= 1:  # the usual case, without numbers' Python-level isinstance
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise KvlabValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
@@ -43,6 +45,8 @@ def positive_int(name: str, value: object) -> int:
 
 def non_negative_int(name: str, value: object) -> int:
     """Return ``value`` if it is an integer >= 0 (bools refused), else raise naming ``name``."""
+    if type(value) is int and value >= 0:  # the usual case, without numbers' Python-level isinstance
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise KvlabValueError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
