@@ -5,8 +5,15 @@ multi-turn histories, chunked prefill of 64 tokens, decode one token a step, fin
 8-40 output tokens, preemption of the newest request when the pool is full), on a
 2,000-block pool of 16-token blocks with prefix caching on and SHA-256 hashing. Both
 managers see the same calls (they make identical decisions: ``make test-vllm`` proves it).
-One operation is one call of ``get_computed_blocks``, ``allocate_slots`` or ``free``.
-Method: the whole trace run ``REPEAT`` times per manager, alternating; the median time.
+One operation is one call of ``get_computed_blocks``, ``allocate_slots`` or ``free``; each side builds its
+``Request`` objects inside the timed loop, as its engine would. Besides that trace, ``RANDOM_SHAPES`` are
+seeded random traces of other shapes (pool size, block size 4 or 16, caching on or off, each of the four
+hash functions); their median ratio is reported beside the trace's.
+Method: the whole trace run ``REPEAT`` times per manager, alternating; the median time. The Python calls
+per operation (``sys.setprofile``, deterministic) and the share of them spent in validation (functions of
+``kvlab/_validate.py`` and ``kvlab/core/manager_checks.py``, the checking wrappers ``@checked`` writes, and
+kvlab functions named ``_check*``) are
+counted on one untimed run of the trace.
 vLLM is imported from ``.venv-vllm`` (``make test-vllm`` builds it); without it only kvlab
 is timed. Saved to ``data/measurements/manager_ops.json`` with the machine it ran on.
 """
@@ -19,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,17 +47,42 @@ NUM_BLOCKS, BLOCK_SIZE, CHUNK = 2000, 16, 64
 NUM_REQUESTS, REPEAT = 600, 5
 
 
-def workload(seed: int = 0) -> list[tuple[list[int], int]]:
+class Shape(NamedTuple):
+    """One trace: the pool, the traffic and the hash function both managers use."""
+
+    seed: int
+    num_blocks: int
+    block_size: int
+    caching: bool
+    hash_fn: str
+    num_requests: int
+    system_lengths: tuple[int, ...]
+
+
+BENCH = Shape(0, NUM_BLOCKS, BLOCK_SIZE, True, "sha256", NUM_REQUESTS, (200, 480, 900))
+#: Seeded random traces of other shapes; every request fits the pool alone (the loop needs that).
+RANDOM_SHAPES = (
+    Shape(1, 64, 4, True, "sha256_cbor", 200, (20, 60, 90)),
+    Shape(2, 180, 16, False, "xxhash", 200, (100, 300, 600)),
+    Shape(3, 40, 16, True, "xxhash_cbor", 200, (50, 120, 200)),
+    Shape(4, 400, 4, True, "sha256", 300, (40, 150, 400)),
+    Shape(5, 120, 16, True, "xxhash", 250, (200, 480, 700)),
+)
+
+
+def workload(shape: Shape = BENCH) -> list[tuple[list[int], int]]:
     """(prompt, output length) per request: shared system prompts, follow-up turns, fresh questions."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(32000) for _ in range(rng.choice([200, 480, 900]))] for _ in range(4)]
+    rng = random.Random(shape.seed)
+    systems = [[rng.randrange(32000) for _ in range(rng.choice(shape.system_lengths))] for _ in range(4)]
+    longest = (shape.num_blocks - 1) * shape.block_size - 40 - shape.block_size  # a request alone always fits
     history: list[list[int]] = []
     out = []
-    for _ in range(NUM_REQUESTS):
+    for _ in range(shape.num_requests):
         if history and rng.random() < 0.3:
             prompt = rng.choice(history) + [rng.randrange(32000) for _ in range(rng.randrange(20, 120))]
         else:
             prompt = rng.choice(systems) + [rng.randrange(32000) for _ in range(rng.randrange(10, 200))]
+        prompt = prompt[-longest:]
         history = (history + [prompt])[-20:]
         out.append((prompt, rng.randrange(8, 40)))
     return out
@@ -74,8 +107,8 @@ class _Side:
 class KvlabSide(_Side):
     name = "kvlab"
 
-    def __init__(self) -> None:
-        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, hash_seed="bench")
+    def __init__(self, shape: Shape) -> None:
+        self.m = KVCacheManager(shape.num_blocks, shape.block_size, shape.caching, shape.hash_fn, hash_seed="bench")
 
     def request(self, rid: str, prompt: list[int]) -> Request:
         return Request(rid, prompt)
@@ -84,22 +117,23 @@ class KvlabSide(_Side):
 class VllmSide(_Side):
     name = "vLLM 0.33.0"
 
-    def __init__(self) -> None:
+    def __init__(self, shape: Shape) -> None:
         import torch
         from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
+        from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_manager import KVCacheManager as VManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.request import Request as VRequest
 
-        init_none_hash(sha256)
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+        hash_fn = get_hash_fn_by_name(shape.hash_fn)
+        init_none_hash(hash_fn)
+        spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        config = KVCacheConfig(num_blocks=shape.num_blocks, kv_cache_tensors=[],
                                kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-        self.m = VManager(config, max_model_len=1 << 20, scheduler_block_size=BLOCK_SIZE,
-                          hash_block_size=BLOCK_SIZE, enable_caching=True, log_stats=True)
-        self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.m = VManager(config, max_model_len=1 << 20, scheduler_block_size=shape.block_size,
+                          hash_block_size=shape.block_size, enable_caching=shape.caching, log_stats=True)
+        self.hasher = get_request_block_hasher(shape.block_size, hash_fn)
         self.params = SamplingParams(max_tokens=100_000)
         self.params.update_from_generation_config({}, eos_token_id=100_000)
         self.VRequest = VRequest
@@ -148,6 +182,7 @@ def run(side, work) -> tuple[int, float, list]:
             new = side.allocate(r, n, hit, hits)
             ops += 2
             if new is None:
+                assert running, "a request that fits no empty pool: the shape's prompts are too long"
                 if rid is not None:
                     waiting[0] = (None, r, out)
                 break
@@ -158,40 +193,90 @@ def run(side, work) -> tuple[int, float, list]:
     return ops, time.perf_counter() - start, trace
 
 
+def time_shape(shape: Shape, sides: list[type], repeat: int) -> dict[str, Any]:
+    """Each side's operations per second on one trace (median of ``repeat`` alternating runs)."""
+    work = workload(shape)
+    times: dict[str, list[float]] = {s.name: [] for s in sides}
+    counts, traces = {}, {}
+    for _ in range(repeat):
+        for cls in sides:
+            ops, seconds, trace = run(cls(shape), work)
+            times[cls.name].append(seconds)
+            counts[cls.name], traces[cls.name] = ops, trace
+    if len(traces) == 2:
+        assert traces["kvlab"] == traces["vLLM 0.33.0"], f"the two managers disagreed on a hit ({shape})"
+    rows = [{"manager": name, "operations": counts[name], "seconds_median": statistics.median(t),
+             "ops_per_second": counts[name] / statistics.median(t)} for name, t in times.items()]
+    ratio = rows[0]["ops_per_second"] / rows[1]["ops_per_second"] if len(rows) == 2 else None
+    return {"shape": shape._asdict(), "rows": rows, "kvlab_over_vllm": ratio}
+
+
+VALIDATION_FILES = (os.path.join("kvlab", "_validate.py"), os.path.join("kvlab", "core", "manager_checks.py"))
+
+
+def count_calls(side: _Side, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """Python calls per operation on one run (deterministic), and the share of them spent validating."""
+    calls = validating = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls, validating
+        if event != "call":
+            return
+        calls += 1
+        code = frame.f_code
+        if code.co_filename.endswith(VALIDATION_FILES) or code.co_filename.startswith("<checked") or (
+                "kvlab" in code.co_filename and code.co_name.startswith(("_check", "check_"))):
+            validating += 1
+
+    sys.setprofile(profile)
+    try:
+        ops, _, _ = run(side, work)
+    finally:
+        sys.setprofile(None)
+    return {"python_calls": calls, "operations": ops, "calls_per_operation": calls / ops,
+            "validation_calls": validating, "validation_share": validating / calls}
+
+
 def main() -> None:
-    work = workload()
-    sides = [KvlabSide]
+    sides: list[type] = [KvlabSide]
     try:
         import vllm  # noqa: F401
         sides.append(VllmSide)
     except ImportError:
         pass
-    times: dict[str, list[float]] = {s.name: [] for s in sides}
-    counts, traces = {}, {}
-    for _ in range(REPEAT):
-        for cls in sides:
-            side = cls()
-            ops, seconds, trace = run(side, work)
-            times[cls.name].append(seconds)
-            counts[cls.name], traces[cls.name] = ops, trace
-    if len(traces) == 2:
-        assert traces["kvlab"] == traces["vLLM 0.33.0"], "the two managers disagreed on a hit"
-    rows = [{"manager": name, "operations": counts[name], "seconds_median": statistics.median(t),
-             "ops_per_second": counts[name] / statistics.median(t)} for name, t in times.items()]
-    ratio = rows[0]["ops_per_second"] / rows[1]["ops_per_second"] if len(rows) == 2 else None
+    bench = time_shape(BENCH, sides, REPEAT)
+    randoms = [time_shape(shape, sides, REPEAT) for shape in RANDOM_SHAPES]
+    ratios = [r["kvlab_over_vllm"] for r in randoms if r["kvlab_over_vllm"] is not None]
+    calls = {cls.name: count_calls(cls(BENCH), workload(BENCH)) for cls in sides}
+    load = os.getloadavg()
+    results = {"rows": bench["rows"], "kvlab_over_vllm": bench["kvlab_over_vllm"],
+               "random_traces": randoms,
+               "random_traces_median_kvlab_over_vllm": statistics.median(ratios) if ratios else None,
+               "calls": calls, "load_average": list(load),
+               "note": (f"machine loaded (load average {load[0]:.1f} on {os.cpu_count()} cores): timings are "
+                        "indicative; the call counts are exact") if load[0] > 0.5 * (os.cpu_count() or 1)
+               else "quiet machine"}
     method = (f"one process; {NUM_REQUESTS} seeded requests (4 system prompts of 200-900 tokens, 30 % follow-up "
               f"turns), FCFS loop with {CHUNK}-token chunks, decode 8-40 tokens, preemption of the newest when "
               f"full; {NUM_BLOCKS:,}-block pool, block size {BLOCK_SIZE}, SHA-256, caching on; the same trace on "
-              f"each manager, {REPEAT} runs each alternating, median")
-    path = save_measurement("manager_ops", {"rows": rows, "kvlab_over_vllm": ratio}, method)
+              f"each manager, {REPEAT} runs each alternating, median; Requests built inside the timed loop; "
+              f"plus {len(RANDOM_SHAPES)} seeded random traces (random_traces, their shapes listed) and their "
+              "median ratio; calls per operation counted with sys.setprofile on one untimed run")
+    path = save_measurement("manager_ops", results, method)
     print(f"KVCacheManager operations per second — {machine_line()}")
-    for row in rows:
+    for row in bench["rows"]:
         print(f"{row['manager']:>12}: {row['operations']:,} operations in {row['seconds_median']:.3f} s = "
               f"{row['ops_per_second']:,.0f} ops/s")
-    if ratio is None:
+    for name, c in calls.items():
+        print(f"{name:>12}: {c['calls_per_operation']:.1f} Python calls per operation, "
+              f"{c['validation_share']:.1%} of them in validation")
+    if bench["kvlab_over_vllm"] is None:
         print("vLLM is not installed here (make test-vllm builds .venv-vllm): kvlab alone")
     else:
-        print(f"kvlab / vLLM = {ratio:.2f}x")
+        median = results["random_traces_median_kvlab_over_vllm"]
+        print(f"kvlab / vLLM = {bench['kvlab_over_vllm']:.2f}x on the trace; on the random traces: "
+              + ", ".join(f"{r:.2f}x" for r in ratios) + f"; median {median:.2f}x")
+    print(results["note"])
     print(f"saved to {path}")
 
 

@@ -8,8 +8,10 @@ or ``AttributeError`` from deep inside. ``@checked`` reads the function's annota
 call, checks the arguments the caller passed: ``int`` (bools refused), ``float`` (finite: NaN and infinity
 refused), ``str``, ``bool``, ``Literal[...]``, ``None`` only where ``| None`` says so, kvlab's own classes,
 containers (``Sequence``, ``Iterable``, ``Mapping``: the container, not its items) and unions of these.
-The checks guard the door: a call from inside kvlab (one kvlab module calling another) is not checked
-again, so the allocator's hot paths pay one frame lookup, not a check per argument.
+The checks guard the door, once: kvlab's own code calls the undecorated function (``fn.__wrapped__``, or a
+private ``_impl`` a public method checks and calls), so the allocator's hot paths pay no check and no stack
+inspection. Each checker is built once per signature, with exact-type fast paths (``type(v) is int``) and
+``numbers`` only as the fallback; a list of ints is checked in one C-level pass, not a frame per item.
 In kvlab an ``int`` or ``float`` parameter is a count, a size, an index or a share, so it must be >= 0
 unless the function names it in ``signed=``. Range rules beyond that (> 0, <= 1, fits the pool) stay
 in the function, next to what they protect.
@@ -27,7 +29,6 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
-from sys import _getframe
 from typing import Any, TypeVar
 
 from kvlab.errors import KvlabValueError, UnknownNameError
@@ -35,6 +36,8 @@ from kvlab.errors import KvlabValueError, UnknownNameError
 
 def positive_int(name: str, value: object) -> int:
     """Return ``value`` if it is an integer >= 1 (bools refused), else raise naming ``name``."""
+    if type(value) is int and value >= 1:  # the usual case, without numbers' Python-level isinstance
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise KvlabValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
@@ -42,6 +45,8 @@ def positive_int(name: str, value: object) -> int:
 
 def non_negative_int(name: str, value: object) -> int:
     """Return ``value`` if it is an integer >= 0 (bools refused), else raise naming ``name``."""
+    if type(value) is int and value >= 0:  # the usual case, without numbers' Python-level isinstance
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise KvlabValueError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
@@ -118,16 +123,32 @@ def _is_real(value: object) -> bool:
 
 
 def _number_check(kind: str, signed: bool) -> tuple[Check, str]:
-    is_int = kind == "int"
+    low = -INT64 if signed else 0
+    if kind == "int":  # every count ends up in a numpy or torch int64 somewhere
 
-    def check(value: object) -> bool:
-        if is_int:  # every count ends up in a numpy or torch int64 somewhere
-            return _is_int(value) and (-INT64 if signed else 0) <= value < INT64  # type: ignore[operator]
-        return _is_real(value) and math.isfinite(value) and (signed or value >= 0)  # type: ignore[arg-type, operator]
+        def check_int(v: object) -> bool:
+            return (type(v) is int or _is_int(v)) and low <= v < INT64  # type: ignore[operator]
 
-    if is_int:
-        return check, "an integer below 2**63" if signed else "an integer >= 0 (below 2**63)"
-    return check, "a finite number" if signed else "a finite number >= 0"
+        check_int.fast = f"(type({{v}}) is int and {low} <= {{v}} < {INT64})"  # type: ignore[attr-defined]
+        return check_int, "an integer below 2**63" if signed else "an integer >= 0 (below 2**63)"
+
+    def check_real(v: object) -> bool:
+        return (type(v) is float or _is_real(v)) and math.isfinite(v) and (signed or v >= 0)  # type: ignore[arg-type, operator]
+
+    return check_real, "a finite number" if signed else "a finite number >= 0"
+
+
+def _ints_check(signed: bool) -> Check:
+    """Every item an int in range, in C-level passes (``map``, ``min``, ``max``) for a list or tuple of plain ints."""
+    low = -INT64 if signed else 0
+    item_ok = _number_check("int", signed)[0]
+
+    def items_ok(v: Any) -> bool:
+        if type(v) in (list, tuple) and (not v or set(map(type, v)) == {int}):
+            return not v or (low <= min(v) and max(v) < INT64)
+        return all(item_ok(x) for x in v)
+
+    return items_ok
 
 
 def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
@@ -135,7 +156,7 @@ def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
     if annotation is Any or isinstance(annotation, (TypeVar, str, typing.ForwardRef)):
         return None
     if annotation is type(None) or annotation is None:
-        return (lambda v: v is None), "None"
+        return _with_fast(lambda v: v is None, "{v} is None"), "None"
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         parts = [_checker(arg, signed) for arg in typing.get_args(annotation)]
@@ -158,13 +179,13 @@ def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
         return _checker(typing.get_args(annotation)[0], signed)
     base = origin if origin is not None else annotation
     if base is bool:
-        return (lambda v: isinstance(v, bool)), "True or False"
+        return _with_fast(lambda v: isinstance(v, bool), "({v} is True or {v} is False)"), "True or False"
     if base is int:
         return _number_check("int", signed)
     if base is float:
         return _number_check("float", signed)
     if base is str:
-        return (lambda v: isinstance(v, str)), "a str"
+        return _with_fast(lambda v: isinstance(v, str), "type({v}) is str"), "a str"
     if base is abc.Hashable:
         return (lambda v: v is not None and isinstance(v, abc.Hashable)), "a hashable value (not None)"
     if base in _CONTAINERS:
@@ -177,8 +198,19 @@ def _checker(annotation: Any, signed: bool) -> tuple[Check, str] | None:
             f"a {base.__name__} (with {', '.join(methods)})"
     if inspect.isclass(base):
         owner = "kvlab " if base.__module__.startswith("kvlab") else ""
-        return (lambda v: isinstance(v, base)), f"a {owner}{base.__name__}"
+
+        def is_instance(v: object) -> bool:
+            return isinstance(v, base)
+
+        is_instance.kind = base  # type: ignore[attr-defined]  # _compile inlines the isinstance
+        return is_instance, f"a {owner}{base.__name__}"
     return None
+
+
+def _with_fast(check: Check, template: str) -> Check:
+    """``check`` with the inline expression ``_compile`` writes in its place (``{v}``: the value)."""
+    check.fast = template  # type: ignore[attr-defined]
+    return check
 
 
 def _container_checker(base: Any, args: tuple[Any, ...], signed: bool) -> tuple[Check, str]:
@@ -200,12 +232,15 @@ def _container_checker(base: Any, args: tuple[Any, ...], signed: bool) -> tuple[
     if item is None:
         return (lambda v: isinstance(v, kind) and not isinstance(v, str)), text
     item_ok, item_what = item
+    items_ok = _ints_check(signed) if typing.get_origin(args[0]) is None and args[0] is int else None
 
     def check(v: object) -> bool:
         if not isinstance(v, kind) or isinstance(v, (str, bytes)):
             return False
         if isinstance(v, abc.Iterator):  # a generator: its items cannot be looked at without using them up
             return True
+        if items_ok is not None:
+            return items_ok(v)
         return all(item_ok(x) for x in v)  # type: ignore[attr-defined]
 
     check.item = (kind, item_ok, item_what)  # type: ignore[attr-defined]  # lets a refusal name the bad item
@@ -310,29 +345,119 @@ def _rules_for(fn: Callable[..., Any], signed: tuple[str, ...], skip_first: bool
     return rules
 
 
+def _fast(check: Check, value: str, namespace: dict[str, Any]) -> str | None:
+    """An inline Python expression that is True only where ``check`` is (the common exact types), or None.
+
+    A union inlines the alternatives that have such an expression; the others are left to ``check`` itself.
+    """
+    template = getattr(check, "fast", None)
+    if template is not None:
+        return template.format(v=value)
+    kind = getattr(check, "kind", None)
+    if kind is not None:
+        name = f"_k{len(namespace)}"  # "_": never a parameter's name (see _with_own_signature)
+        namespace[name] = kind
+        return f"isinstance({value}, {name})"
+    inline = [_fast(part, value, namespace) for part, _ in getattr(check, "parts", ())]
+    inline = [expression for expression in inline if expression]
+    return "(" + " or ".join(inline) + ")" if inline else None
+
+
+_MISSING = object()
+
+
+def _compile(plan: list[tuple[str, int, Check, str]]) -> Callable[[tuple[Any, ...], dict[str, Any]], None]:
+    """One function checking every argument of a call, built once per signature: exact types inline, the full
+    predicate only where the inline test fails (a numpy int, a subclass), the refusal only where that fails too."""
+    lines = ["def check_arguments(args, kwargs):", "    n = len(args)"]
+    namespace: dict[str, Any] = {"_MISSING": _MISSING}
+    for i, (name, index, check, what) in enumerate(plan):
+        namespace[f"c{i}"] = check
+        namespace[f"fail{i}"] = functools.partial(_refusal, name, check, what)
+        if index < 1 << 30:
+            lines.append(f"    v = args[{index}] if n > {index} else kwargs.get({name!r}, _MISSING)")
+        else:
+            lines.append(f"    v = kwargs.get({name!r}, _MISSING)")
+        inline = _fast(check, "v", namespace)
+        test = f"({inline} or c{i}(v))" if inline else f"c{i}(v)"
+        lines.append(f"    if v is not _MISSING and not {test}:")
+        lines.append(f"        raise fail{i}(v)")
+    exec(compile("\n".join(lines), "<checked arguments>", "exec"), namespace)  # noqa: S102 - from the annotations
+    return namespace["check_arguments"]  # type: ignore[no-any-return]
+
+
 def _checked_function(fn: F, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None,
                       skip: tuple[str, ...] = ()) -> F:
-    plan: list[tuple[str, int, Check, str]] | None = None
+    fast = _with_own_signature(fn, signed, at_most, skip)
+    if fast is not None:
+        return fast
+    check_arguments: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal plan
-        if plan is None:  # resolved at the first call, when every name the annotations use exists
-            plan = _rules_for(fn, signed, skip_first=False, at_most=at_most, skip=skip)
-        if not plan or _getframe(1).f_globals.get("__name__", "").startswith("kvlab."):
-            return fn(*args, **kwargs)  # nothing to check, or kvlab calling itself (checked at the door)
-        for name, index, check, what in plan:
-            if index < len(args):
-                value = args[index]
-            elif name in kwargs:
-                value = kwargs[name]
-            else:
-                continue
-            if not check(value):
-                raise _refusal(name, check, what, value)
+        nonlocal check_arguments
+        if check_arguments is None:  # resolved at the first call, when every name the annotations use exists
+            check_arguments = _compile(_rules_for(fn, signed, skip_first=False, at_most=at_most, skip=skip))
+        check_arguments(args, kwargs)
         return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _with_own_signature(fn: F, signed: tuple[str, ...], at_most: Mapping[str, int] | None,
+                        skip: tuple[str, ...]) -> F | None:
+    """The checking wrapper as one function with ``fn``'s own parameters: the checks inline, no ``*args`` to unpack.
+
+    Its first call resolves the annotations (every name they use exists by then), writes the checks and swaps
+    its own code for them. None where the signature has ``*args``, ``**kwargs`` or positional-only parameters.
+    """
+    params = list(inspect.signature(fn).parameters.values())
+    if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        return None
+    namespace: dict[str, Any] = {"_fn": fn, "_MISSING": _MISSING}
+    if any(p.name.startswith("_") for p in params):  # could shadow the names the wrapper's code uses
+        return None
+    heads, passes = [], []
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and not any(h == "*" for h in heads) and \
+                all(q.kind is not q.KEYWORD_ONLY for q in params[:i]):
+            heads.append("*")
+        if p.default is p.empty:
+            heads.append(p.name)
+        else:
+            namespace[f"_d{i}"] = p.default
+            heads.append(f"{p.name}=_d{i}")
+        passes.append(p.name if p.kind is p.POSITIONAL_OR_KEYWORD else f"{p.name}={p.name}")
+    head, call = ", ".join(heads), ", ".join(passes)
+    defaults = {p.name: f"_d{i}" for i, p in enumerate(params) if p.default is not p.empty}
+
+    def build(body: list[str]) -> Any:
+        code: dict[str, Any] = {}
+        source = "\n".join([f"def {fn.__name__}({head}):", *body])
+        exec(compile(source, f"<checked {fn.__qualname__}>", "exec"), namespace, code)  # noqa: S102
+        return code[fn.__name__].__code__
+
+    def first_call() -> None:  # the checks, now that the annotations resolve
+        body = []
+        for name, _, check, what in _rules_for(fn, signed, skip_first=False, at_most=at_most, skip=skip):
+            i = len(namespace)
+            namespace[f"_c{i}"], namespace[f"_f{i}"] = check, functools.partial(_refusal, name, check, what)
+            inline = _fast(check, name, namespace)
+            test = f"({inline} or _c{i}({name}))" if inline else f"_c{i}({name})"
+            guard = f"{name} is not {defaults[name]} and " if name in defaults else ""  # a default is trusted
+            body += [f"    if {guard}not {test}:", f"        raise _f{i}({name})"]
+        wrapper.__code__ = build([*body, f"    return _fn({call})"])
+
+    namespace["_first_call"] = first_call
+    wrapper: Any = types.FunctionType(build(["    _first_call()", f"    return _checking({call})"]), namespace,
+                                      fn.__name__, None)
+    wrapper.__defaults__ = tuple(p.default for p in params if p.default is not p.empty
+                                 and p.kind is p.POSITIONAL_OR_KEYWORD) or None
+    wrapper.__kwdefaults__ = {p.name: p.default for p in params
+                              if p.default is not p.empty and p.kind is p.KEYWORD_ONLY} or None
+    namespace["_checking"] = wrapper
+    functools.update_wrapper(wrapper, fn)
+    return wrapper  # type: ignore[no-any-return]
 
 
 def _checked_class(cls: type, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None,

@@ -7,6 +7,7 @@ import in a scratch copy of the package is caught.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import shutil
 import subprocess
@@ -94,3 +95,73 @@ def test_an_import_under_type_checking_or_inside_a_function_is_not_a_load_time_i
                       "def f():\n    import torch\n    return torch\n")
     imports = check_layers.module_imports("kvlab.capacity.lazy", module, set())
     assert [(i.imported, i.at_load) for i in imports] == [("typing", True), ("torch", False)]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the kvlab modules it imports anywhere: at load, inside a function or under TYPE_CHECKING."""
+    modules = dict(check_layers.iter_modules(check_layers.SOURCE_DIRS))
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = check_layers._resolve_from(module, node, is_package)
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            graph[module] |= {n for n in names if n in modules and n != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+# Cycles left when this test was written, each in files other work owns (remove an entry once it is gone): the
+# grader's pair; the engine's model registry, whose loaders import it back (registry.py, loader.py, deepseek.py);
+# and kvlab.kernels.fp8's measuring function, which imports the package's facade inside the function.
+KNOWN_CYCLES = [
+    {"kvlab.exercises.core", "kvlab.exercises.grading"},
+    {"kvlab.engine.registry", "kvlab.engine.loader", "kvlab.engine.deepseek"},
+    {"kvlab.kernels", "kvlab.kernels.verify", "kvlab.kernels.cache_write", "kvlab.kernels.mla_reference",
+     "kvlab.kernels.fp8", "kvlab.kernels.torch_attention", "kvlab.kernels.mla_cache_write", "kvlab.kernels.reference"},
+]
+
+
+def test_no_module_imports_itself_back_not_even_under_type_checking():
+    cycles = [c for c in _cycles(_import_graph()) if c not in KNOWN_CYCLES]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_finder_finds_a_cycle_made_through_type_checking():
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [{"a", "b"}]

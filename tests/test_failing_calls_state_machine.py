@@ -35,7 +35,7 @@ def deep_snapshot(manager: KVCacheManager, requests: list[Request] = ()) -> tupl
         dict(manager.num_cached_block), sorted(manager._requests), list(manager._pending_cow_copies),
         vars(manager.prefix_cache_stats).copy(), vars(manager._interval_stats).copy(),
         manager.num_evicted_blocks, manager.num_blocks_evicted_before_reuse,
-        sorted(manager._eviction_counter.evicted_hashes), list(manager._eviction_counter.staged),
+        sorted(pool.evicted_hashes), pool.num_evicted_blocks,
         list(manager.caching_metrics.query_queue), len(pool.observers), pool.metrics_collector,
         [(r.request_id, r.num_tokens, r.num_computed_tokens, list(r.block_hashes), r._hasher_owner is None,
           r.status, r.num_preemptions) for r in requests],

@@ -40,7 +40,7 @@ SKIP: dict[str, str] = {
         "kvlab.core.sched.output.ModelRunnerOutput", "kvlab.core.sched.output.RequestOutput",
         "kvlab.core.sched.output.ScheduledRequest", "kvlab.core.sched.output.SchedulerOutput",
         "kvlab.core.sched.output.SchedulerStats", "kvlab.core.kv_cache_utils.KVCacheBlockCopy",
-        "kvlab.sim.block_scenarios.BlockView", "kvlab.sim.block_scenarios.PoolSnapshot",
+        "kvlab.sim.block_types.BlockView", "kvlab.sim.block_types.PoolSnapshot",
         "kvlab.sim.block_scenarios.Step", "kvlab.sim.collisions.BlockCollision",
         "kvlab.sim.fragmentation.FragmentationResult", "kvlab.sim.fragmentation_fast.SlotSteps",
         "kvlab.sim.prefix_sim.SimResult", "kvlab.sim.serving_sim.ChatRun", "kvlab.sim.sharing.SharingResult",
@@ -91,7 +91,7 @@ SKIP: dict[str, str] = {
         "kvlab.sim.block_scenarios.pool_snapshot",
         "kvlab.sim.block_scenarios.snapshot",
         *(f"kvlab.core.{owner}.on_block_{event}"
-          for owner in ("cache_stats.EvictionCounter", "kv_cache_metrics.KVCacheMetricsCollector",
+          for owner in ("kv_cache_metrics.KVCacheMetricsCollector",
                         "kv_offload.OffloadingConnector")
           for event in ("accessed", "allocated", "evicted")),
     )},
@@ -217,7 +217,6 @@ def _overrides() -> dict[str, Any]:
         "kvlab.core.block_pool.BlockPool.get_new_blocks": lambda: {"num_blocks": 2},
         "kvlab.core.block_pool.BlockPool.evict_blocks": lambda: {"block_ids": []},
         "kvlab.core.block_pool.BlockPool.get_cached_block": lambda: {"block_hash": none},
-        "kvlab.core.cache_stats.EvictionCounter.missed": lambda: {"block_hashes": [none]},
         "kvlab.core.cache_stats.interpret_hit_rate": lambda: {"hit_rate": 0.5, "workload_shares_prefixes": True},
         "kvlab.core.hashing.generate_block_hash_extra_keys": lambda: {"request": Request("r", list(range(8))),
                                                                       "start_token_idx": 0, "end_token_idx": 4},
@@ -282,8 +281,8 @@ def _overrides() -> dict[str, Any]:
         "kvlab.core.sequence.Sequence.extend": lambda: {"token_ids": [7, 8]},
         "kvlab.core.sequence.compute_slot_mapping": lambda: {"block_table": [1, 2], "block_size": 4,
                                                             "positions": [0, 5]},
-        "kvlab.sim.block_scenarios.Op": lambda: {"kind": "append", "seq": "a", "tokens": (1,)},
-        "kvlab.sim.block_scenarios.Scenario": lambda: {"name": "s", "description": "d", "num_blocks": 4,
+        "kvlab.sim.block_types.Op": lambda: {"kind": "append", "seq": "a", "tokens": (1,)},
+        "kvlab.sim.block_types.Scenario": lambda: {"name": "s", "description": "d", "num_blocks": 4,
                                                        "block_size": 4, "ops": (Op("append", "a", (1,)),)},
         "kvlab.sim.block_scenarios.get_scenario": lambda: {"name": "random workload"},
         "kvlab.sim.block_scenarios.record": lambda: {"scenario": get_scenario("random workload")},
@@ -356,7 +355,7 @@ def _aborted() -> Any:
 RULES: dict[str, dict[str, Any]] = {
     "kvlab.core.kv_cache_utils.KVCacheBlock:block_id": {"signed": True},  # the free queue's sentinels are -1
     "kvlab.core.kv_cache_metrics.Histogram:documentation": {"free_text": True},
-    "kvlab.sim.block_scenarios.Op:seq": {"free_text": True},  # a sequence's name
+    "kvlab.sim.block_types.Op:seq": {"free_text": True},  # a sequence's name
     "kvlab.sim.lifecycle.Event:request": {"free_text": True},  # a request's name
     "kvlab.sim.prefix_sim.SimRequest:after": {"free_text": True},  # another request's id
     "kvlab.capacity.models.resolve_model:parameter": {"free_text": True},  # the caller's parameter name

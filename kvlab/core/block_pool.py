@@ -129,6 +129,12 @@ class BlockPool:
         # each sees the pool, none changes it, and the order they were attached in does not matter.
         self.metrics_collector = metrics_collector
         self.observers: list[BlockPoolObserver] = list(observers)
+        # kvlab's eviction counters, kept by the pool as it evicts: cached blocks whose hash allocation dropped,
+        # and the evicted contents no other block holds that nobody has asked for since (the manager reads them).
+        self.num_evicted_blocks = 0
+        self.evicted_hashes: set[BlockHash] = set()
+        # Bumped by every eviction: a lookup's hits, stamped with it, are still cached while it is unchanged.
+        self.eviction_epoch = 0
         if reserve_null_block:
             self.null_block = self.free_block_queue.popleft()
             self.null_block.is_null = True
@@ -140,12 +146,10 @@ class BlockPool:
         """Blocks a request can ever hold: all of them but the null block."""
         return self.num_gpu_blocks - (self.null_block is not None)
 
-    @checked
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (cached-but-free ones included: they can be evicted)."""
         return self.free_block_queue.num_free_blocks
 
-    @checked
     def get_usage(self) -> float:
         """Share of usable blocks in use, as vLLM reports ``kv_cache_usage``: 1 - free / usable."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
@@ -170,16 +174,17 @@ class BlockPool:
         With caching on, a block that still carries a hash is evicted on the way: its hashes
         leave the index. Asking for more than are free raises ``OutOfBlocksError`` and takes nothing.
         """
-        num_blocks = non_negative_int("num_blocks", num_blocks)
         if num_blocks > self.get_num_free_blocks():
             raise OutOfBlocksError(f"cannot get num_blocks={num_blocks} blocks: only {self.get_num_free_blocks()} "
                                    "are free")
-        return self.touch_and_get_new_blocks((), num_blocks)
+        return self._touch_and_get_new_blocks([], num_blocks)
 
     @checked
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (a prefix hit); a block at 0 leaves the free queue."""
-        self.touch_and_get_new_blocks(blocks, 0)
+        hits = list(blocks)
+        self._check_own(hits, "touch")
+        self._touch_and_get_new_blocks(hits, 0)
 
     @checked
     def touch_and_get_new_blocks(self, hit_blocks: Iterable[KVCacheBlock], num_new: int) -> list[KVCacheBlock]:
@@ -191,34 +196,53 @@ class BlockPool:
         allocated) before anything changes.
         """
         hits = list(hit_blocks)
-        num_new = non_negative_int("num_new", num_new)
         self._check_own(hits, "touch")
-        leaving = {b.block_id for b in hits if b.ref_cnt == 0}
-        if num_new > self.get_num_free_blocks() - len(leaving):
-            raise OutOfBlocksError(f"cannot get num_new={num_new} blocks: only "
-                                   f"{self.get_num_free_blocks() - len(leaving)} are free")
-        new = self.free_block_queue.peek_n(num_new, frozenset(leaving))
+        free = self.get_num_free_blocks() - len({b.block_id for b in hits if b.ref_cnt == 0})
+        if num_new > free:
+            raise OutOfBlocksError(f"cannot get num_new={num_new} blocks: only {free} are free")
+        return self._touch_and_get_new_blocks(hits, num_new)
+
+    def _touch_and_get_new_blocks(self, hits: list[KVCacheBlock], num_new: int) -> list[KVCacheBlock]:
+        """The algorithm of ``touch_and_get_new_blocks`` (kvlab's callers have checked what it takes)."""
+        queue = self.free_block_queue
         watchers = self._watchers()
-        for watcher in watchers:  # told first: one that raises stops the call with nothing changed
-            for block in hits:
-                watcher.on_block_accessed(block)
-        for block in new:
+        if watchers:  # told first: one that raises stops the call with nothing changed
+            leaving = frozenset(b.block_id for b in hits if b.ref_cnt == 0)
+            new = queue.peek_n(num_new, leaving)
             for watcher in watchers:
-                if self.enable_caching:
-                    watcher.on_block_evicted(block)
-                watcher.on_block_allocated(block)
+                for block in hits:
+                    watcher.on_block_accessed(block)
+            for block in new:
+                for watcher in watchers:
+                    if self.enable_caching:
+                        watcher.on_block_evicted(block)
+                    watcher.on_block_allocated(block)
         for block in hits:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                queue.remove(block)
             block.ref_cnt += 1
-        taken = self.free_block_queue.popleft_n(num_new)
-        assert taken == new
+        taken = queue.popleft_n(num_new)
         for block in taken:
-            if self.enable_caching and (block.block_hash is not None or block.block_id in
+            if self.enable_caching and (block._block_hash is not None or block.block_id in
                                         self.cached_block_hashes_by_block):
-                self._remove_cached_block_hashes(block)
+                self._evict(block)
             block.ref_cnt = 1
         return taken
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """Drop a reused block's hashes from the index, counting the eviction (and the content, if now lost)."""
+        primary = block._block_hash
+        index = self.cached_block_hash_to_block
+        if primary is None or block.block_id in self.cached_block_hashes_by_block:
+            self._remove_cached_block_hashes(block)
+        else:  # the usual case, inline: one hash to drop
+            index.pop(primary, block.block_id)
+            block._block_hash = block._block_hash_num_tokens = None
+            self.eviction_epoch += 1
+        if primary is not None:
+            self.num_evicted_blocks += 1
+            if primary not in index._cache:  # no other block holds the same content
+                self.evicted_hashes.add(primary)
 
     @checked
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -239,13 +263,20 @@ class BlockPool:
                     f"cannot free block {block_id} {count} time(s): its ref_cnt is {block.ref_cnt} "
                     "(a double free?)"
                 )
+        self._free_blocks(blocks)
+
+    def _free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """The algorithm of ``free_blocks`` (kvlab's callers free only the blocks they hold)."""
         first, last = [], []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                (first if block.block_hash is None or not self.enable_caching else last).append(block)
-        self.free_block_queue.prepend_n(first)
-        self.free_block_queue.append_n(last)
+                (first if block._block_hash is None or not self.enable_caching else last).append(block)
+        queue = self.free_block_queue
+        if first:
+            queue._link_before(queue.fake_free_list_head.next_free_block, first)  # type: ignore[arg-type]
+        if last:
+            queue._link_before(queue.fake_free_list_tail, last)
 
     @checked
     def copy_on_write(self, blocks: list[KVCacheBlock], index: int,
@@ -258,9 +289,8 @@ class BlockPool:
         and of ``KVCacheManager`` both copy this way (the PagedAttention paper's mechanism).
         ``copy`` is a block the caller already took for it (so that one pool call takes all it needs).
         """
+        self._check_copy_on_write(blocks, index, copy)
         shared = blocks[index]
-        if shared.ref_cnt < 2:
-            raise BlockStateError(f"block {shared.block_id} is not shared (ref_cnt {shared.ref_cnt}): write in place")
         if copy is None:
             (copy,) = self.get_new_blocks(1)
         blocks[index] = copy
@@ -275,6 +305,9 @@ class BlockPool:
         vLLM's form: one block per group, keyed with its group id, or None if any group misses."""
         if block_hash is None:  # no hash: nothing can match
             return None
+        return self._get_cached_block(block_hash, kv_cache_group_ids)
+
+    def _get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int] | None) -> Any:
         if kv_cache_group_ids is None:
             return self.cached_block_hash_to_block.get_one_block(block_hash)
         blocks = []
@@ -303,12 +336,15 @@ class BlockPool:
         (a shorter prefix inside it) is promoted to its full hash. A block cached under another
         full hash, a hash that is None or unhashable, raise before anything changes.
         """
+        self._check_cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size)
+        self._cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size)
+
+    def _check_cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
+                                 num_cached_blocks: int, num_full_blocks: int, block_size: int | None) -> None:
         if not self.enable_caching:
             raise BlockStateError("prefix caching is disabled for this pool: nothing can be cached")
-        num_cached_blocks = non_negative_int("num_cached_blocks", num_cached_blocks)
-        num_full_blocks = non_negative_int("num_full_blocks", num_full_blocks)
         if block_size is not None:
-            block_size = positive_int("block_size", block_size)
+            positive_int("block_size", block_size)
         if not num_cached_blocks <= num_full_blocks <= min(len(blocks), len(block_hashes)):
             raise BlockStateError(
                 f"need num_cached_blocks <= num_full_blocks <= blocks and hashes; got {num_cached_blocks}, "
@@ -324,10 +360,23 @@ class BlockPool:
             _check_hash(f"block_hashes[{i}]", block_hash)
             if block.block_hash not in (None, block_hash) and not _is_partial(block, end):
                 raise BlockStateError(f"block {block.block_id} is cached under another hash")
+
+    def _cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
+                           num_cached_blocks: int, num_full_blocks: int, block_size: int | None = None) -> None:
+        """The algorithm of ``cache_full_blocks``: kvlab's managers pass their own blocks and hashes."""
+        new = blocks[num_cached_blocks:num_full_blocks]
+        hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        ends = [None if block_size is None else (i + 1) * block_size for i in range(num_cached_blocks, num_full_blocks)]
+        index = self.cached_block_hash_to_block
         for block, block_hash, end in zip(new, hashes, ends, strict=True):
-            if block.block_hash == block_hash:
+            if block._block_hash is None:  # the usual case, inline: an uncached block holds no other hash
+                block._block_hash, block._block_hash_num_tokens = block_hash, end
+                index.insert(block_hash, block)
                 continue
-            if block.block_hash is not None:  # a partial entry whose block is now full: promote it
+            assert block._block_hash == block_hash or _is_partial(block, end), block
+            if block._block_hash == block_hash:
+                continue
+            if block._block_hash is not None:  # a partial entry whose block is now full: promote it
                 self._remove_cached_block_hashes(block)
             self._insert_block_hash(block_hash, block, end)
 
@@ -345,16 +394,16 @@ class BlockPool:
         num_tokens = positive_int("num_tokens", num_tokens)
         if not self.enable_caching:
             raise BlockStateError("prefix caching is disabled for this pool: nothing can be cached")
-        already = block.block_hash == block_hash or self.cached_block_hash_to_block.contain(block_hash, block.block_id)
+        already = block._block_hash == block_hash or self.cached_block_hash_to_block.contain(block_hash, block.block_id)
         covered = block.block_hash_num_tokens
-        if not already and block.block_hash is not None and covered is not None and covered < num_tokens:
+        if not already and block._block_hash is not None and covered is not None and covered < num_tokens:
             self._remove_cached_block_hashes(block)
         self._insert_block_hash(block_hash, block, num_tokens)
 
     def _insert_block_hash(self, block_hash: BlockHash, block: KVCacheBlock, num_tokens: int | None) -> None:
-        if block.block_hash == block_hash or self.cached_block_hash_to_block.contain(block_hash, block.block_id):
+        if block._block_hash == block_hash or self.cached_block_hash_to_block.contain(block_hash, block.block_id):
             return
-        if block.block_hash is None:
+        if block._block_hash is None:
             block.set_block_hash(block_hash, num_tokens)
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(block_hash)
@@ -362,7 +411,8 @@ class BlockPool:
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHash]:
         """Drop every hash ``block`` holds from the index and forget its primary hash (the eviction)."""
-        hashes = [] if block.block_hash is None else [block.block_hash]
+        self.eviction_epoch += 1  # a lookup's hits made before this may name a block that no longer holds them
+        hashes = [] if block._block_hash is None else [block._block_hash]
         hashes.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
         removed = [h for h in hashes if self.cached_block_hash_to_block.pop(h, block.block_id) is not None]
         block.reset_hash()
@@ -384,9 +434,11 @@ class BlockPool:
             block = self.blocks[block_id]
             for watcher in self._watchers() if notify else ():
                 watcher.on_block_evicted(block)
-            self._remove_cached_block_hashes(block)
+            if notify:
+                self._evict(block)
+            else:
+                self._remove_cached_block_hashes(block)
 
-    @checked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (returns False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_usable_blocks:
@@ -397,9 +449,25 @@ class BlockPool:
             block.reset_hash()
         self.cached_block_hash_to_block.clear()
         self.cached_block_hashes_by_block.clear()
+        self.evicted_hashes.clear()
+        self.eviction_epoch += 1
         return True
 
     # ----------------------------------------------------------------- checks
+
+    def _check_copy_on_write(self, blocks: list[KVCacheBlock], index: int, copy: KVCacheBlock | None) -> None:
+        if index >= len(blocks):
+            raise KvlabValueError(f"index must be below len(blocks)={len(blocks)}, got {index}")
+        self._check_own([blocks[index]], "copy")
+        shared = blocks[index]
+        if shared.ref_cnt < 2:
+            raise BlockStateError(f"block {shared.block_id} is not shared (ref_cnt {shared.ref_cnt}): write in place")
+        if copy is not None:
+            if not isinstance(copy, KVCacheBlock) or copy._pool is not self or copy.is_null:
+                raise BlockStateError(f"copy must be a block of this pool (not the null block), got {copy!r}")
+            if copy.ref_cnt != 1 or any(b is copy for b in blocks):
+                raise BlockStateError(f"copy must be a block the caller took for it (ref_cnt 1, not yet in blocks); "
+                                      f"got {copy!r}")
 
     def _check_own(self, blocks: Sequence[KVCacheBlock], action: str) -> None:
         for block in blocks:

@@ -10,17 +10,14 @@ most recent ``max_recent_requests`` requests (1000 by default); in Prometheus it
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from kvlab._validate import checked, fraction_in_unit_interval, non_negative_int, positive_int
+from kvlab._validate import checked, fraction_in_unit_interval, positive_int
 
 if TYPE_CHECKING:
-    from kvlab.core.block_pool import BlockPool
-    from kvlab.core.kv_cache_utils import KVCacheBlock
+    pass
 
 
 @dataclasses.dataclass
@@ -38,8 +35,7 @@ class PrefixCacheStats:
     @checked
     def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
         """Add one admitted request: ``num_tokens`` queried, ``num_hits`` of them found in the cache."""
-        num_tokens, num_hits = non_negative_int("num_tokens", num_tokens), non_negative_int("num_hits", num_hits)
-        if preempted:
+        if preempted:  # the counts are ints >= 0: checked at the door
             self.preempted_requests += 1
             self.preempted_queries += num_tokens
             self.preempted_hits += num_hits
@@ -65,6 +61,11 @@ class CachingMetrics:
         self.aggregated_query_hit = 0
         self.query_queue: deque[tuple[int, int, int]] = deque()
 
+    def _observe_request(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """``observe`` of one admitted request's lookup, without building its stats (the manager's path)."""
+        if not preempted:
+            self._push(1, num_tokens, num_hits)
+
     @checked
     def observe(self, stats: PrefixCacheStats) -> None:
         """Fold in one batch of stats; drop the oldest batches once the window holds too many requests."""
@@ -72,17 +73,19 @@ class CachingMetrics:
             self.reset()
         if stats.requests == 0:  # preempted-only or empty batches do not push useful ones out
             return
-        self.query_queue.append((stats.requests, stats.queries, stats.hits))
-        self.aggregated_requests += stats.requests
-        self.aggregated_query_total += stats.queries
-        self.aggregated_query_hit += stats.hits
+        self._push(stats.requests, stats.queries, stats.hits)
+
+    def _push(self, requests: int, queries: int, hits: int) -> None:
+        self.query_queue.append((requests, queries, hits))
+        self.aggregated_requests += requests
+        self.aggregated_query_total += queries
+        self.aggregated_query_hit += hits
         while len(self.query_queue) > 1 and self.aggregated_requests > self.max_recent_requests:
             old_requests, old_queries, old_hits = self.query_queue.popleft()
             self.aggregated_requests -= old_requests
             self.aggregated_query_total -= old_queries
             self.aggregated_query_hit -= old_hits
 
-    @checked
     def reset(self) -> None:
         """Forget everything (after ``reset_prefix_cache``)."""
         self.aggregated_requests = self.aggregated_query_total = self.aggregated_query_hit = 0
@@ -98,67 +101,6 @@ class CachingMetrics:
         if self.aggregated_query_total == 0:
             return 0.0
         return self.aggregated_query_hit / self.aggregated_query_total
-
-
-@checked
-class EvictionCounter:
-    """A pool observer counting cached blocks whose contents allocation evicts, and the prefixes that come back.
-
-    ``num_evicted_blocks`` counts evictions; ``num_blocks_evicted_before_reuse`` the evicted
-    contents a later request asked for again (it had to recompute them). What the observer
-    hears is staged and counted only once the call that caused it succeeded (``counting``):
-    a call that fails, say because another observer raised, counts nothing. kvlab's addition.
-    """
-
-    def __init__(self, pool: BlockPool) -> None:
-        self.pool = pool
-        self.num_evicted_blocks = 0
-        self.num_blocks_evicted_before_reuse = 0
-        self.evicted_hashes: set[Hashable] = set()  # evicted contents nobody has asked for since
-        self.staged: list[tuple[Hashable, bool]] = []  # (hash, no other block holds it)
-        pool.add_observer(self)
-
-    def on_block_evicted(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            ids = self.pool.cached_block_hash_to_block.block_ids(block.block_hash)
-            self.staged.append((block.block_hash, ids == [block.block_id]))
-
-    def on_block_allocated(self, block: KVCacheBlock) -> None:
-        pass
-
-    def on_block_accessed(self, block: KVCacheBlock) -> None:
-        pass
-
-    @checked
-    def reset(self) -> None:
-        pass
-
-    @checked
-    def commit(self) -> None:
-        if not self.staged:
-            return
-        self.num_evicted_blocks += len(self.staged)
-        # A hash still held by another block (the same content computed twice) is not lost.
-        self.evicted_hashes.update(h for h, lost in self.staged if lost)
-        self.staged = []
-
-    @checked
-    def missed(self, block_hashes: Iterable[Hashable]) -> None:
-        """A request was admitted without hits on ``block_hashes``: count those it lost to eviction, once each."""
-        if self.evicted_hashes:
-            lost = {h for h in block_hashes if h in self.evicted_hashes}
-            self.num_blocks_evicted_before_reuse += len(lost)
-            self.evicted_hashes -= lost
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        self.commit()  # anything heard from direct use of the pool since the last call
-        try:
-            yield
-        except BaseException:
-            self.staged = []
-            raise
-        self.commit()
 
 
 @checked

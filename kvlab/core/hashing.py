@@ -26,12 +26,12 @@ import cbor2
 import xxhash as _xxhash
 
 from kvlab._validate import checked, non_negative_int, one_of, positive_int
+from kvlab.core.kv_cache_utils import BlockHash  # the one home of the type
 from kvlab.errors import KvlabValueError
 
 if TYPE_CHECKING:
     from kvlab.core.request import Request
 
-BlockHash = bytes
 HashFn = Callable[[Any], bytes]
 
 
@@ -234,20 +234,24 @@ def get_request_block_hasher(
     computes when its ``NONE_HASH`` is that seed.
     """
     hash_block_size = positive_int("hash_block_size", hash_block_size)
+    hash_tokens = hash_block_tokens.__wrapped__  # type: ignore[attr-defined]  # checked here, not once per block
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         start_token_idx = len(request.block_hashes) * hash_block_size
-        num_tokens = request.num_tokens
+        num_tokens = len(request._all_token_ids)
         if start_token_idx + hash_block_size > num_tokens:
             return []
         parent = request.block_hashes[-1] if request.block_hashes else none_hash
         tokens = request._all_token_ids
         mm_idx = 0
+        keyed = request.mm_features or request.lora_name is not None or request.cache_salt is not None
+        extra_keys = None
         new_hashes: list[BlockHash] = []
         while start_token_idx + hash_block_size <= num_tokens:
             end_token_idx = start_token_idx + hash_block_size
-            extra_keys, mm_idx = _extra_keys(request, start_token_idx, end_token_idx, mm_idx)
-            block_hash = hash_block_tokens(caching_hash_fn, parent, tokens[start_token_idx:end_token_idx], extra_keys)
+            if keyed:
+                extra_keys, mm_idx = _extra_keys(request, start_token_idx, end_token_idx, mm_idx)
+            block_hash = hash_tokens(caching_hash_fn, parent, tokens[start_token_idx:end_token_idx], extra_keys)
             new_hashes.append(block_hash)
             parent = block_hash
             start_token_idx = end_token_idx

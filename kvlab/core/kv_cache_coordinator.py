@@ -75,17 +75,21 @@ class KVCacheCoordinator:
                                    total_computed_tokens: int, num_local_computed_tokens: int,
                                    apply_admission_cap: bool = False) -> int:
         """Free blocks all groups take together (the sum over groups: they share one pool)."""
-        return sum(manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i],
-                                                      total_computed_tokens, num_local_computed_tokens,
-                                                      apply_admission_cap)
-                   for i, manager in enumerate(self.single_type_managers))
+        num_blocks_to_allocate = 0
+        for i, manager in enumerate(self.single_type_managers):
+            num_blocks_to_allocate += manager.get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks[i], total_computed_tokens, num_local_computed_tokens,
+                apply_admission_cap)
+        return num_blocks_to_allocate
 
     def plan_allocation(self, request_id: str, new_computed_blocks: GroupBlocks, num_local_computed_tokens: int,
                         num_external_computed_tokens: int, num_tokens: int) -> list[AllocationPlan]:
         """Each group's share of the allocation, decided before anything changes."""
-        return [manager.plan_allocation(request_id, new_computed_blocks[i], num_local_computed_tokens,
-                                        num_external_computed_tokens, num_tokens)
-                for i, manager in enumerate(self.single_type_managers)]
+        plans = []
+        for i, manager in enumerate(self.single_type_managers):
+            plans.append(manager.plan_allocation(request_id, new_computed_blocks[i], num_local_computed_tokens,
+                                                 num_external_computed_tokens, num_tokens))
+        return plans
 
     def allocate_new_blocks(self, request_id: str, plans: list[AllocationPlan],
                             new_computed_blocks: GroupBlocks) -> GroupBlocks:
@@ -96,10 +100,16 @@ class KVCacheCoordinator:
         step: either the pool has room for all of it, or nothing changes. Returns each group's new
         blocks (copy first), without the external-token ones, as vLLM's does.
         """
-        hits = [block for plan in plans for block in plan.hits]
-        num_external = sum(plan.num_external for plan in plans)
-        num_taken = num_external + sum(plan.partial + plan.num_fresh for plan in plans)
-        taken = self.block_pool.touch_and_get_new_blocks(hits, num_taken) if (num_taken or hits) else []
+        hits: list[KVCacheBlock] = []
+        num_external = num_taken = 0
+        for plan in plans:
+            hits += plan.hits
+            num_external += plan.num_external
+            num_taken += plan.num_external + plan.partial + plan.num_fresh
+        taken = self.block_pool._touch_and_get_new_blocks(hits, num_taken) if (num_taken or hits) else []
+        if len(plans) == 1:  # one group: every block taken is its own
+            return (self.single_type_managers[0].apply_allocation(request_id, plans[0], new_computed_blocks[0],
+                                                                   taken[:num_external], taken[num_external:]),)
         external, new = taken[:num_external], taken[num_external:]
         out = []
         for i, (manager, plan) in enumerate(zip(self.single_type_managers, plans, strict=True)):
@@ -112,13 +122,17 @@ class KVCacheCoordinator:
         """Cache every group's full blocks among the first ``num_computed_tokens``; return (group, indices cached)."""
         if not self.enable_caching:
             return []
-        return [(i, manager.cache_blocks(request, num_computed_tokens))
-                for i, manager in enumerate(self.single_type_managers)]
+        cached = []
+        for i, manager in enumerate(self.single_type_managers):
+            cached.append((i, manager.cache_blocks(request, num_computed_tokens)))
+        return cached
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Free, in every group, the blocks no longer reachable once ``num_computed_tokens`` are computed."""
-        return [b for manager in self.single_type_managers
-                for b in manager.remove_skipped_blocks(request_id, num_computed_tokens)]
+        freed: list[KVCacheBlock] = []
+        for manager in self.single_type_managers:
+            freed += manager.remove_skipped_blocks(request_id, num_computed_tokens)
+        return freed
 
     def free(self, request_id: str) -> None:
         """Free the request's blocks group by group, each group's last block first (vLLM's order)."""

@@ -34,9 +34,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
+from kvlab._validate import MAX_OBJECTS, checked, positive_int
 from kvlab.core.block_pool import BlockPool, BlockPoolObserver
-from kvlab.core.cache_stats import CachingMetrics, EvictionCounter, PrefixCacheStats
+from kvlab.core.cache_stats import CachingMetrics, PrefixCacheStats
 from kvlab.core.hashing import (
     BlockHash,
     HashFn,
@@ -110,7 +110,10 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self.coordinator = get_kv_cache_coordinator(groups, self.block_pool, self.enable_caching, self.hash_block_size,
                                                     max_model_len=self.max_model_len,
                                                     max_in_flight_tokens=max_in_flight_tokens)
-        self._eviction_counter = EvictionCounter(self.block_pool)
+        # Each request's block table in the first group (with one group: the block table).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = self.coordinator.single_type_managers[0].req_to_blocks
+        self._no_hits: tuple[list[KVCacheBlock], ...] = ((),) * len(groups)  # type: ignore[assignment]
+        self._last_lookup: tuple[Request, int, tuple[tuple[KVCacheBlock, ...], ...]] | None = None
         self.verify_hits = bool(verify_hits)
         seed = hash_seed if hash_seed is not None else os.getenv("PYTHONHASHSEED")
         self.none_hash: BlockHash = none_hash_from_seed(self.caching_hash_fn, seed)
@@ -120,6 +123,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self.prefix_cache_stats = PrefixCacheStats()  # since start (or the last reset)
         self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
         self.num_rejected_hits = 0  # hash hits whose tokens differed (verify_hits only)
+        self.num_lost_hits = 0  # evicted contents a later request asked for again (num_blocks_evicted_before_reuse)
         self._block_content: dict[int, tuple[tuple[int, ...], Any]] = {}  # verify_hits: what each block holds
 
     # ----------------------------------------------------------------- what the scheduler reads
@@ -127,11 +131,6 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     @property
     def num_kv_cache_groups(self) -> int:
         return len(self.kv_cache_groups)
-
-    @property
-    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
-        """Each request's block table in the first group (with one group: the block table)."""
-        return self.coordinator.single_type_managers[0].req_to_blocks
 
     @property
     def num_cached_block(self) -> dict[str, int]:
@@ -155,14 +154,13 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     @property
     def num_evicted_blocks(self) -> int:
         """Cached blocks whose hash was dropped to reuse the block (kvlab's counter)."""
-        return self._eviction_counter.num_evicted_blocks
+        return self.block_pool.num_evicted_blocks
 
     @property
     def num_blocks_evicted_before_reuse(self) -> int:
         """Evicted blocks a later request asked for again, and recomputed (kvlab's counter)."""
-        return self._eviction_counter.num_blocks_evicted_before_reuse
+        return self.num_lost_hits
 
-    @checked
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The stats gathered since the previous call (then reset), as vLLM's scheduler takes them each step."""
         stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
@@ -180,7 +178,10 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     @checked
     def get_block_ids_per_group(self, request_id: str) -> tuple[list[int], ...]:
         """The block ids of a live request in every group: the rows of the block tables the kernels read."""
-        return tuple([b.block_id for b in group] for group in self.get_blocks_per_group(request_id))
+        if request_id not in self.req_to_blocks:
+            self.get_blocks_per_group(request_id)  # raises: the request holds no blocks
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())]  # one pass, no copy of the blocks
+                     for m in self.coordinator.single_type_managers)
 
     @checked
     def get_blocks(self, request_id: str) -> list[KVCacheBlock] | tuple[list[KVCacheBlock], ...]:
@@ -218,9 +219,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         further (else 0). The lookup changes nothing in the pool; the first one hashes the
         request with this manager's seed.
         """
-        self._check_request(request)
-        if max_cache_hit_length is not None:
-            max_cache_hit_length = non_negative_int("max_cache_hit_length", max_cache_hit_length)
+        self._check_request(request)  # max_cache_hit_length: an int >= 0, checked at the door
         if not self.enable_caching:
             return self._out(self.coordinator.empty()), 0, 0
         self._ensure_block_hashes(request)
@@ -229,6 +228,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         if self.verify_hits:
             groups = (self._verified(request, groups[0]),)
             hit_length = len(groups[0]) * self.block_size
+        self._last_lookup = (request, self.block_pool.eviction_epoch, tuple(map(tuple, groups)))
         return self._out(groups), hit_length, (hit_length + uncached if uncached else 0)
 
     # ----------------------------------------------------------------- allocation
@@ -272,43 +272,58 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             num_external_computed_tokens, num_encoder_tokens, reserved_blocks, skip_zeroing_group_ids)
         rid = request.request_id
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        total_computed_tokens = self._cap(num_local_computed_tokens + num_external_computed_tokens)
+        total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
+        num_tokens_need_slot = total_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None:
+            total_computed_tokens, num_tokens_need_slot = self._cap(total_computed_tokens), \
+                self._cap(num_tokens_need_slot)
+        num_tokens = len(request._all_token_ids)
         watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in
                      (RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0)
         coordinator = self.coordinator
         if full_sequence_must_fit:
-            need = coordinator.get_num_blocks_to_allocate(rid, self._cap(request.num_tokens), computed,
+            need = coordinator.get_num_blocks_to_allocate(rid, self._cap(num_tokens), computed,
                                                           total_computed_tokens, num_local_computed_tokens, True)
             if need + watermark > self.block_pool.get_num_free_blocks():
                 return None
-        num_tokens_need_slot = self._cap(total_computed_tokens + num_new_tokens + num_lookahead_tokens)
         # Blocks outside every sliding window go first, whatever happens next (vLLM frees them even when the
         # request then does not fit: they are dead, and freeing them first spares an eviction).
         coordinator.remove_skipped_blocks(rid, total_computed_tokens)
         need = coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, computed,
                                                       num_local_computed_tokens + num_external_computed_tokens,
                                                       num_local_computed_tokens)
-        if need + watermark > self.block_pool.get_num_free_blocks() - reserved_blocks:
+        if need + watermark > self.block_pool.free_block_queue.num_free_blocks - reserved_blocks:
             return None
 
-        admitted = rid not in self.req_to_blocks
+        admitted = rid not in self._requests
         plans = coordinator.plan_allocation(rid, computed, num_local_computed_tokens, num_external_computed_tokens,
                                             num_tokens_need_slot)
-        with self._eviction_counter.counting():
-            new_blocks = coordinator.allocate_new_blocks(rid, plans, computed)
+        new_blocks = coordinator.allocate_new_blocks(rid, plans, computed)
         if admitted:
             self._requests[rid] = request
+            self._last_lookup = None
             if self.enable_caching:
                 self._ensure_block_hashes(request)
                 self._record_admission(request, num_new_computed_tokens, len(computed[0]))
         if self.enable_caching and not delay_cache_blocks:
-            self.cache_blocks(request, min(total_computed_tokens + num_new_tokens, request.num_tokens))
-        return self._out(new_blocks)
+            self._cache_blocks(request, min(total_computed_tokens + num_new_tokens, num_tokens))
+        return new_blocks[0] if len(new_blocks) == 1 else self._out(new_blocks)
+
+    def _ensure_block_hashes(self, request: Request) -> None:
+        """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
+        if request._hasher_owner is None:
+            request._hasher_owner = self
+            request._block_hasher = self._request_block_hasher
+            request.block_hashes.extend(self._request_block_hasher(request))
+        elif request._hasher_owner is not self:
+            raise RequestStateError(
+                f"request {request.request_id!r} was hashed by another KVCacheManager (its own hash seed and "
+                "function); create a new Request for this manager"
+            )
 
     def _cap(self, num_tokens: int) -> int:
         return num_tokens if self.max_model_len is None else min(num_tokens, self.max_model_len)
 
-    @checked
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """The copies queued since the last call, and the blocks they retain (vLLM's name).
 
@@ -322,27 +337,38 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     @checked
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash and index the request's full blocks among its first ``num_tokens`` tokens (and its partial tail)."""
+        self._check_cache_blocks(request, num_tokens)
+        self._cache_blocks(request, num_tokens)
+
+    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
-        blocks = self.req_to_blocks[request.request_id]
+        evicted = self.block_pool.evicted_hashes
         for group_id, cached in self.coordinator.cache_blocks(request, num_tokens):
+            if not cached or not (evicted or self.verify_hits):
+                continue
             manager = self.coordinator.single_type_managers[group_id]
             hashes = manager.full_block_hashes(request)
+            blocks = manager.req_to_blocks[request.request_id]
             for i in cached:
-                self._eviction_counter.evicted_hashes.discard(manager.cache_key(hashes[i]))
+                evicted.discard(manager.cache_key(hashes[i]) if manager.keyed else hashes[i])  # computed again
                 if self.verify_hits:
                     self._block_content[blocks[i].block_id] = self._content(request, i)
 
     def _record_admission(self, request: Request, num_hits: int, num_hit_blocks: int) -> None:
         """Count the request's lookup once, when it is admitted (vLLM counts at admission too)."""
         preempted = request.num_preemptions > 0
-        stats = PrefixCacheStats()
-        stats.record(request.num_tokens, num_hits, preempted)
         self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted)
         self._interval_stats.record(request.num_tokens, num_hits, preempted)
-        self.caching_metrics.observe(stats)
-        self._eviction_counter.missed([m.cache_key(h) for m in self.coordinator.single_type_managers
-                                       for h in m.full_block_hashes(request)[num_hit_blocks:]])
+        self.caching_metrics._observe_request(request.num_tokens, num_hits, preempted)
+        evicted = self.block_pool.evicted_hashes
+        if evicted:  # count the contents this request asked for again that eviction had lost, once each
+            lost = set()
+            for m in self.coordinator.single_type_managers:
+                missed = m.full_block_hashes(request)[num_hit_blocks:]
+                lost.update(evicted.intersection(map(m.cache_key, missed) if m.keyed else missed))
+            self.num_lost_hits += len(lost)
+            evicted -= lost
 
     # ----------------------------------------------------------------- freeing
 
@@ -360,13 +386,11 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self.coordinator.free(request.request_id)
         self._requests.pop(request.request_id, None)
 
-    @checked
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update, say); refused (False) while any block is in use."""
         if not self.block_pool.reset_prefix_cache():
             return False
         self._block_content.clear()
-        self._eviction_counter.evicted_hashes.clear()
         self.caching_metrics.reset()
         self.prefix_cache_stats.reset = self._interval_stats.reset = True
         return True

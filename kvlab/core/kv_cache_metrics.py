@@ -148,7 +148,6 @@ class Histogram:
     def sum(self) -> float:
         return float(sum(self.values))
 
-    @checked
     def cumulative_counts(self) -> list[int]:
         """Values at or below each bucket's upper bound, then the total (the ``+Inf`` bucket)."""
         ordered = sorted(self.values)
@@ -226,7 +225,6 @@ class KVCacheMetricsCollector:
 
     # ----------------------------------------------------------------- time
 
-    @checked
     def now(self) -> Stamp:
         """The current step and clock reading."""
         return Stamp(self.step, float(self.clock()))
@@ -263,7 +261,6 @@ class KVCacheMetricsCollector:
             for gap in state.reuse_gaps(unit):
                 self.histograms[metric_name("reuse_gap", unit)].observe(gap)
 
-    @checked
     def reset(self) -> None:
         """Forget the blocks being tracked (the prefix cache was reset); what was observed stays."""
         self.block_metrics.clear()
@@ -278,7 +275,6 @@ class KVCacheMetricsCollector:
             raise KvlabValueError(f"no histogram {name!r}; metrics are {[m for m, _ in METRICS]}, units seconds/steps")
         return self.histograms[name]
 
-    @checked
     def metrics_text(self) -> str:
         """Every histogram in Prometheus text format."""
         return "\n".join(line for h in self.histograms.values() for line in h.prometheus_lines()) + "\n"

@@ -15,10 +15,12 @@ from typing import NamedTuple
 from kvlab._validate import checked, non_negative_int
 from kvlab.errors import BlockStateError, OutOfBlocksError
 
-BlockHash = Hashable  # bytes from kvlab.core.hashing; any hashable value works for teaching
+#: The one block-hash type (vLLM's ``BlockHash`` is bytes): bytes from ``kvlab.core.hashing``'s functions, or any
+#: hashable value but None from a teaching hash function. ``hashing``, the pool and the CPU tier all use this one.
+BlockHash = Hashable
 
 
-@checked(signed=("block_id",))  # the free queue's sentinels are blocks -1
+@checked
 class KVCacheBlock:
     """Metadata of one physical KV block: its id, who uses it, what it caches, its queue links."""
 
@@ -56,6 +58,13 @@ class KVCacheBlock:
         """Forget the cached content's identity (the block is being evicted or reused)."""
         self._block_hash = None
         self._block_hash_num_tokens = None
+
+    @classmethod
+    def _sentinel(cls) -> KVCacheBlock:
+        """A bound of the free queue (id -1, never a real block): built past the door's check of ``block_id``."""
+        block = cls.__new__(cls)
+        cls.__init__.__wrapped__(block, -1)  # type: ignore[attr-defined]
+        return block
 
     def __repr__(self) -> str:
         cached = "" if self._block_hash is None else f", hash={short_hash(self._block_hash)}"
@@ -108,8 +117,8 @@ class FreeKVCacheBlockQueue:
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
-        self.fake_free_list_head = KVCacheBlock(-1)
-        self.fake_free_list_tail = KVCacheBlock(-1)
+        self.fake_free_list_head = KVCacheBlock._sentinel()
+        self.fake_free_list_tail = KVCacheBlock._sentinel()
         chain = [self.fake_free_list_head, *blocks, self.fake_free_list_tail]
         for left, right in zip(chain, chain[1:], strict=False):
             left.next_free_block = right
@@ -191,6 +200,19 @@ class FreeKVCacheBlockQueue:
             out.append(block)
             block = block.next_free_block
         return out
+
+    def _link_before(self, anchor: KVCacheBlock, blocks: Sequence[KVCacheBlock]) -> None:
+        """``_insert_before`` for blocks the pool knows are out of the queue (they just reached ``ref_cnt`` 0)."""
+        prev = anchor.prev_free_block
+        assert prev is not None
+        for block in blocks:
+            assert block.prev_free_block is None and block.next_free_block is None, block
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = anchor
+        anchor.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
 
     def _unlink(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
-from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.kv_cache_utils import BlockHash, KVCacheBlock
 from kvlab.errors import BlockStateError, KvlabValueError
 from kvlab.units import cdiv
 
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from kvlab.core.kv_cache_manager import KVCacheManager
     from kvlab.core.request import Request
 
-BlockHash = Hashable
 BlockTransfer = tuple[int, int]  # (source block id, destination block id)
 
 
@@ -82,7 +81,6 @@ class CPUOffloadingManager:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._lru
 
-    @checked
     def lru_order(self) -> list[BlockHash]:
         """The hashes held, least recently used first (the next eviction is the first)."""
         return list(self._lru)
@@ -199,7 +197,6 @@ class CPUOffloadingManager:
         ids = self._swap.pop(request_id, [])
         self._free.extend(reversed(ids))
 
-    @checked
     def check_invariants(self) -> None:
         """Every block id in exactly one place; protected blocks held; capacity never exceeded."""
         held = list(self._lru.values())
@@ -281,7 +278,6 @@ class OffloadingConnector:
         if block.block_hash is not None:
             self._evicted.append((block.block_id, block.block_hash))
 
-    @checked
     def reset(self) -> None:
         pass
 
@@ -367,7 +363,6 @@ class OffloadingConnector:
         self._swapped_tokens.pop(request.request_id, None)
         self.cpu.free_swap(request.request_id)
 
-    @checked
     def build_connector_meta(self) -> KVConnectorMetadata:
         """This step's transfers; the previous step's are complete (kvlab's executor is synchronous).
 
@@ -385,7 +380,6 @@ class OffloadingConnector:
         self._loading, self._swapped_in = [], []
         return meta
 
-    @checked
     def complete_step(self) -> None:
         """The executor made the last metadata's copies: loaded blocks may be evicted, swap blocks freed."""
         loading, swapped_in = self._pending_release

@@ -11,7 +11,7 @@ import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvlab._validate import checked, non_negative_int, positive_int
+from kvlab._validate import checked, positive_int
 from kvlab.core.hashing import generate_block_hash_extra_keys
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlocks
 from kvlab.core.request import FINISHED, Request
@@ -40,6 +40,8 @@ class AllocationChecks:
     _block_content: dict[int, tuple[tuple[int, ...], Any]]
     num_rejected_hits: int
     _request_block_hasher: Any
+    _no_hits: tuple[list[KVCacheBlock], ...]
+    _last_lookup: tuple[Request, int, tuple[tuple[KVCacheBlock, ...], ...]] | None
 
     def _check_hash_block_size(self, hash_block_size: int | None, verify_hits: bool) -> int:
         if hash_block_size is None:
@@ -73,7 +75,9 @@ class AllocationChecks:
             raise RequestStateError(
                 f"request {request.request_id!r} is {request.status.value}; a finished request gets no blocks"
             )
-        self._check_same_object(request)
+        live = self._requests.get(request.request_id)
+        if live is not None and live is not request:
+            self._check_same_object(request)
 
     def _check_same_object(self, request: Request) -> None:
         live = self._requests.get(request.request_id)
@@ -89,8 +93,10 @@ class AllocationChecks:
     def _group_hits(self, new_computed_blocks: object) -> tuple[list[KVCacheBlock], ...]:
         """The hits as one list per group: a list (one group), a ``KVCacheBlocks`` or a tuple of lists (several)."""
         n = len(self.kv_cache_groups)
+        if n == 1 and type(new_computed_blocks) is list:
+            return (new_computed_blocks,)
         if new_computed_blocks is None or (isinstance(new_computed_blocks, (list, tuple)) and not new_computed_blocks):
-            return tuple([] for _ in range(n))
+            return ((),) * n  # type: ignore[return-value]
         if isinstance(new_computed_blocks, KVCacheBlocks):
             groups = new_computed_blocks.blocks
         elif n == 1:
@@ -114,18 +120,6 @@ class AllocationChecks:
     def _content(self, request: Request, block_index: int) -> tuple[tuple[int, ...], Any]:
         start, end = block_index * self.block_size, (block_index + 1) * self.block_size
         return request.token_ids(start, end), generate_block_hash_extra_keys(request, start, end)[0]
-
-    def _ensure_block_hashes(self, request: Request) -> None:
-        """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
-        if request._hasher_owner is None:
-            request._hasher_owner = self
-            request._block_hasher = self._request_block_hasher
-            request.block_hashes.extend(self._request_block_hasher(request))
-        elif request._hasher_owner is not self:
-            raise RequestStateError(
-                f"request {request.request_id!r} was hashed by another KVCacheManager (its own hash seed and "
-                "function); create a new Request for this manager"
-            )
 
     def _check_fork(self, parent: Request, child: Request) -> None:
         self._check_request(parent)
@@ -163,43 +157,63 @@ class AllocationChecks:
         Returns the hit blocks (one list per group) and 1 if the hit ends inside its last block (a
         partial hit to copy), else 0.
         """
-        self._check_request(request)
-        num_new_tokens = _count("num_new_tokens", num_new_tokens)
-        num_new_computed_tokens = _count("num_new_computed_tokens", num_new_computed_tokens)
-        _count("num_lookahead_tokens", num_lookahead_tokens)
-        num_external = _count("num_external_computed_tokens", num_external_computed_tokens)
-        _count("reserved_blocks", reserved_blocks)
-        if _count("num_encoder_tokens", num_encoder_tokens):
+        # The counts are ints >= 0 and the request a Request (@checked saw them at the door).
+        rid, num_computed = request.request_id, request.num_computed_tokens
+        if request.status in FINISHED or self._requests.get(rid, request) is not request:
+            self._check_request(request)
+        if num_encoder_tokens:
             raise KvlabValueError("num_encoder_tokens must be 0: kvlab models no cross-attention (decoder-only)")
-        if skip_zeroing_group_ids != () and tuple(skip_zeroing_group_ids):
+        if skip_zeroing_group_ids:
             raise KvlabValueError("skip_zeroing_group_ids must be empty: kvlab's worker zeroes no blocks")
+        num_external = num_external_computed_tokens
         if num_new_tokens == 0 and num_external == 0 and num_new_computed_tokens == 0:
             raise KvlabValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
-        held = self.req_to_blocks.get(request.request_id)
-        if held is None and request.num_computed_tokens > 0:
+        held = self.req_to_blocks.get(rid)
+        if held is not None:  # a running request: no hits, no external tokens, no write into a shared block
+            if new_computed_blocks or num_new_computed_tokens or num_external:
+                self._refuse_hits_of_a_running_request(request, new_computed_blocks, num_new_computed_tokens,
+                                                       num_external)
+            if num_computed + num_new_tokens > len(request._all_token_ids):
+                self._refuse_past_the_end(request, num_new_tokens, 0, 0)
+            index, offset = divmod(num_computed, self.block_size)
+            if offset and index < len(held) and held[index].ref_cnt > 1:
+                self._check_not_writing_shared(request, held)
+            return self._no_hits, 0
+        if num_computed > 0:
             raise RequestStateError(
-                f"request {request.request_id!r} holds no blocks but has num_computed_tokens="
-                f"{request.num_computed_tokens}: it was freed. A preempted request restarts from "
-                "num_computed_tokens = 0"
+                f"request {rid!r} holds no blocks but has num_computed_tokens={num_computed}: it was freed. "
+                "A preempted request restarts from num_computed_tokens = 0"
             )
-        computed = self._group_hits(new_computed_blocks)
-        if held is not None and (any(computed) or num_new_computed_tokens or num_external):
+        if self.enable_caching and request._hasher_owner not in (None, self):
+            raise RequestStateError(
+                f"request {rid!r} was hashed by another KVCacheManager (its own hash seed and "
+                "function); create a new Request for this manager"
+            )
+        computed = self._no_hits if new_computed_blocks is None else self._group_hits(new_computed_blocks)
+        partial = self._check_hits(request, computed, num_new_computed_tokens)
+        if num_computed + num_new_computed_tokens + num_external + num_new_tokens > len(request._all_token_ids):
+            self._refuse_past_the_end(request, num_new_tokens, num_new_computed_tokens, num_external)
+        return computed, partial
+
+    @staticmethod
+    def _refuse_past_the_end(request: Request, num_new_tokens: int, num_new_computed_tokens: int,
+                             num_external: int) -> None:
+        computed = request.num_computed_tokens + num_new_computed_tokens + num_external
+        raise KvlabValueError(
+            f"request {request.request_id!r} has {request.num_tokens} tokens; computing num_new_tokens="
+            f"{num_new_tokens} after {computed} computed (num_new_computed_tokens="
+            f"{num_new_computed_tokens}, num_external_computed_tokens={num_external}) would pass its end "
+            "(reserve slots for future tokens with num_lookahead_tokens)"
+        )
+
+    def _refuse_hits_of_a_running_request(self, request: Request, new_computed_blocks: object,
+                                          num_new_computed_tokens: int, num_external: int) -> None:
+        """A running request takes no hits and no external tokens (empty hits, as a list, are fine)."""
+        if any(self._group_hits(new_computed_blocks)) or num_new_computed_tokens or num_external:
             raise RequestStateError(
                 f"request {request.request_id!r} already holds blocks; prefix hits and external tokens are taken "
                 "only at admission"
             )
-        partial = self._check_hits(request, computed, num_new_computed_tokens)
-        total = request.num_computed_tokens + num_new_computed_tokens + num_external + num_new_tokens
-        if total > request.num_tokens:
-            raise KvlabValueError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens; computing num_new_tokens="
-                f"{num_new_tokens} after {total - num_new_tokens} computed (num_new_computed_tokens="
-                f"{num_new_computed_tokens}, num_external_computed_tokens={num_external}) would pass its end "
-                "(reserve slots for future tokens with num_lookahead_tokens)"
-            )
-        if held is not None:
-            self._check_not_writing_shared(request, held)
-        return computed, partial
 
     def _check_hits(self, request: Request, groups: tuple[list[KVCacheBlock], ...], num_tokens: int) -> int:
         """The hits must be exactly what ``get_computed_blocks`` returned for this request, in every group."""
@@ -218,6 +232,10 @@ class AllocationChecks:
         if request._hasher_owner is not self:
             raise KvlabValueError(f"request {request.request_id!r} was not looked up by this manager: pass the blocks "
                                   "get_computed_blocks returned for it")
+        lookup = self._last_lookup  # O(1) in the usual case: the hits of the last lookup, with no eviction since
+        if lookup is not None and lookup[0] is request and lookup[1] == self.block_pool.eviction_epoch \
+                and lookup[2] == tuple(map(tuple, groups)):
+            return int(num_tokens % self.block_size != 0)
         real = [b for computed in groups for b in computed if not getattr(b, "is_null", False)]
         for g, computed in enumerate(groups):
             self._check_group_hits(request, g, computed, num_tokens, len(groups) > 1)
@@ -249,6 +267,17 @@ class AllocationChecks:
                     f"block {i}; pass exactly what get_computed_blocks returned"
                 )
 
+    def _check_cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """``cache_blocks`` caches blocks a live request holds: up to the slots it was allocated, no further."""
+        self._check_request(request)
+        held = self.req_to_blocks.get(request.request_id)
+        if held is None:
+            raise RequestStateError(f"request {request.request_id!r} holds no blocks: allocate_slots first, then "
+                                    "cache_blocks")
+        if num_tokens > len(held) * self.block_size:
+            raise KvlabValueError(f"num_tokens must be at most the {len(held) * self.block_size} slots request "
+                                  f"{request.request_id!r} was allocated, got {num_tokens}")
+
     def _check_not_writing_shared(self, request: Request, held: list[KVCacheBlock]) -> None:
         """A running request writes its next token in place: that block must be its own (fork: copy first)."""
         index, offset = divmod(request.num_computed_tokens, self.block_size)
@@ -258,9 +287,3 @@ class AllocationChecks:
                 f"{held[index].ref_cnt} holders share; call copy_on_write(request) first"
             )
 
-
-def _count(name: str, value: object) -> int:
-    """``non_negative_int`` with a fast path for the plain ints a scheduler passes (checked once per call)."""
-    if type(value) is int and value >= 0:
-        return value
-    return non_negative_int(name, value)

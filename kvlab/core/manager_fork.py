@@ -18,7 +18,6 @@ from kvlab.core.request import Request
 
 if TYPE_CHECKING:
     from kvlab.core.block_pool import BlockPool
-    from kvlab.core.cache_stats import EvictionCounter
     from kvlab.core.kv_cache_utils import KVCacheBlock
 
 
@@ -32,7 +31,6 @@ class ForkMixin:
     req_to_blocks: dict[str, list[KVCacheBlock]]
     num_cached_block: dict[str, int]
     _requests: dict[str, Request]
-    _eviction_counter: EvictionCounter
 
     @checked
     def fork(self, parent: Request, child: Request) -> None:
@@ -46,8 +44,7 @@ class ForkMixin:
         """
         self._check_fork(parent, child)
         blocks = self.req_to_blocks[parent.request_id]
-        with self._eviction_counter.counting():
-            self.block_pool.touch(blocks)
+        self.block_pool.touch(blocks)
         self.req_to_blocks[child.request_id] = list(blocks)
         self.num_cached_block[child.request_id] = self.num_cached_block[parent.request_id]
         self._requests[child.request_id] = child
@@ -70,5 +67,4 @@ class ForkMixin:
             return []
         if self.block_pool.get_num_free_blocks() < 1:
             return None
-        with self._eviction_counter.counting():
-            return [self.block_pool.copy_on_write(blocks, index)]
+        return [self.block_pool.copy_on_write(blocks, index)]

@@ -89,10 +89,9 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise KvlabValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        tokens = list(prompt_token_ids)
+        tokens = list(prompt_token_ids)  # its items were checked at the door (@checked: Sequence[int])
         if not tokens:
             raise KvlabValueError(f"prompt_token_ids of request {request_id!r} must hold at least one token")
-        _check_token_ids("prompt_token_ids", tokens)
         for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name), ("lora_path", lora_path)):
             if value is not None and (not isinstance(value, str) or not value):
                 raise KvlabValueError(f"{name} must be None or a non-empty string, got {value!r}")
@@ -151,12 +150,10 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self._all_token_ids) - len(self.prompt_token_ids)
 
-    @checked
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens; hashes every block they complete (once a manager has seen the request)."""
-        new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        _check_token_ids("token_ids", new)
-        if self.is_finished():
+        new = [token_ids] if type(token_ids) is int and 0 <= token_ids < 2**63 else _token_list(token_ids)
+        if self.status in FINISHED:
             raise RequestStateError(f"request {self.request_id!r} is {self.status.value}: it takes no more tokens")
         self._all_token_ids.extend(new)
         if self._block_hasher is not None:
@@ -164,7 +161,6 @@ class Request:
 
     # ----------------------------------------------------------------- state
 
-    @checked
     def is_finished(self) -> bool:
         """True once the request stopped, hit its length cap or was aborted."""
         return self.status in FINISHED
@@ -177,14 +173,23 @@ class Request:
         )
 
 
-#: The three finished states, for a quick membership test.
-FINISHED = frozenset(s for s in RequestStatus if RequestStatus.is_finished(s))
+#: The finished states, for a quick membership test (a tuple: members compare by identity, in C).
+FINISHED = tuple(s for s in RequestStatus if RequestStatus.is_finished(s))
+
+
+def _token_list(token_ids: object) -> list[int]:
+    """``append_output_token_ids``'s argument as a checked list: one token id, or an iterable of them."""
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (int, Iterable)):
+        raise KvlabValueError(f"token_ids must be a token id or an iterable of them, got {token_ids!r}")
+    new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+    _check_token_ids("token_ids", new)
+    return new  # type: ignore[return-value]
 
 
 def _check_token_ids(name: str, tokens: Sequence[object]) -> None:
-    """Every token id a non-negative int (bools refused); checked once per call, before anything changes."""
+    """Every token id a non-negative int below 2**63 (bools refused): one C-level pass for plain ints."""
+    if not tokens or (set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < 2**63):
+        return
     for t in tokens:
-        if type(t) is int and t >= 0:
-            continue
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63:
             raise KvlabValueError(f"{name} must hold non-negative integer token ids, got {t!r}")

@@ -160,7 +160,6 @@ class Sequence:
     def __len__(self) -> int:
         return self.num_tokens
 
-    @checked
     def token_ids(self) -> list[int]:
         """The sequence's tokens, read back through its block table (the stand-in for its K/V)."""
         self._check_live("read")
@@ -223,7 +222,6 @@ class Sequence:
 
     # ----------------------------------------------------------------- sharing and releasing
 
-    @checked
     def fork(self) -> Sequence:
         """A child sharing every block (each ``ref_cnt`` + 1): no KV is copied until a write needs it."""
         self._check_live("fork")
@@ -233,7 +231,6 @@ class Sequence:
         child.num_tokens = self.num_tokens
         return child
 
-    @checked
     def release(self) -> None:
         """Give every block back, tail first, so the blocks nearest the prompt start are evicted last."""
         self._check_live("release")

@@ -119,7 +119,7 @@ class SingleTypeKVCacheManager:
         sit in the free queue (taking them out of it costs a free block each), plus one for a
         partial hit's copy. A running request gets no new hits.
         """
-        num_required = cdiv(num_tokens, self.block_size)
+        num_required = -(-num_tokens // self.block_size)  # cdiv
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
             num_required = min(num_required, self.max_admission_blocks_per_request)
         held = self.req_to_blocks.get(request_id)
@@ -127,8 +127,10 @@ class SingleTypeKVCacheManager:
             return max(num_required - len(held), 0)
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_new = max(num_required - max(num_skipped_blocks, len(new_computed_blocks)), 0)
-        kept = new_computed_blocks[num_skipped_blocks:]
-        num_evictable = sum(b.ref_cnt == 0 and not b.is_null for b in kept)
+        num_evictable = 0
+        for block in new_computed_blocks[num_skipped_blocks:]:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_evictable += 1
         partial = int(len(new_computed_blocks) > 0 and num_local_computed_tokens % self.block_size != 0)
         return num_new + partial + num_evictable
 
@@ -139,7 +141,7 @@ class SingleTypeKVCacheManager:
         ``allocate_external_computed_blocks`` and ``allocate_new_blocks``, counted), changing nothing."""
         held = self.req_to_blocks.get(request_id)
         if held is not None:
-            return AllocationPlan(False, [], 0, 0, 0, max(cdiv(num_tokens, self.block_size) - len(held), 0))
+            return AllocationPlan(False, [], 0, 0, 0, max(-(-num_tokens // self.block_size) - len(held), 0))
         total = num_local_computed_tokens + num_external_computed_tokens
         num_null = self.get_num_skipped_tokens(total) // self.block_size
         kept = list(new_computed_blocks[num_null:])
@@ -201,7 +203,7 @@ class SingleTypeKVCacheManager:
             for i in range(num_cached, num_full + 1):  # runs of real blocks, between null ones
                 if i == num_full or blocks[i].is_null:
                     if start < i:
-                        self.block_pool.cache_full_blocks(blocks, keys, start, i, self.block_size)
+                        self.block_pool._cache_full_blocks(blocks, keys, start, i, self.block_size)
                     start = i + 1
         self.num_cached_block[request_id] = num_full
         return range(num_cached, num_full)
@@ -223,8 +225,10 @@ class SingleTypeKVCacheManager:
         blocks freed. Full attention skips nothing.
         """
         num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return []
         blocks = self.req_to_blocks.get(request_id)
-        if num_skipped_tokens <= 0 or not blocks:
+        if not blocks:
             return []
         freed = []
         for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
@@ -233,7 +237,7 @@ class SingleTypeKVCacheManager:
             freed.append(blocks[i])
             blocks[i] = self._null_block
         if freed:
-            self.block_pool.free_blocks(freed)
+            self.block_pool._free_blocks(freed)
         return freed
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
@@ -244,7 +248,7 @@ class SingleTypeKVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Free the request's blocks, last block first, so its prompt's start is evicted last."""
-        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
+        self.block_pool._free_blocks(reversed(self.pop_blocks_for_free(request_id)))
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
@@ -260,6 +264,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = True
 
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Full attention reads every earlier token: nothing is ever skipped."""
+        return []
+
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
                                kv_cache_group_ids: Sequence[int] | None, block_pool: BlockPool,
@@ -274,14 +282,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_size, hbs = kv_cache_spec.block_size, hash_block_size or kv_cache_spec.block_size
         scale = block_size // hbs
         full_hashes = block_hashes if scale == 1 else block_hashes[scale - 1::scale]
-        per_block = find_longest_cache_hit(full_hashes, max_length, block_size,
-                                           lambda h: block_pool.get_cached_block(h, kv_cache_group_ids))
+        lookup = block_pool.cached_block_hash_to_block.get_one_block if kv_cache_group_ids is None else \
+            (lambda h: block_pool._get_cached_block(h, kv_cache_group_ids))
+        per_block = find_longest_cache_hit(full_hashes, max_length, block_size, lookup)
         hit_length = len(per_block) * block_size
         if scale > 1:
             first = len(per_block) * scale
             last = min(first + scale - 1, max_length // hbs, len(block_hashes))
             for fine_idx in range(last - 1, first - 1, -1):
-                tail = block_pool.get_cached_block(block_hashes[fine_idx], kv_cache_group_ids)
+                tail = block_pool._get_cached_block(block_hashes[fine_idx], kv_cache_group_ids)
                 if tail is not None:
                     per_block.append(tail)
                     hit_length = (fine_idx + 1) * hbs
@@ -353,7 +362,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         computed: list[Any] = [null] * num_blocks
         run = 0
         for i in range(num_blocks - 1, -1, -1):
-            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            cached = block_pool._get_cached_block(block_hashes[i], kv_cache_group_ids)
             if cached is None:
                 run = 0
                 continue

@@ -6,13 +6,9 @@ before and after, so the stepper's sentences are computed from the pool, never t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvlab._validate import checked
 from kvlab.core.sequence import BlockCopy
-
-if TYPE_CHECKING:
-    from kvlab.sim.block_scenarios import Op, PoolSnapshot, Scenario
+from kvlab.sim.block_types import Op, PoolSnapshot, Scenario
 
 
 def _ids(block_ids: list[int] | tuple[int, ...]) -> str:

@@ -228,7 +228,12 @@ def test_random_traces_agree_operation_for_operation(config):
 
 
 def _lru_broken(monkeypatch):  # cached blocks freed to the head: the LRU order is lost
-    monkeypatch.setattr(FreeKVCacheBlockQueue, "append_n", lambda self, blocks: self.prepend_n(list(blocks)))
+    link = FreeKVCacheBlockQueue._link_before  # the pool's own path (append_n is the learner's)
+
+    def to_head(self, anchor, blocks):
+        link(self, self.fake_free_list_head.next_free_block if anchor is self.fake_free_list_tail else anchor, blocks)
+
+    monkeypatch.setattr(FreeKVCacheBlockQueue, "_link_before", to_head)
 
 
 def _last_token_hits(monkeypatch):  # a fully cached prompt no longer recomputes its last block
@@ -254,6 +259,7 @@ def _eviction_keeps_index(monkeypatch):  # an evicted block's hash stays in the 
         block.reset_hash()
         return []
     monkeypatch.setattr(BlockPool, "_remove_cached_block_hashes", remove)
+    monkeypatch.setattr(BlockPool, "_evict", remove)  # allocation's eviction, inline in the pool
 
 
 @pytest.mark.parametrize("inject", [_lru_broken, _last_token_hits, _free_in_table_order, _free_hits_not_counted,

@@ -122,7 +122,6 @@ class GenerationRequest(Request):
     def max_tokens(self) -> int:
         return self.sampling_params.max_tokens
 
-    @checked
     def get_finished_reason(self) -> str | None:
         """"stop" (an end-of-sequence token), "length" (max_tokens or max_model_len), "abort", "error", or None."""
         return FINISH_REASONS.get(self.status)

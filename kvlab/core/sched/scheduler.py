@@ -143,17 +143,14 @@ class Scheduler:
         return sum(g.kv_cache_spec.max_num_blocks_per_request(num_tokens, self.max_num_scheduled_tokens)
                    for g in self.kv_cache_manager.kv_cache_groups)
 
-    @checked
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @checked
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
     # ----------------------------------------------------------------- one step
 
-    @checked
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating (or preempting) as needed."""
         token_budget = self.max_num_scheduled_tokens
@@ -439,7 +436,6 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
-    @checked
     def make_stats(self) -> SchedulerStats:
         """The gauges and this step's counters, after ``update_from_output`` (one row of the history)."""
         out = self._last_step
