@@ -21,7 +21,7 @@ from kvlab.units import GiB, KiB, cdiv, format_bytes
 def num_blocks_and_concurrency(available_bytes: int, bytes_per_token: int, block_size: int,
                                max_model_len: int) -> tuple[int, int]:
     """Reference: vLLM's num_gpu_blocks and the floor of its maximum concurrency."""
-    blocks = num_gpu_blocks(available_bytes, bytes_per_token * block_size)
+    blocks = num_gpu_blocks.__wrapped__(available_bytes, bytes_per_token * block_size)  # a negative budget: 0 blocks
     return blocks, math.floor(max_concurrency(blocks, max_model_len, block_size))
 
 
@@ -148,7 +148,7 @@ def _concurrency_with(case: Case, per_token: int, weights_gib: float) -> int:
     """The same arithmetic with one input taken the wrong way (for the diagnoses)."""
     _, gpu_memory_gib, _, _, _, block_size, max_model_len = case.args
     available = math.ceil(gpu_memory_gib * GiB * UTILIZATION) - round(weights_gib * GiB)
-    return num_gpu_blocks(available, per_token * block_size) // cdiv(max_model_len, block_size)
+    return num_gpu_blocks.__wrapped__(available, per_token * block_size) // cdiv(max_model_len, block_size)
 
 
 def _explain_tp(case: Case, expected: Any, actual: Any) -> str | None:
