@@ -22,6 +22,12 @@ from kvlab.kernels._backend import TRITON_CUDA
 from kvlab.errors import KernelInputError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The most split-KV ranges a caller may ask for. vLLM 0.33.0's Triton backend launches 16
+#: (``NUM_PAR_SOFTMAX_SEGMENTS`` in ``vllm/v1/attention/backends/triton_attn.py``) and 64 on
+#: SM120 GPUs whose 16-segment grid under-fills the SMs (the same file): 64 is its largest.
+MAX_NUM_KV_SPLITS = 64
+#: Positions and window sizes reach the kernels as int32.
+MAX_INT32 = 2**31 - 1
 FP8_DTYPE = torch.float8_e4m3fn
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -39,6 +45,11 @@ def check_ndim(name: str, tensor: object, ndim: int, layout: str) -> torch.Tenso
     """``tensor`` must be a torch tensor with ``ndim`` dimensions (``layout`` names them)."""
     if not isinstance(tensor, torch.Tensor):
         raise KernelInputError(f"{name} must be a torch.Tensor shaped {layout}, got {type(tensor).__name__}")
+    if tensor.is_meta:
+        raise KernelInputError(
+            f"{name} is a meta tensor (a shape without data): the kernels read and write real memory, so create it "
+            "on the CPU or a GPU"
+        )
     if tensor.dim() != ndim:
         raise KernelInputError(f"{name} must be {ndim}-D {layout}, got shape {tuple(tensor.shape)}")
     return tensor
@@ -61,6 +72,58 @@ def check_index_tensor(name: str, tensor: object, ndim: int, layout: str) -> tor
             f"pass {name}.contiguous()"
         )
     return tensor
+
+
+def has_internal_overlap(tensor: torch.Tensor) -> bool:
+    """True unless distinct indices of ``tensor`` provably address distinct elements.
+
+    Sorted by stride, each dimension must step past everything the smaller ones reach; an
+    ``expand``ed dimension (stride 0) or a hand-made ``as_strided`` view that folds back fails.
+    """
+    reach = 0                                           # the largest offset the dimensions so far reach
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[first, last]`` address of the bytes ``tensor`` can touch (a view's, not its storage's); empty: (0, -1)."""
+    if tensor.numel() == 0:
+        return 0, -1
+    span = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    first = tensor.data_ptr()
+    return first, first + (span + 1) * tensor.element_size() - 1
+
+
+def check_no_aliasing(written: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> None:
+    """Each tensor a kernel writes has no internal overlap and shares no byte with another tensor of the call.
+
+    The kernels write through raw pointers, so two slots (or rows) that are one memory lose a
+    write, and an output over an input overwrites what is still to be read. A shared byte range
+    is refused (as torch's own ``out=`` check does): vLLM's ``kv[0]`` / ``kv[1]`` halves share none.
+    Reads only shapes, strides and addresses: nothing is synchronised.
+    """
+    for name, tensor in written.items():
+        if has_internal_overlap(tensor):
+            raise KernelInputError(
+                f"{name} has internal overlap (strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}): "
+                f"two of its elements are one memory (an expand()ed view?), so one write would overwrite another; "
+                f"pass {name}.contiguous()"
+            )
+    tensors = {**written, **read}
+    ranges = {n: _byte_range(t) for n, t in tensors.items()}
+    names = list(tensors)
+    for i, name in enumerate(written):
+        lo, hi = ranges[name]
+        for other in names[i + 1:]:
+            o_lo, o_hi = ranges[other]
+            if lo <= o_hi and o_lo <= hi:
+                raise KernelInputError(
+                    f"{name} shares memory with {other}: the kernel writes {name} while it reads (or writes) "
+                    f"{other}, so give {name} memory of its own (a fresh tensor or {name}.clone())"
+                )
 
 
 def check_kv_scales(cache_dtype: torch.dtype, k_scale: object, v_scale: object) -> tuple[float, float]:
@@ -223,6 +286,8 @@ def check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale=
             f"[.., .., {cache_heads}, {cache_head_size}]: num_kv_heads and head_size must agree"
         )
     check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
+    check_no_aliasing(dict(key_cache=key_cache, value_cache=value_cache),
+                      dict(key=key, value=value, slot_mapping=slot_mapping))
     ks, vs = check_kv_scales(key_cache.dtype, k_scale, v_scale)
     return CacheWrite(num_tokens, num_kv_heads, head_size, num_blocks, block_size,
                       key_cache.dtype == FP8_DTYPE, ks, vs)
@@ -302,6 +367,11 @@ def check_sliding_window(sliding_window: object, causal: bool) -> int | None:
             f"sliding_window must be a positive integer (the keys a query sees, itself included) or None "
             f"(full attention), got {sliding_window!r}"
         )
+    if sliding_window > MAX_INT32:
+        raise KernelInputError(
+            f"sliding_window must be at most {MAX_INT32} (positions are int32 in the kernels), got {sliding_window}; "
+            "a window longer than every sequence is full causal attention: pass None"
+        )
     if not causal:
         raise KernelInputError(
             "sliding_window needs causal=True: kvlab's kernels implement the decoder's window, which looks back "
@@ -373,7 +443,9 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
         raise KernelInputError(f"causal must be True or False, got {causal!r}")
     window = check_sliding_window(sliding_window, causal)
     check_num_kv_splits(num_kv_splits)
-    check_out(out, "query", query, "[num_tokens, num_q_heads, head_size]")
+    check_out(out, "query", query, "[num_tokens, num_q_heads, head_size]",
+              dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                   seq_lens=seq_lens, query_start_loc=query_start_loc))
     ks, vs = check_kv_scales(key_cache.dtype, k_scale, v_scale)
     return AttentionBatch(
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -383,16 +455,28 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
     )
 
 
-def check_num_kv_splits(num_kv_splits: object) -> None:
-    """``num_kv_splits``: a positive integer, or None to let the kernel choose."""
-    if num_kv_splits is not None and (
-        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral) or num_kv_splits < 1
-    ):
-        raise KernelInputError(f"num_kv_splits must be a positive integer or None (choose), got {num_kv_splits!r}")
+def check_num_kv_splits(num_kv_splits: object, name: str = "num_kv_splits") -> int | None:
+    """``num_kv_splits``: an integer in ``[1, MAX_NUM_KV_SPLITS]``, or None to let the kernel choose.
+
+    Each split is a program per query block and KV head and a partial result in memory: an
+    unbounded count hangs the launch (10**6) or fails the allocator (10**12).
+    """
+    if num_kv_splits is None:
+        return None
+    if isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, numbers.Integral) or num_kv_splits < 1:
+        raise KernelInputError(f"{name} must be a positive integer or None (choose), got {num_kv_splits!r}")
+    if num_kv_splits > MAX_NUM_KV_SPLITS:
+        raise KernelInputError(
+            f"{name} must be at most {MAX_NUM_KV_SPLITS} (the most segments vLLM 0.33.0's Triton backend "
+            f"launches), got {num_kv_splits}"
+        )
+    return int(num_kv_splits)
 
 
-def check_out(out: torch.Tensor | None, like_name: str, like: torch.Tensor, layout: str) -> None:
-    """An ``out`` tensor the kernel writes: the shape, dtype and device of ``like``, unit stride last."""
+def check_out(out: torch.Tensor | None, like_name: str, like: torch.Tensor, layout: str,
+              inputs: dict[str, torch.Tensor]) -> None:
+    """An ``out`` tensor the kernel writes: the shape, dtype and device of ``like``, unit stride last,
+    no internal overlap and no byte shared with any of ``inputs``."""
     if out is None:
         return
     check_ndim("out", out, 3, layout)
@@ -403,3 +487,4 @@ def check_out(out: torch.Tensor | None, like_name: str, like: torch.Tensor, layo
         )
     if out.stride(-1) != 1:
         raise KernelInputError("out must be contiguous in its last dimension (stride 1)")
+    check_no_aliasing(dict(out=out), inputs)

@@ -23,6 +23,7 @@ from kvlab.kernels.checks import (
     check_index_tensor,
     check_kv_scales,
     check_ndim,
+    check_no_aliasing,
     check_num_kv_splits,
     check_out,
     check_same_device,
@@ -88,6 +89,7 @@ def check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale=1.0) 
     num_blocks, block_size, _ = kv_cache.shape
     check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
     check_same_device(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    check_no_aliasing(dict(kv_cache=kv_cache), dict(kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping))
     scale, _ = check_kv_scales(kv_cache.dtype, k_scale, 1.0)
     return MLACacheWrite(num_tokens, rank, rope_dim, num_blocks, block_size, kv_cache.dtype == FP8_DTYPE, scale)
 
@@ -166,7 +168,8 @@ def check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale, 
             f"mscale squared where the model uses it), got {scale!r}"
         )
     check_num_kv_splits(num_kv_splits)
-    check_out(out, "q_latent", q_latent, "[num_seqs, num_heads, kv_lora_rank]")
+    check_out(out, "q_latent", q_latent, "[num_seqs, num_heads, kv_lora_rank]",
+              dict(q_latent=q_latent, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens))
     ks, _ = check_kv_scales(kv_cache.dtype, k_scale, 1.0)
     return MLADecodeBatch(num_seqs, num_heads, rank, rope_dim, num_blocks, block_size, tuple(lens),
                           kv_cache.dtype == FP8_DTYPE, float(scale), ks)

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import torch
 
 from kvlab import kernels
-from kvlab._validate import positive_int
 from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvlab.core.sequence import BlockCopy, compute_slot_mapping
 from kvlab.engine.attention import Attention, AttentionMetadata
@@ -24,6 +23,7 @@ from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
 from kvlab.engine.mla import MLAAttention
 from kvlab.engine.sampler import Sampler
 from kvlab.errors import KvlabValueError, RequestFailedError
+from kvlab.kernels.checks import check_num_kv_splits
 
 
 def prepare_inputs(
@@ -149,7 +149,7 @@ class ModelRunner:
 
     @decode_kv_splits.setter
     def decode_kv_splits(self, splits: int | None) -> None:
-        self._decode_kv_splits = None if splits is None else positive_int("decode_kv_splits", splits)
+        self._decode_kv_splits = check_num_kv_splits(splits, "decode_kv_splits")
         for layer in self._attention_layers():
             layer.decode_kv_splits = self._decode_kv_splits
 
