@@ -50,7 +50,13 @@ from kvlab.kernels._backend import (
     describe_backend,
     device_for,
 )
-from kvlab.kernels.checks import AttentionBatch, check_attention, check_cache_write, check_kernel_device
+from kvlab.kernels.checks import (
+    AttentionBatch,
+    HostMetadata,
+    check_attention,
+    check_cache_write,
+    check_kernel_device,
+)
 from kvlab.kernels.fp8 import E4M3_MAX, calibrated_scale, dequantize_fp8, quantize_fp8
 from kvlab.kernels.grid import KernelConfig, LaunchPlan, choose_config, choose_num_kv_splits, plan_launch
 from kvlab.kernels.layouts import from_legacy_layout, legacy_x, to_legacy_layout
@@ -93,7 +99,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                     scale: float | None = None, causal: bool = True, k_scale: float = 1.0, v_scale: float = 1.0,
                     num_kv_splits: int | None = None, out: torch.Tensor | None = None,
-                    config: KernelConfig | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                    config: KernelConfig | None = None, sliding_window: int | None = None,
+                    host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Varlen paged attention for a batch mixing prefill chunks and decode steps.
 
     ``query`` is ``[num_tokens, num_q_heads, head_size]``; sequence ``i``'s query tokens are
@@ -104,10 +111,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     given, is written in place; ``config`` overrides the tile sizes. ``sliding_window`` W (causal
     only; vLLM 0.33.0's and transformers' convention) lets the query at position ``q`` see keys
     ``q - W + 1 .. q`` only, W keys itself included; tiles wholly outside are not read.
-    Returns ``[num_tokens, Hq, D]``.
+    ``host_metadata`` (the index tensors' host copies) lets the checks run without reading the
+    device: no synchronisation. Returns ``[num_tokens, Hq, D]``.
     """
     kwargs = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
-                  config=config, sliding_window=sliding_window)
+                  config=config, sliding_window=sliding_window, host_metadata=host_metadata)
     if backend() == TORCH_REFERENCE:
         return paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
     return paged_attention_triton(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
@@ -127,7 +135,8 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, *, scale: float, k_scale: float = 1.0, num_kv_splits: int | None = None,
-               out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: KernelConfig | None = None,
+               host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """One decode token per sequence attends over its latents: ``[num_seqs, num_heads, kv_lora_rank]``.
 
     ``q_latent [num_seqs, num_heads, kv_lora_rank]`` is the query with ``W_UK`` absorbed, ``q_pe``
@@ -136,7 +145,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     depends on ``qk_nope_head_dim``, which these shapes do not show). ``config.block_m`` sets the
     heads per program; ``num_kv_splits`` (default: chosen) splits each sequence's latents.
     """
-    kwargs = dict(scale=scale, k_scale=k_scale, num_kv_splits=num_kv_splits, out=out)
+    kwargs = dict(scale=scale, k_scale=k_scale, num_kv_splits=num_kv_splits, out=out, host_metadata=host_metadata)
     if backend() == TORCH_REFERENCE:
         return mla_decode_ref(q_latent, q_pe, kv_cache, block_table, seq_lens, **kwargs)
     return mla_decode_triton(q_latent, q_pe, kv_cache, block_table, seq_lens, config=config, **kwargs)
@@ -181,6 +190,7 @@ __all__ = [
     "AttentionBatch",
     "BatchSpec",
     "CudaThreadLayout",
+    "HostMetadata",
     "KernelConfig",
     "KernelReport",
     "LaunchPlan",

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from kvlab.kernels._backend import TRITON_INTERPRETER, backend, require_triton
-from kvlab.kernels.checks import AttentionBatch, check_attention, check_kernel_device
+from kvlab.kernels.checks import AttentionBatch, HostMetadata, check_attention, check_kernel_device
 from kvlab.kernels.grid import KernelConfig, LaunchPlan, next_power_of_2, plan_launch
 
 require_triton()  # sets TRITON_INTERPRET (or not) before the decorators below run
@@ -291,11 +291,12 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            scale: float | None = None, causal: bool = True, k_scale: float = 1.0,
                            v_scale: float = 1.0, num_kv_splits: int | None = None,
                            out: torch.Tensor | None = None, config: KernelConfig | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None,
+                           host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Check the inputs, plan the launch, run the Triton kernels; returns ``out`` ``[num_tokens, Hq, D]``."""
     batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
                             causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, host_metadata=host_metadata)
     check_kernel_device(backend(), query.device)
     plan = plan_launch(batch, num_kv_splits, config, num_sms(query.device))
     out = torch.empty_like(query) if out is None else out

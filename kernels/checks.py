@@ -5,9 +5,14 @@ table would read or write foreign memory silently. So every entry point (the Tri
 the torch reference alike) first passes its tensors through here. A failed check raises
 ``KernelInputError`` naming the argument and what is allowed, and nothing has been written.
 
-The checks read a few small integer tensors on the host (``seq_lens``, ``query_start_loc``, the
-used part of ``block_table``); on a GPU that is one synchronisation per call. vLLM keeps these
-numbers on the host already (its ``CommonAttentionMetadata``); ``AttentionBatch`` is our version.
+The checks need the values of three small integer tensors (``seq_lens``, ``query_start_loc``,
+``block_table``). vLLM's runner builds them on the host and keeps the host copies beside the device
+ones (``CommonAttentionMetadata.query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``, its block
+table's CPU buffer); ``HostMetadata`` is kvlab's version. Given one, the checks read only host
+memory and the device tensors' shapes and strides: no device-to-host synchronisation, so a call
+can be captured in a CUDA graph. Without one, the wrapper copies the three to the host in one
+transfer (one synchronisation on a GPU, none on the CPU). ``AttentionBatch`` is what the checks
+return: the batch as host numbers.
 """
 
 from __future__ import annotations
@@ -226,7 +231,10 @@ def check_slot_mapping(slot_mapping: object, num_tokens: int, num_blocks: int, b
 
 def check_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], block_size: int,
                       num_blocks: int) -> None:
-    """Each sequence's table row covers its length, and every entry it uses names a block of the cache."""
+    """Each sequence's table row covers its length, and every entry it uses names a block of the cache.
+
+    ``block_table`` and ``seq_lens`` are host tensors (``HostMetadata``'s): this reads their values.
+    """
     max_blocks = block_table.shape[1]
     for i, length in enumerate(lens):
         if cdiv(length, block_size) > max_blocks:
@@ -312,6 +320,50 @@ class PagedTensors:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostMetadata:
+    """A batch's index tensors as the host built them, before the copy to the device (vLLM's ``*_cpu`` fields).
+
+    The caller vouches that the device tensors hold the same values, as vLLM's runner does: they
+    are copies of these. ``query_start_loc_cpu`` is None for MLA decode (one query token each).
+    """
+
+    seq_lens_cpu: torch.Tensor                     # [num_seqs]
+    block_table_cpu: torch.Tensor                  # [num_seqs, max_blocks_per_seq]
+    query_start_loc_cpu: torch.Tensor | None = None  # [num_seqs + 1]
+
+    @classmethod
+    def from_device(cls, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    query_start_loc: torch.Tensor | None = None) -> HostMetadata:
+        """The host copies of already-checked index tensors: themselves on the CPU, else one transfer (one sync)."""
+        tensors = [t for t in (seq_lens, block_table, query_start_loc) if t is not None]
+        if all(t.device.type == "cpu" for t in tensors):
+            return cls(seq_lens, block_table, query_start_loc)
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu()       # the one synchronisation
+        parts = [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+        return cls(*parts)
+
+
+def check_host_metadata(host: object, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                        query_start_loc: torch.Tensor | None = None) -> HostMetadata:
+    """``host``: a ``HostMetadata`` of CPU index tensors shaped as the device tensors it stands for."""
+    if not isinstance(host, HostMetadata):
+        raise KernelInputError(
+            f"host_metadata must be a kvlab.kernels.HostMetadata or None, got {type(host).__name__}"
+        )
+    pairs = [("seq_lens", host.seq_lens_cpu, seq_lens), ("block_table", host.block_table_cpu, block_table)]
+    if query_start_loc is not None:
+        pairs.append(("query_start_loc", host.query_start_loc_cpu, query_start_loc))
+    for name, cpu, device in pairs:
+        check_index_tensor(f"host_metadata.{name}_cpu", cpu, device.dim(), f"as {name}")
+        if cpu.device.type != "cpu" or cpu.shape != device.shape:
+            raise KernelInputError(
+                f"host_metadata.{name}_cpu must be a CPU tensor shaped as {name}, {tuple(device.shape)}; got "
+                f"{tuple(cpu.shape)} on {cpu.device}"
+            )
+    return host
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionBatch:
     """The host-side description of one varlen batch, as the launcher and the reference need it."""
 
@@ -382,8 +434,12 @@ def check_sliding_window(sliding_window: object, causal: bool) -> int | None:
 
 def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *,
                     scale=None, causal=True, k_scale=1.0, v_scale=1.0, num_kv_splits=None,
-                    out=None, sliding_window=None) -> AttentionBatch:
-    """Validate ``paged_attention``'s arguments; return the batch as host-side numbers."""
+                    out=None, sliding_window=None, host_metadata=None) -> AttentionBatch:
+    """Validate ``paged_attention``'s arguments; return the batch as host-side numbers.
+
+    With ``host_metadata`` the values are read from its CPU tensors and the device tensors only
+    for their shapes, strides and addresses (no synchronisation); without, from one host copy.
+    """
     check_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
     check_float_activations("query", query)
     check_cache_pair(key_cache, value_cache, query.dtype)
@@ -414,7 +470,11 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
         raise KernelInputError(
             f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {query_start_loc.shape[0]}"
         )
-    starts = query_start_loc.tolist()
+    if host_metadata is None:
+        host = HostMetadata.from_device(seq_lens, block_table, query_start_loc)
+    else:
+        host = check_host_metadata(host_metadata, seq_lens, block_table, query_start_loc)
+    starts = host.query_start_loc_cpu.tolist()
     if starts[0] != 0:
         raise KernelInputError(f"query_start_loc[0] must be 0, got {starts[0]}")
     for i in range(num_seqs):
@@ -427,14 +487,14 @@ def check_attention(query, key_cache, value_cache, block_table, seq_lens, query_
         raise KernelInputError(
             f"query_start_loc[-1] = {starts[-1]} must equal the number of query tokens, {num_tokens}"
         )
-    lens = seq_lens.tolist()
+    lens = host.seq_lens_cpu.tolist()
     for i, (length, start, end) in enumerate(zip(lens, starts, starts[1:], strict=False)):
         if length < end - start:
             raise KernelInputError(
                 f"seq_lens[{i}] = {length} is shorter than its {end - start} query tokens: the query tokens "
                 "are the last tokens of their sequence"
             )
-    check_block_table(block_table, seq_lens, lens, block_size, num_blocks)
+    check_block_table(host.block_table_cpu, host.seq_lens_cpu, lens, block_size, num_blocks)
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:

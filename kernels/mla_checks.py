@@ -17,9 +17,11 @@ import numbers
 import torch
 from kvlab.kernels.checks import (
     FP8_DTYPE,
+    HostMetadata,
     _name,
     check_block_table,
     check_float_activations,
+    check_host_metadata,
     check_index_tensor,
     check_kv_scales,
     check_ndim,
@@ -141,8 +143,12 @@ def _check_queries(q_latent: object, q_pe: object) -> tuple[int, int, int, int]:
 
 
 def check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale, k_scale=1.0, num_kv_splits=None,
-                     out=None) -> MLADecodeBatch:
-    """Validate ``mla_decode``'s arguments; return the batch as host-side numbers."""
+                     out=None, host_metadata=None) -> MLADecodeBatch:
+    """Validate ``mla_decode``'s arguments; return the batch as host-side numbers.
+
+    ``host_metadata`` (``seq_lens_cpu``, ``block_table_cpu``): read instead of the device tensors, as in
+    ``check_attention``, so nothing is synchronised.
+    """
     num_seqs, num_heads, rank, rope_dim = _check_queries(q_latent, q_pe)
     check_mla_cache(kv_cache, q_latent.dtype, rank + rope_dim)
     check_index_tensor("block_table", block_table, 2, "[num_seqs, max_blocks_per_seq]")
@@ -153,7 +159,9 @@ def check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale, 
             f"the queries are for {num_seqs} sequences, but seq_lens has {seq_lens.shape[0]} entries and "
             f"block_table {block_table.shape[0]} rows: one of each per sequence"
         )
-    lens = seq_lens.tolist()
+    host = (HostMetadata.from_device(seq_lens, block_table) if host_metadata is None
+            else check_host_metadata(host_metadata, seq_lens, block_table))
+    lens = host.seq_lens_cpu.tolist()
     short = [i for i, n in enumerate(lens) if n < 1]
     if short:
         raise KernelInputError(
@@ -161,7 +169,7 @@ def check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale, 
             "whose latent is written before attention"
         )
     num_blocks, block_size, _ = kv_cache.shape
-    check_block_table(block_table, seq_lens, lens, block_size, num_blocks)
+    check_block_table(host.block_table_cpu, host.seq_lens_cpu, lens, block_size, num_blocks)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         raise KernelInputError(
             f"scale must be a finite number > 0 (1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's "

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from kvlab.kernels._backend import backend, require_triton
 from kvlab.kernels.attention import compute_dtype, dot, num_sms, online_softmax_update, reduce_splits_kernel
-from kvlab.kernels.checks import check_kernel_device
+from kvlab.kernels.checks import HostMetadata, check_kernel_device
 from kvlab.kernels.grid import KernelConfig, next_power_of_2
 from kvlab.kernels.mla_checks import check_mla_decode
 from kvlab.kernels.mla_grid import MLADecodePlan, plan_mla_decode
@@ -165,10 +165,11 @@ def launch_mla_decode(plan: MLADecodePlan, q_latent, q_pe, kv_cache, block_table
 
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, *, scale: float, k_scale: float = 1.0, num_kv_splits: int | None = None,
-                      out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, config: KernelConfig | None = None,
+                      host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Check the inputs, plan the launch, run the Triton kernels; returns ``out`` ``[num_seqs, num_heads, L]``."""
     batch = check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=scale, k_scale=k_scale,
-                             num_kv_splits=num_kv_splits, out=out)
+                             num_kv_splits=num_kv_splits, out=out, host_metadata=host_metadata)
     check_kernel_device(backend(), q_latent.device)
     plan = plan_mla_decode(batch, num_kv_splits, config, num_sms(q_latent.device))
     out = torch.empty_like(q_latent) if out is None else out

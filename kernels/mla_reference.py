@@ -10,6 +10,7 @@ these are what runs when Triton is not installed.
 from __future__ import annotations
 
 import torch
+from kvlab.kernels.checks import HostMetadata
 from kvlab.kernels.fp8 import dequantize_fp8, quantize_fp8
 from kvlab.kernels.mla_absorb import latent_attention
 from kvlab.kernels.mla_checks import check_concat_and_cache_mla, check_mla_decode
@@ -28,14 +29,14 @@ def concat_and_cache_mla_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: t
 
 def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, *, scale: float, k_scale: float = 1.0, num_kv_splits: int | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Each sequence's one query token over all ``seq_lens[i]`` of its latents: ``[num_seqs, num_heads, L]``.
 
     Same signature as ``mla_decode``; ``num_kv_splits`` is accepted and ignored (splitting is
     scheduling, never a different answer).
     """
     batch = check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=scale, k_scale=k_scale,
-                             num_kv_splits=num_kv_splits, out=out)
+                             num_kv_splits=num_kv_splits, out=out, host_metadata=host_metadata)
     out = torch.empty_like(q_latent) if out is None else out
     rank = batch.kv_lora_rank
     for i, seq_len in enumerate(batch.seq_lens):

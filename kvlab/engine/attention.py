@@ -44,6 +44,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks_per_seq]: physical block ids, in logical order
     seq_lens: torch.Tensor  # [num_seqs]: tokens each request attends to, this step's included
     query_start_loc: torch.Tensor  # [num_seqs + 1]: prefix sums of the per-request query lengths
+    #: The host copies of the three index tensors (vLLM's ``*_cpu`` fields): the kernels check these
+    #: and never read the device ones back, so a step costs no device-to-host synchronisation.
+    host: kernels.HostMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -106,4 +109,5 @@ class Attention(torch.nn.Module):
             num_kv_splits=self.decode_kv_splits if decode_only else None,
             config=self.kernel_config,
             sliding_window=self.sliding_window,
+            host_metadata=attn_metadata.host,
         )

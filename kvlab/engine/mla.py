@@ -84,9 +84,12 @@ class MLAAttention(torch.nn.Module):
         rows = torch.tensor([starts[i] for i in seqs], device=q_nope.device)               # their token indices
         picked = torch.tensor(seqs, device=q_nope.device)
         q_latent = absorb_query(q_nope[rows], w_uk)                                       # [D, N, L]
+        host = None if meta.host is None else kernels.HostMetadata(meta.host.seq_lens_cpu[seqs],
+                                                                   meta.host.block_table_cpu[seqs])
         o_latent = kernels.mla_decode(q_latent, q_pe[rows], kv_cache, meta.block_table[picked],
                                       meta.seq_lens[picked], scale=self.scale, k_scale=self.k_scale,
-                                      num_kv_splits=self.decode_kv_splits, config=self.kernel_config)  # [D, N, L]
+                                      num_kv_splits=self.decode_kv_splits, config=self.kernel_config,
+                                      host_metadata=host)  # [D, N, L]
         out[rows] = absorb_output(o_latent, w_uv).to(out.dtype)                           # [D, N, V]
 
     def _prefill(self, i: int, starts: list[int], q_nope, q_pe, kv_cache, meta: AttentionMetadata,

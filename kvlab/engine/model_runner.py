@@ -51,18 +51,21 @@ def prepare_inputs(
             slots += compute_slot_mapping(table, block_size, step_positions)
         seq_lens.append(s.num_computed_tokens + s.num_tokens)
         query_start_loc.append(query_start_loc[-1] + s.num_tokens)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)  # [num_seqs]
-    query_start_loc_t = torch.tensor(query_start_loc, dtype=torch.int32, device=device)  # [num_seqs + 1]
+    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)  # [num_seqs], kept on the host for the checks
+    query_start_loc_cpu = torch.tensor(query_start_loc, dtype=torch.int32)  # [num_seqs + 1]
+    seq_lens_t, query_start_loc_t = seq_lens_cpu.to(device), query_start_loc_cpu.to(device)
     metadata = []
     for g, slots in enumerate(slot_mappings):
         tables = [s.block_tables[g] for s in scheduler_output.scheduled]
         width = max(len(t) for t in tables)
+        table_cpu = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables],
+                                 dtype=torch.int32)  # [num_seqs, max_blocks_per_seq]
         metadata.append(AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),  # [num_tokens]
-            block_table=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                     device=device),  # [num_seqs, max_blocks_per_seq]
+            block_table=table_cpu.to(device),
             seq_lens=seq_lens_t,
             query_start_loc=query_start_loc_t,
+            host=kernels.HostMetadata(seq_lens_cpu, table_cpu, query_start_loc_cpu),
         ))
     input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)  # [num_tokens]
     positions_t = torch.tensor(positions, dtype=torch.int64, device=device)  # [num_tokens]
