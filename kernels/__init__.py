@@ -25,7 +25,12 @@
   is where that backend wants its tensors: ``"cuda"`` for native Triton, ``"cpu"`` otherwise.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (vLLM V1's flash layout); index
-tensors may be int32 or int64. Importing this package sets Triton up (``TRITON_INTERPRET=1`` when
+tensors may be int32 or int64. ``HostMetadata`` carries the index tensors' host copies (vLLM's
+``CommonAttentionMetadata.*_cpu``): given it, ``paged_attention`` and ``mla_decode`` check their
+inputs without reading the device (no synchronisation; CUDA-graph friendly). An ``out`` or a cache
+that overlaps itself or shares memory with another argument is refused.
+
+Importing this package sets Triton up (``TRITON_INTERPRET=1`` when
 there is no GPU) and then imports the kernel modules, before anything else can decorate them.
 
 The kernels live in ``attention.py`` (so the function ``kvlab.kernels.paged_attention`` shadows

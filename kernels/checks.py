@@ -7,8 +7,9 @@ the torch reference alike) first passes its tensors through here. A failed check
 
 The checks need the values of three small integer tensors (``seq_lens``, ``query_start_loc``,
 ``block_table``). vLLM's runner builds them on the host and keeps the host copies beside the device
-ones (``CommonAttentionMetadata.query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``, its block
-table's CPU buffer); ``HostMetadata`` is kvlab's version. Given one, the checks read only host
+ones (``CommonAttentionMetadata.query_start_loc_cpu`` and ``seq_lens_cpu_upper_bound`` in
+``vllm/v1/attention/backend.py``; the block table's ``CpuGpuBuffer`` in ``vllm/v1/worker/block_table.py``);
+``HostMetadata`` is kvlab's version. Given one, the checks read only host
 memory and the device tensors' shapes and strides: no device-to-host synchronisation, so a call
 can be captured in a CUDA graph. Without one, the wrapper copies the three to the host in one
 transfer (one synchronisation on a GPU, none on the CPU). ``AttentionBatch`` is what the checks

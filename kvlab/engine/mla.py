@@ -70,7 +70,8 @@ class MLAAttention(torch.nn.Module):
         w_uk, w_uv = split_kv_b_proj(kv_b_weight, d.num_heads, d.qk_nope_head_dim, d.v_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         out = q.new_empty(q.shape[0], d.num_heads, d.v_head_dim)
-        starts = attn_metadata.query_start_loc.tolist()
+        host = attn_metadata.host                                # the host copies: reading them costs no sync
+        starts = (attn_metadata.query_start_loc if host is None else host.query_start_loc_cpu).tolist()
         decodes = [i for i in range(attn_metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
         if decodes:
             self._decode(decodes, starts, q_nope, q_pe, kv_cache, attn_metadata, w_uk, w_uv, out)
