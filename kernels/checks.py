@@ -320,7 +320,7 @@ class PagedTensors:
         return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.query_start_loc)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class HostMetadata:
     """A batch's index tensors as the host built them, before the copy to the device (vLLM's ``*_cpu`` fields).
 
