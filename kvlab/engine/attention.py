@@ -44,8 +44,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks_per_seq]: physical block ids, in logical order
     seq_lens: torch.Tensor  # [num_seqs]: tokens each request attends to, this step's included
     query_start_loc: torch.Tensor  # [num_seqs + 1]: prefix sums of the per-request query lengths
-    #: The host copies of the three index tensors (vLLM's ``*_cpu`` fields): the kernels check these
-    #: and never read the device ones back, so a step costs no device-to-host synchronisation.
+    #: The host copies of the three index tensors (vLLM's ``*_cpu`` fields): the attention checks read
+    #: these, never the device ones, so they cost no device-to-host synchronisation (the cache write
+    #: still reads ``slot_mapping``'s values for its own checks).
     host: kernels.HostMetadata | None = None
 
     @property
