@@ -89,15 +89,19 @@ if backend() != TORCH_REFERENCE:
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                      slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Write token ``t``'s K and V ``[num_tokens, num_kv_heads, head_size]`` into slot ``slot_mapping[t]``.
 
     Slot ``s`` is ``cache[s // block_size, s % block_size]``; -1 is padding and is skipped. An FP8
-    (e4m3) cache stores ``value / scale``. Runs the Triton kernel, or the reference on ``torch-reference``.
+    (e4m3) cache stores ``value / scale``. ``slot_mapping_cpu``, the slots' host copy, spares the
+    checks a device read. Runs the Triton kernel, or the reference on ``torch-reference``.
     """
     if backend() == TORCH_REFERENCE:
-        return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    return reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                     slot_mapping_cpu)
+    return reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                    slot_mapping_cpu)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -127,15 +131,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, k_scale: float = 1.0) -> None:
+                         slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                         slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Write token ``t``'s ``c_kv [num_tokens, kv_lora_rank]`` and ``k_pe [num_tokens, rope_dim]`` into one slot.
 
     Slot ``s`` is ``kv_cache[s // block_size, s % block_size]``, ``c_kv`` first; -1 is padding and is
     skipped. An FP8 cache stores ``x / k_scale``. Runs the Triton kernel, or the reference on ``torch-reference``.
     """
     if backend() == TORCH_REFERENCE:
-        return concat_and_cache_mla_ref(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
-    return concat_and_cache_mla_triton(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
+        return concat_and_cache_mla_ref(kv_c, k_pe, kv_cache, slot_mapping, k_scale, slot_mapping_cpu)
+    return concat_and_cache_mla_triton(kv_c, k_pe, kv_cache, slot_mapping, k_scale, slot_mapping_cpu)
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

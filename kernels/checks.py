@@ -206,14 +206,29 @@ def check_kernel_device(backend_name: str, device: torch.device) -> None:
         )
 
 
-def check_slot_mapping(slot_mapping: object, num_tokens: int, num_blocks: int, block_size: int) -> None:
-    """One slot per token, each in ``[0, num_blocks * block_size)`` or -1 (padding), no slot twice."""
+def check_slot_mapping(slot_mapping: object, num_tokens: int, num_blocks: int, block_size: int,
+                       slot_mapping_cpu: object = None) -> None:
+    """One slot per token, each in ``[0, num_blocks * block_size)`` or -1 (padding), no slot twice.
+
+    The values are read from ``slot_mapping_cpu`` (its host copy: no synchronisation) when given,
+    else from one host copy of ``slot_mapping`` (none needed on the CPU).
+    """
     check_index_tensor("slot_mapping", slot_mapping, 1, "[num_tokens]")
     if slot_mapping.shape[0] != num_tokens:
         raise KernelInputError(
             f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens: one slot per token "
             "(-1 for a padding token)"
         )
+    if slot_mapping_cpu is not None:
+        check_index_tensor("slot_mapping_cpu", slot_mapping_cpu, 1, "[num_tokens]")
+        if slot_mapping_cpu.device.type != "cpu" or slot_mapping_cpu.shape != slot_mapping.shape:
+            raise KernelInputError(
+                f"slot_mapping_cpu must be a CPU tensor shaped as slot_mapping, {tuple(slot_mapping.shape)}; got "
+                f"{tuple(slot_mapping_cpu.shape)} on {slot_mapping_cpu.device}"
+            )
+        slot_mapping = slot_mapping_cpu
+    elif slot_mapping.device.type != "cpu":
+        slot_mapping = slot_mapping.cpu()                          # the one synchronisation
     num_slots = num_blocks * block_size
     outside = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()
     if len(outside):
@@ -271,8 +286,9 @@ class CacheWrite:
     v_scale: float
 
 
-def check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> CacheWrite:
-    """Validate ``reshape_and_cache``'s arguments; return their sizes."""
+def check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0,
+                      slot_mapping_cpu=None) -> CacheWrite:
+    """Validate ``reshape_and_cache``'s arguments; return their sizes (``slot_mapping_cpu``: ``check_slot_mapping``)."""
     layout = "[num_tokens, num_kv_heads, head_size]"
     check_ndim("key", key, 3, layout)
     check_ndim("value", value, 3, layout)
@@ -294,7 +310,7 @@ def check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale=
             f"key is [num_tokens, {num_kv_heads}, {head_size}] but key_cache holds "
             f"[.., .., {cache_heads}, {cache_head_size}]: num_kv_heads and head_size must agree"
         )
-    check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
+    check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size, slot_mapping_cpu)
     check_no_aliasing(dict(key_cache=key_cache, value_cache=value_cache),
                       dict(key=key, value=value, slot_mapping=slot_mapping))
     ks, vs = check_kv_scales(key_cache.dtype, k_scale, v_scale)

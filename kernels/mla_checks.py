@@ -74,7 +74,7 @@ class MLACacheWrite:
     k_scale: float
 
 
-def check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale=1.0) -> MLACacheWrite:
+def check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale=1.0, slot_mapping_cpu=None) -> MLACacheWrite:
     """Validate ``concat_and_cache_mla``'s arguments; return their sizes."""
     check_ndim("kv_c", kv_c, 2, "[num_tokens, kv_lora_rank]")
     check_ndim("k_pe", k_pe, 2, "[num_tokens, qk_rope_head_dim]")
@@ -89,7 +89,7 @@ def check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale=1.0) 
         raise KernelInputError(f"kv_lora_rank = {rank} and qk_rope_head_dim = {rope_dim} must both be at least 1")
     check_mla_cache(kv_cache, kv_c.dtype, rank + rope_dim)
     num_blocks, block_size, _ = kv_cache.shape
-    check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
+    check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size, slot_mapping_cpu)
     check_same_device(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
     check_no_aliasing(dict(kv_cache=kv_cache), dict(kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping))
     scale, _ = check_kv_scales(kv_cache.dtype, k_scale, 1.0)

@@ -18,9 +18,10 @@ from kvlab.kernels.reference import gather_kv
 
 
 def concat_and_cache_mla_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                             slot_mapping: torch.Tensor, k_scale: float = 1.0) -> None:
+                             slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                             slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Write token ``t``'s ``[c_kv, k_pe]`` into slot ``slot_mapping[t]`` (skipped when -1); FP8 stores x / k_scale."""
-    w = check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
+    w = check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale, slot_mapping_cpu)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)                     # [num_written, L + R]

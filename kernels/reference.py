@@ -47,9 +47,10 @@ def compute_slot_mapping(block_table: torch.Tensor, seq_lens: torch.Tensor,
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                          k_scale: float = 1.0, v_scale: float = 1.0,
+                          slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Write token ``t``'s K and V into slot ``slot_mapping[t]`` (skipped when -1); FP8 stores value / scale."""
-    w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, slot_mapping_cpu)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // w.block_size, slots % w.block_size

@@ -10,11 +10,14 @@ import torch
 from kvlab.kernels import (
     HostMetadata,
     check_attention,
+    check_cache_write,
+    check_concat_and_cache_mla,
     check_mla_decode,
     paged_attention,
     paged_attention_ref,
     paged_attention_torch,
     plan_launch,
+    reshape_and_cache,
 )
 from kvlab.kernels.batches import make_batch
 
@@ -110,3 +113,18 @@ def test_host_metadata_that_cannot_stand_for_the_device_tensors_is_refused(meta,
     b = batch()
     with pytest.raises(KernelInputError, match=message):
         check_attention(*b.args(), host_metadata=meta(b) if callable(meta) else meta)
+
+
+def test_the_cache_writes_check_their_slots_from_the_host_copy():
+    key, caches = torch.randn(3, 2, 16), [torch.zeros(4, 8, 2, 16) for _ in range(2)]
+    slots = torch.tensor([1, 5, 30])
+    checked = check_cache_write(*map(device_only, (key, key + 1, *caches, slots)), slot_mapping_cpu=slots.clone())
+    assert checked.num_tokens == 3
+    mla = (torch.randn(3, 32), torch.randn(3, 8), torch.zeros(4, 8, 40), slots)
+    latent = check_concat_and_cache_mla(*map(device_only, mla), slot_mapping_cpu=slots.clone())
+    assert latent.num_tokens == 3
+    with pytest.raises(AssertionError, match="read a device tensor"):
+        check_cache_write(*map(device_only, (key, key + 1, *caches, slots)))
+    with pytest.raises(KernelInputError, match="slot_mapping names slot 5 more than once"):
+        reshape_and_cache(key, key, *caches, slots, slot_mapping_cpu=torch.tensor([1, 5, 5]))
+    assert not caches[0].any(), "a refused write writes nothing"

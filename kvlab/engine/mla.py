@@ -66,7 +66,8 @@ class MLAAttention(torch.nn.Module):
         kv_b_weight: torch.Tensor,  # kv_b_proj.weight [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         d = self.dims
-        kernels.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, attn_metadata.slot_mapping, k_scale=self.k_scale)
+        kernels.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, attn_metadata.slot_mapping, k_scale=self.k_scale,
+                                     slot_mapping_cpu=attn_metadata.slot_mapping_cpu)
         w_uk, w_uv = split_kv_b_proj(kv_b_weight, d.num_heads, d.qk_nope_head_dim, d.v_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         out = q.new_empty(q.shape[0], d.num_heads, d.v_head_dim)

@@ -60,12 +60,14 @@ def prepare_inputs(
         width = max(len(t) for t in tables)
         table_cpu = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables],
                                  dtype=torch.int32)  # [num_seqs, max_blocks_per_seq]
+        slots_cpu = torch.tensor(slots, dtype=torch.int64)  # [num_tokens]
         metadata.append(AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),  # [num_tokens]
+            slot_mapping=slots_cpu.to(device),
             block_table=table_cpu.to(device),
             seq_lens=seq_lens_t,
             query_start_loc=query_start_loc_t,
             host=kernels.HostMetadata(seq_lens_cpu, table_cpu, query_start_loc_cpu),
+            slot_mapping_cpu=slots_cpu,
         ))
     input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)  # [num_tokens]
     positions_t = torch.tensor(positions, dtype=torch.int64, device=device)  # [num_tokens]
