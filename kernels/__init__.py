@@ -25,7 +25,12 @@
   is where that backend wants its tensors: ``"cuda"`` for native Triton, ``"cpu"`` otherwise.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (vLLM V1's flash layout); index
-tensors may be int32 or int64. Importing this package sets Triton up (``TRITON_INTERPRET=1`` when
+tensors may be int32 or int64. ``HostMetadata`` carries the index tensors' host copies (vLLM's
+``CommonAttentionMetadata.*_cpu``): given it, ``paged_attention`` and ``mla_decode`` check their
+inputs without reading the device (no synchronisation; CUDA-graph friendly). An ``out`` or a cache
+that overlaps itself or shares memory with another argument is refused.
+
+Importing this package sets Triton up (``TRITON_INTERPRET=1`` when
 there is no GPU) and then imports the kernel modules, before anything else can decorate them.
 
 The kernels live in ``attention.py`` (so the function ``kvlab.kernels.paged_attention`` shadows
@@ -50,7 +55,13 @@ from kvlab.kernels._backend import (
     describe_backend,
     device_for,
 )
-from kvlab.kernels.checks import AttentionBatch, check_attention, check_cache_write, check_kernel_device
+from kvlab.kernels.checks import (
+    AttentionBatch,
+    HostMetadata,
+    check_attention,
+    check_cache_write,
+    check_kernel_device,
+)
 from kvlab.kernels.fp8 import E4M3_MAX, calibrated_scale, dequantize_fp8, quantize_fp8
 from kvlab.kernels.grid import KernelConfig, LaunchPlan, choose_config, choose_num_kv_splits, plan_launch
 from kvlab.kernels.layouts import from_legacy_layout, legacy_x, to_legacy_layout
@@ -78,22 +89,27 @@ if backend() != TORCH_REFERENCE:
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                      slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Write token ``t``'s K and V ``[num_tokens, num_kv_heads, head_size]`` into slot ``slot_mapping[t]``.
 
     Slot ``s`` is ``cache[s // block_size, s % block_size]``; -1 is padding and is skipped. An FP8
-    (e4m3) cache stores ``value / scale``. Runs the Triton kernel, or the reference on ``torch-reference``.
+    (e4m3) cache stores ``value / scale``. ``slot_mapping_cpu``, the slots' host copy, spares the
+    checks a device read. Runs the Triton kernel, or the reference on ``torch-reference``.
     """
     if backend() == TORCH_REFERENCE:
-        return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    return reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                     slot_mapping_cpu)
+    return reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                    slot_mapping_cpu)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                     scale: float | None = None, causal: bool = True, k_scale: float = 1.0, v_scale: float = 1.0,
                     num_kv_splits: int | None = None, out: torch.Tensor | None = None,
-                    config: KernelConfig | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                    config: KernelConfig | None = None, sliding_window: int | None = None,
+                    host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Varlen paged attention for a batch mixing prefill chunks and decode steps.
 
     ``query`` is ``[num_tokens, num_q_heads, head_size]``; sequence ``i``'s query tokens are
@@ -104,30 +120,33 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     given, is written in place; ``config`` overrides the tile sizes. ``sliding_window`` W (causal
     only; vLLM 0.33.0's and transformers' convention) lets the query at position ``q`` see keys
     ``q - W + 1 .. q`` only, W keys itself included; tiles wholly outside are not read.
-    Returns ``[num_tokens, Hq, D]``.
+    ``host_metadata`` (the index tensors' host copies) lets the checks run without reading the
+    device: no synchronisation. Returns ``[num_tokens, Hq, D]``.
     """
     kwargs = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
-                  config=config, sliding_window=sliding_window)
+                  config=config, sliding_window=sliding_window, host_metadata=host_metadata)
     if backend() == TORCH_REFERENCE:
         return paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
     return paged_attention_triton(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, k_scale: float = 1.0) -> None:
+                         slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                         slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Write token ``t``'s ``c_kv [num_tokens, kv_lora_rank]`` and ``k_pe [num_tokens, rope_dim]`` into one slot.
 
     Slot ``s`` is ``kv_cache[s // block_size, s % block_size]``, ``c_kv`` first; -1 is padding and is
     skipped. An FP8 cache stores ``x / k_scale``. Runs the Triton kernel, or the reference on ``torch-reference``.
     """
     if backend() == TORCH_REFERENCE:
-        return concat_and_cache_mla_ref(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
-    return concat_and_cache_mla_triton(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
+        return concat_and_cache_mla_ref(kv_c, k_pe, kv_cache, slot_mapping, k_scale, slot_mapping_cpu)
+    return concat_and_cache_mla_triton(kv_c, k_pe, kv_cache, slot_mapping, k_scale, slot_mapping_cpu)
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, *, scale: float, k_scale: float = 1.0, num_kv_splits: int | None = None,
-               out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: KernelConfig | None = None,
+               host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """One decode token per sequence attends over its latents: ``[num_seqs, num_heads, kv_lora_rank]``.
 
     ``q_latent [num_seqs, num_heads, kv_lora_rank]`` is the query with ``W_UK`` absorbed, ``q_pe``
@@ -136,7 +155,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     depends on ``qk_nope_head_dim``, which these shapes do not show). ``config.block_m`` sets the
     heads per program; ``num_kv_splits`` (default: chosen) splits each sequence's latents.
     """
-    kwargs = dict(scale=scale, k_scale=k_scale, num_kv_splits=num_kv_splits, out=out)
+    kwargs = dict(scale=scale, k_scale=k_scale, num_kv_splits=num_kv_splits, out=out, host_metadata=host_metadata)
     if backend() == TORCH_REFERENCE:
         return mla_decode_ref(q_latent, q_pe, kv_cache, block_table, seq_lens, **kwargs)
     return mla_decode_triton(q_latent, q_pe, kv_cache, block_table, seq_lens, config=config, **kwargs)
@@ -181,6 +200,7 @@ __all__ = [
     "AttentionBatch",
     "BatchSpec",
     "CudaThreadLayout",
+    "HostMetadata",
     "KernelConfig",
     "KernelReport",
     "LaunchPlan",

@@ -6,8 +6,10 @@ block table with an online softmax (``online_softmax_update``). With ``NUM_SPLIT
 program covers one range of the key tiles and writes an unnormalised partial result; then
 ``reduce_splits_kernel`` merges the ranges (split-KV, also called flash-decoding). With
 ``SLIDING_WINDOW`` W a query at position q sees keys q - W + 1 .. q, and a program skips the tiles
-that lie wholly before its first query's window. The grid and the index arithmetic are described,
-and mirrored in Python, in ``kvlab.kernels.grid``.
+that lie wholly before its first query's window. Only the tiles that cross the diagonal or the
+window edge are masked; the rest are visible to every row and skip the mask. Scores are kept in
+base 2 (log2(e) folded into the scale on the host), so every exponential is an ``exp2``. The grid
+and the index arithmetic are described, and mirrored in Python, in ``kvlab.kernels.grid``.
 
 Modelled on vLLM's Triton backend (``vllm/v1/attention/ops/triton_unified_attention.py``:
 ``kernel_unified_attention_2d/3d``, ``reduce_segments``), written again here to be read.
@@ -22,13 +24,16 @@ from typing import Any
 
 import torch
 from kvlab.kernels._backend import TRITON_INTERPRETER, backend, require_triton
-from kvlab.kernels.checks import AttentionBatch, check_attention, check_kernel_device
+from kvlab.kernels.checks import AttentionBatch, HostMetadata, check_attention, check_kernel_device
 from kvlab.kernels.grid import KernelConfig, LaunchPlan, next_power_of_2, plan_launch
 
 require_triton()  # sets TRITON_INTERPRET (or not) before the decorators below run
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+#: log2(e): the kernels compute e**s as 2**(s * log2(e)) and fold the factor into the softmax scale.
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -55,18 +60,24 @@ def dot(a, b):
 
 
 @triton.jit
-def online_softmax_update(m_i, l_i, acc, scores, v):
+def online_softmax_update(m_i, l_i, acc, scores, v, BASE2: tl.constexpr = False):
     """Fold one key tile into the running softmax of each row.
 
     ``m_i`` [M] is the largest score seen so far, ``l_i`` [M] the sum of ``exp(score - m_i)``,
     ``acc`` [M, D] the sum of ``exp(score - m_i) * v``; ``scores`` [M, N] (-inf where masked) and
     ``v`` [N, D] are the new tile. When the maximum grows, what was summed so far is rescaled by
     ``alpha = exp(m_old - m_new)``. A row that has seen no key yet keeps m = -inf, l = 0, acc = 0.
+    With ``BASE2`` the scores come in base 2 (the caller folded log2(e) into the softmax scale) and
+    ``exp`` is ``exp2``, one instruction on a GPU: ``2**(s * log2(e)) = e**s``, so l and acc are the same.
     """
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))               # [M]
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)          # avoid -inf - -inf = nan
-    alpha = tl.exp(m_i - m_ref)                                    # [M]  exp(-inf) = 0 on the first tile
-    p = tl.exp(scores - m_ref[:, None])                            # [M, N]
+    if BASE2:
+        alpha = tl.exp2(m_i - m_ref)                               # [M]  exp2(-inf) = 0 on the first tile
+        p = tl.exp2(scores - m_ref[:, None])                       # [M, N]
+    else:
+        alpha = tl.exp(m_i - m_ref)                                # [M]  exp(-inf) = 0 on the first tile
+        p = tl.exp(scores - m_ref[:, None])                        # [M, N]
     l_new = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)             # [M, D]
     return m_new, l_new, acc
@@ -85,7 +96,7 @@ def paged_attention_kernel(
     block_table_ptr,    # [num_seqs, max_blocks_per_seq] physical block ids
     seq_lens_ptr,       # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
-    scale,              # float: the softmax scale (1/sqrt(head_size) unless the model says otherwise)
+    scale,              # float: the softmax scale (1/sqrt(head_size) unless the model says otherwise) x log2(e)
     k_scale, v_scale,   # float: an FP8 cache holds x / scale, so loads multiply by these (1.0 otherwise)
     num_seqs,           # int: sequences in the batch (the binary search's range)
     stride_q_tok, stride_q_head,                  # query: elements between tokens, between heads
@@ -138,6 +149,12 @@ def paged_attention_kernel(
     first_key = tl.maximum(q_first - SLIDING_WINDOW + 1, 0) if SLIDING_WINDOW > 0 else 0
     tile_start = first_key // TILE_N
     num_tiles = tl.cdiv(kv_len, TILE_N)
+    # Tiles [full_lo, full_hi) are visible to every row of the block: wholly at or before its first
+    # query (causal) and at or after its last query's window start. Only the tiles that cross the
+    # diagonal or the window edge are masked (as the stages of Triton's fused-attention tutorial).
+    q_last = tl.minimum(q_first + BLOCK_Q, seq_len) - 1
+    full_lo = tl.cdiv(tl.maximum(q_last - SLIDING_WINDOW + 1, 0), TILE_N) if SLIDING_WINDOW > 0 else 0
+    full_hi = (q_first + 1) // TILE_N if CAUSAL else kv_len // TILE_N
 
     # 4. This split's range of those tiles (one range of all of them when NUM_SPLITS == 1).
     tiles_per_split = tl.cdiv(num_tiles - tile_start, NUM_SPLITS)
@@ -165,14 +182,15 @@ def paged_attention_kernel(
         k = k.to(COMPUTE_DTYPE)
         v = v.to(COMPUTE_DTYPE)
 
-        scores = dot(q, tl.trans(k)) * scale                                   # [BLOCK_M, TILE_N]
-        visible = row_ok[:, None] & key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (key_pos[None, :] <= q_abs[:, None])
-        if SLIDING_WINDOW > 0:                                                 # keys q - W + 1 .. q
-            visible = visible & (q_abs[:, None] - key_pos[None, :] < SLIDING_WINDOW)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v)
+        scores = dot(q, tl.trans(k)) * scale                       # [BLOCK_M, TILE_N], base 2
+        if (tile < full_lo) | (tile >= full_hi):                   # a tile on the diagonal or the window edge
+            visible = row_ok[:, None] & key_ok[None, :]
+            if CAUSAL:
+                visible = visible & (key_pos[None, :] <= q_abs[:, None])
+            if SLIDING_WINDOW > 0:                                             # keys q - W + 1 .. q
+                visible = visible & (q_abs[:, None] - key_pos[None, :] < SLIDING_WINDOW)
+            scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, v, BASE2=True)
 
         if TRACE:  # record the (physical block, offset) of every key read (tests, notebook)
             program = (q_block_global * NUM_KV_HEADS + kv_head) * NUM_SPLITS + split
@@ -203,7 +221,10 @@ def reduce_splits_kernel(
     NUM_Q_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    """One program per (token, query head): merge the split partials with their log-sum-exp weights."""
+    """One program per (token, query head): merge the split partials with their log-sum-exp weights.
+
+    The partials' maxima are in base 2 (both kernels fold log2(e) into their scale), so the weights are ``exp2``.
+    """
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -215,7 +236,7 @@ def reduce_splits_kernel(
     acc = tl.load(split_acc_ptr + row[:, None] * HEAD_PAD + dims[None, :],
                   mask=split_ok[:, None], other=0.0)                           # [SPLITS_PAD, HEAD_PAD]
     m_all = tl.max(m, axis=0)              # finite: some split holds the row's own position, which it sees
-    weight = tl.exp(m - m_all)             # [SPLITS_PAD]; 0 for an empty split (m = -inf)
+    weight = tl.exp2(m - m_all)            # [SPLITS_PAD]; 0 for an empty split (m = -inf)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
@@ -270,7 +291,7 @@ def launch(plan: LaunchPlan, query, key_cache, value_cache, block_table, seq_len
     paged_attention_kernel[plan.grid](
         out, split_acc, split_max, split_sum, trace if trace is not None else out,
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        b.scale, b.k_scale, b.v_scale, b.num_seqs,
+        b.scale * LOG2E, b.k_scale, b.v_scale, b.num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -291,11 +312,12 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            scale: float | None = None, causal: bool = True, k_scale: float = 1.0,
                            v_scale: float = 1.0, num_kv_splits: int | None = None,
                            out: torch.Tensor | None = None, config: KernelConfig | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None,
+                           host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Check the inputs, plan the launch, run the Triton kernels; returns ``out`` ``[num_tokens, Hq, D]``."""
     batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
                             causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, host_metadata=host_metadata)
     check_kernel_device(backend(), query.device)
     plan = plan_launch(batch, num_kv_splits, config, num_sms(query.device))
     out = torch.empty_like(query) if out is None else out

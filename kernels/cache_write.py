@@ -95,9 +95,10 @@ def reshape_and_cache_kernel(
 
 def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                              value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                             k_scale: float = 1.0, v_scale: float = 1.0,
+                             slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Check the inputs, then write every non-padding token's K and V into its slot (in place)."""
-    w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, slot_mapping_cpu)
     check_kernel_device(backend(), key.device)
     if w.num_tokens == 0:
         return

@@ -22,6 +22,7 @@ trace switched on and check that it read the same (physical block, offset) pairs
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 from kvlab.kernels.checks import AttentionBatch, cdiv
@@ -51,10 +52,21 @@ class KernelConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
+        for name in ("block_q", "block_m", "tile_n", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise KernelInputError(f"KernelConfig.{name} must be an int, got {value!r}")
         for name in ("block_q", "block_m", "tile_n"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise KernelInputError(f"KernelConfig.{name} must be a power of two, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise KernelInputError(
+                f"KernelConfig.num_warps must be a power of two from 1 to 32 (a GPU block holds at most 1024 "
+                f"threads), got {self.num_warps}"
+            )
+        if self.num_stages < 1:
+            raise KernelInputError(f"KernelConfig.num_stages must be at least 1, got {self.num_stages}")
         if self.block_m < 16 or self.tile_n < 16:
             raise KernelInputError(
                 f"KernelConfig needs block_m >= 16 and tile_n >= 16 (tl.dot's minimum on a GPU), "

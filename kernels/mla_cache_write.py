@@ -57,9 +57,10 @@ def concat_and_cache_mla_kernel(
 
 
 def concat_and_cache_mla_triton(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                                slot_mapping: torch.Tensor, k_scale: float = 1.0) -> None:
+                                slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                                slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Check the inputs, then write every non-padding token's ``[c_kv, k_pe]`` into its slot (in place)."""
-    w = check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
+    w = check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale, slot_mapping_cpu)
     check_kernel_device(backend(), kv_c.device)
     if w.num_tokens == 0:
         return

@@ -17,12 +17,15 @@ import numbers
 import torch
 from kvlab.kernels.checks import (
     FP8_DTYPE,
+    HostMetadata,
     _name,
     check_block_table,
     check_float_activations,
+    check_host_metadata,
     check_index_tensor,
     check_kv_scales,
     check_ndim,
+    check_no_aliasing,
     check_num_kv_splits,
     check_out,
     check_same_device,
@@ -71,7 +74,7 @@ class MLACacheWrite:
     k_scale: float
 
 
-def check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale=1.0) -> MLACacheWrite:
+def check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale=1.0, slot_mapping_cpu=None) -> MLACacheWrite:
     """Validate ``concat_and_cache_mla``'s arguments; return their sizes."""
     check_ndim("kv_c", kv_c, 2, "[num_tokens, kv_lora_rank]")
     check_ndim("k_pe", k_pe, 2, "[num_tokens, qk_rope_head_dim]")
@@ -86,8 +89,9 @@ def check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale=1.0) 
         raise KernelInputError(f"kv_lora_rank = {rank} and qk_rope_head_dim = {rope_dim} must both be at least 1")
     check_mla_cache(kv_cache, kv_c.dtype, rank + rope_dim)
     num_blocks, block_size, _ = kv_cache.shape
-    check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size)
+    check_slot_mapping(slot_mapping, num_tokens, num_blocks, block_size, slot_mapping_cpu)
     check_same_device(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    check_no_aliasing(dict(kv_cache=kv_cache), dict(kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping))
     scale, _ = check_kv_scales(kv_cache.dtype, k_scale, 1.0)
     return MLACacheWrite(num_tokens, rank, rope_dim, num_blocks, block_size, kv_cache.dtype == FP8_DTYPE, scale)
 
@@ -139,8 +143,12 @@ def _check_queries(q_latent: object, q_pe: object) -> tuple[int, int, int, int]:
 
 
 def check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale, k_scale=1.0, num_kv_splits=None,
-                     out=None) -> MLADecodeBatch:
-    """Validate ``mla_decode``'s arguments; return the batch as host-side numbers."""
+                     out=None, host_metadata=None) -> MLADecodeBatch:
+    """Validate ``mla_decode``'s arguments; return the batch as host-side numbers.
+
+    ``host_metadata`` (``seq_lens_cpu``, ``block_table_cpu``): read instead of the device tensors, as in
+    ``check_attention``, so nothing is synchronised.
+    """
     num_seqs, num_heads, rank, rope_dim = _check_queries(q_latent, q_pe)
     check_mla_cache(kv_cache, q_latent.dtype, rank + rope_dim)
     check_index_tensor("block_table", block_table, 2, "[num_seqs, max_blocks_per_seq]")
@@ -151,7 +159,9 @@ def check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale, 
             f"the queries are for {num_seqs} sequences, but seq_lens has {seq_lens.shape[0]} entries and "
             f"block_table {block_table.shape[0]} rows: one of each per sequence"
         )
-    lens = seq_lens.tolist()
+    host = (HostMetadata.from_device(seq_lens, block_table) if host_metadata is None
+            else check_host_metadata(host_metadata, seq_lens, block_table))
+    lens = host.seq_lens_cpu.tolist()
     short = [i for i, n in enumerate(lens) if n < 1]
     if short:
         raise KernelInputError(
@@ -159,14 +169,15 @@ def check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, *, scale, 
             "whose latent is written before attention"
         )
     num_blocks, block_size, _ = kv_cache.shape
-    check_block_table(block_table, seq_lens, lens, block_size, num_blocks)
+    check_block_table(host.block_table_cpu, host.seq_lens_cpu, lens, block_size, num_blocks)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         raise KernelInputError(
             f"scale must be a finite number > 0 (1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's "
             f"mscale squared where the model uses it), got {scale!r}"
         )
     check_num_kv_splits(num_kv_splits)
-    check_out(out, "q_latent", q_latent, "[num_seqs, num_heads, kv_lora_rank]")
+    check_out(out, "q_latent", q_latent, "[num_seqs, num_heads, kv_lora_rank]",
+              dict(q_latent=q_latent, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens))
     ks, _ = check_kv_scales(kv_cache.dtype, k_scale, 1.0)
     return MLADecodeBatch(num_seqs, num_heads, rank, rope_dim, num_blocks, block_size, tuple(lens),
                           kv_cache.dtype == FP8_DTYPE, float(scale), ks)

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 from kvlab.kernels._backend import backend, require_triton
-from kvlab.kernels.attention import compute_dtype, dot, num_sms, online_softmax_update, reduce_splits_kernel
-from kvlab.kernels.checks import check_kernel_device
+from kvlab.kernels.attention import LOG2E, compute_dtype, dot, num_sms, online_softmax_update, reduce_splits_kernel
+from kvlab.kernels.checks import HostMetadata, check_kernel_device
 from kvlab.kernels.grid import KernelConfig, next_power_of_2
 from kvlab.kernels.mla_checks import check_mla_decode
 from kvlab.kernels.mla_grid import MLADecodePlan, plan_mla_decode
@@ -51,7 +51,7 @@ def mla_decode_kernel(
     kv_cache_ptr,       # [num_blocks, BLOCK_SIZE, KV_LORA_RANK + ROPE_DIM]  c_kv then k_pe, per slot
     block_table_ptr,    # [num_seqs, max_blocks_per_seq] physical block ids
     seq_lens_ptr,       # [num_seqs] latents each sequence attends to (this step's own included)
-    scale,              # softmax scale: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x YaRN mscale^2)
+    scale,              # softmax scale: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (x YaRN mscale^2) x log2(e)
     k_scale,            # FP8 cache only: stored * k_scale is the latent
     stride_ql_seq, stride_ql_head, stride_qpe_seq, stride_qpe_head, stride_o_seq, stride_o_head,
     stride_c_blk, stride_c_slot, stride_bt_seq,
@@ -109,7 +109,7 @@ def mla_decode_kernel(
         scores = (dot(q_lat, tl.trans(c_kv)) + dot(q_pe, tl.trans(k_pe))) * scale   # [BLOCK_H, TILE_N]
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
         # 7. Online softmax, with the same c_kv tile as the values: no V is stored or read.
-        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, c_kv)
+        m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, scores, c_kv, BASE2=True)
 
     # 8. The output, still in latent space (or this split's unnormalised partial).
     out_mask = head_ok[:, None] & lat_ok[None, :]
@@ -149,7 +149,8 @@ def launch_mla_decode(plan: MLADecodePlan, q_latent, q_pe, kv_cache, block_table
     else:
         split_acc = split_max = split_sum = out          # never touched: NUM_SPLITS == 1
     mla_decode_kernel[plan.grid](
-        out, split_acc, split_max, split_sum, q_latent, q_pe, kv_cache, block_table, seq_lens, b.scale, b.k_scale,
+        out, split_acc, split_max, split_sum, q_latent, q_pe, kv_cache, block_table, seq_lens,
+        b.scale * LOG2E, b.k_scale,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         **constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -165,10 +166,11 @@ def launch_mla_decode(plan: MLADecodePlan, q_latent, q_pe, kv_cache, block_table
 
 def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, *, scale: float, k_scale: float = 1.0, num_kv_splits: int | None = None,
-                      out: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, config: KernelConfig | None = None,
+                      host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Check the inputs, plan the launch, run the Triton kernels; returns ``out`` ``[num_seqs, num_heads, L]``."""
     batch = check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=scale, k_scale=k_scale,
-                             num_kv_splits=num_kv_splits, out=out)
+                             num_kv_splits=num_kv_splits, out=out, host_metadata=host_metadata)
     check_kernel_device(backend(), q_latent.device)
     plan = plan_mla_decode(batch, num_kv_splits, config, num_sms(q_latent.device))
     out = torch.empty_like(q_latent) if out is None else out

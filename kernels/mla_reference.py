@@ -10,6 +10,7 @@ these are what runs when Triton is not installed.
 from __future__ import annotations
 
 import torch
+from kvlab.kernels.checks import HostMetadata
 from kvlab.kernels.fp8 import dequantize_fp8, quantize_fp8
 from kvlab.kernels.mla_absorb import latent_attention
 from kvlab.kernels.mla_checks import check_concat_and_cache_mla, check_mla_decode
@@ -17,9 +18,10 @@ from kvlab.kernels.reference import gather_kv
 
 
 def concat_and_cache_mla_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                             slot_mapping: torch.Tensor, k_scale: float = 1.0) -> None:
+                             slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                             slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Write token ``t``'s ``[c_kv, k_pe]`` into slot ``slot_mapping[t]`` (skipped when -1); FP8 stores x / k_scale."""
-    w = check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
+    w = check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale, slot_mapping_cpu)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)                     # [num_written, L + R]
@@ -28,14 +30,14 @@ def concat_and_cache_mla_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: t
 
 def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, *, scale: float, k_scale: float = 1.0, num_kv_splits: int | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Each sequence's one query token over all ``seq_lens[i]`` of its latents: ``[num_seqs, num_heads, L]``.
 
     Same signature as ``mla_decode``; ``num_kv_splits`` is accepted and ignored (splitting is
     scheduling, never a different answer).
     """
     batch = check_mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=scale, k_scale=k_scale,
-                             num_kv_splits=num_kv_splits, out=out)
+                             num_kv_splits=num_kv_splits, out=out, host_metadata=host_metadata)
     out = torch.empty_like(q_latent) if out is None else out
     rank = batch.kv_lora_rank
     for i, seq_len in enumerate(batch.seq_lens):

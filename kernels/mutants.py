@@ -13,12 +13,14 @@ was given (a read past a block table could crash the interpreter): a bug shows a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -111,8 +113,13 @@ def get_mutant(name: str) -> Mutant:
 
 @functools.cache
 def _scratch_dir() -> Path:
-    """One scratch folder per process for the modules loaded here (Triton reads a kernel's source from its file)."""
-    return Path(tempfile.mkdtemp(prefix="kvlab-kernels-"))
+    """One scratch folder per process for the modules loaded here (Triton reads a kernel's source from its file).
+
+    Removed when the process exits, so test runs and notebooks leave nothing in the temp folder.
+    """
+    path = Path(tempfile.mkdtemp(prefix="kvlab-kernels-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @functools.cache

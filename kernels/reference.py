@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-from kvlab.kernels.checks import cdiv, check_attention, check_cache_write
+from kvlab.kernels.checks import HostMetadata, cdiv, check_attention, check_cache_write
 from kvlab.kernels.fp8 import dequantize_fp8, quantize_fp8
 
 
@@ -47,9 +47,10 @@ def compute_slot_mapping(block_table: torch.Tensor, seq_lens: torch.Tensor,
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                          k_scale: float = 1.0, v_scale: float = 1.0,
+                          slot_mapping_cpu: torch.Tensor | None = None) -> None:
     """Write token ``t``'s K and V into slot ``slot_mapping[t]`` (skipped when -1); FP8 stores value / scale."""
-    w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, slot_mapping_cpu)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // w.block_size, slots % w.block_size
@@ -63,7 +64,8 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
                         scale: float | None = None, causal: bool = True, k_scale: float = 1.0,
                         v_scale: float = 1.0, num_kv_splits: int | None = None,
                         out: torch.Tensor | None = None, config: object = None,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None,
+                        host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """Attention of every query token over its sequence's cached keys, gathered through ``block_table``.
 
     Same signature as ``paged_attention``. ``num_kv_splits`` and ``config`` are accepted and
@@ -73,7 +75,7 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     """
     batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
                             causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, host_metadata=host_metadata)
     out = torch.empty_like(query) if out is None else out
     group = batch.num_queries_per_kv
     starts = batch.query_start_loc

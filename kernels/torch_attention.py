@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kvlab.kernels.checks import AttentionBatch, check_attention
+from kvlab.kernels.checks import AttentionBatch, HostMetadata, check_attention
 from kvlab.kernels.fp8 import dequantize_fp8
 from kvlab.kernels.grid import KernelConfig
 
@@ -122,7 +122,8 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                           scale: float | None = None, causal: bool = True, k_scale: float = 1.0,
                           v_scale: float = 1.0, num_kv_splits: int | None = None, out: torch.Tensor | None = None,
-                          config: KernelConfig | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                          config: KernelConfig | None = None, sliding_window: int | None = None,
+                          host_metadata: HostMetadata | None = None) -> torch.Tensor:
     """``paged_attention`` through a batched gather and SDPA (module docstring): ``[num_tokens, Hq, D]``.
 
     Same arguments and checks as ``paged_attention``; ``num_kv_splits`` and ``config`` schedule
@@ -132,7 +133,7 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     """
     batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
                             causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, host_metadata=host_metadata)
     out = torch.empty_like(query) if out is None else out
     decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
     longer = [i for i, n in enumerate(batch.query_lens) if n > 1]

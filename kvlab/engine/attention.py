@@ -44,6 +44,10 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks_per_seq]: physical block ids, in logical order
     seq_lens: torch.Tensor  # [num_seqs]: tokens each request attends to, this step's included
     query_start_loc: torch.Tensor  # [num_seqs + 1]: prefix sums of the per-request query lengths
+    #: The host copies of the index tensors (vLLM's ``*_cpu`` fields): the kernels' checks read these,
+    #: never the device ones, so they cost no device-to-host synchronisation.
+    host: kernels.HostMetadata | None = None
+    slot_mapping_cpu: torch.Tensor | None = None  # [num_tokens]
 
     @property
     def num_seqs(self) -> int:
@@ -91,7 +95,7 @@ class Attention(torch.nn.Module):
         decode_only = query.shape[0] == attn_metadata.num_seqs  # one token per request (no device sync needed)
         write, attend = (getattr(kernels, name) for name in BACKEND_KERNELS[self.attention_backend])
         write(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
-              k_scale=self.k_scale, v_scale=self.v_scale)
+              k_scale=self.k_scale, v_scale=self.v_scale, slot_mapping_cpu=attn_metadata.slot_mapping_cpu)
         return attend(
             query,
             key_cache,
@@ -106,4 +110,5 @@ class Attention(torch.nn.Module):
             num_kv_splits=self.decode_kv_splits if decode_only else None,
             config=self.kernel_config,
             sliding_window=self.sliding_window,
+            host_metadata=attn_metadata.host,
         )

@@ -66,11 +66,13 @@ class MLAAttention(torch.nn.Module):
         kv_b_weight: torch.Tensor,  # kv_b_proj.weight [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         d = self.dims
-        kernels.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, attn_metadata.slot_mapping, k_scale=self.k_scale)
+        kernels.concat_and_cache_mla(kv_c_normed, k_pe, kv_cache, attn_metadata.slot_mapping, k_scale=self.k_scale,
+                                     slot_mapping_cpu=attn_metadata.slot_mapping_cpu)
         w_uk, w_uv = split_kv_b_proj(kv_b_weight, d.num_heads, d.qk_nope_head_dim, d.v_head_dim)
         q_nope, q_pe = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         out = q.new_empty(q.shape[0], d.num_heads, d.v_head_dim)
-        starts = attn_metadata.query_start_loc.tolist()
+        host = attn_metadata.host                                # the host copies: reading them costs no sync
+        starts = (attn_metadata.query_start_loc if host is None else host.query_start_loc_cpu).tolist()
         decodes = [i for i in range(attn_metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
         if decodes:
             self._decode(decodes, starts, q_nope, q_pe, kv_cache, attn_metadata, w_uk, w_uv, out)
@@ -84,9 +86,12 @@ class MLAAttention(torch.nn.Module):
         rows = torch.tensor([starts[i] for i in seqs], device=q_nope.device)               # their token indices
         picked = torch.tensor(seqs, device=q_nope.device)
         q_latent = absorb_query(q_nope[rows], w_uk)                                       # [D, N, L]
+        host = None if meta.host is None else kernels.HostMetadata(meta.host.seq_lens_cpu[seqs],
+                                                                   meta.host.block_table_cpu[seqs])
         o_latent = kernels.mla_decode(q_latent, q_pe[rows], kv_cache, meta.block_table[picked],
                                       meta.seq_lens[picked], scale=self.scale, k_scale=self.k_scale,
-                                      num_kv_splits=self.decode_kv_splits, config=self.kernel_config)  # [D, N, L]
+                                      num_kv_splits=self.decode_kv_splits, config=self.kernel_config,
+                                      host_metadata=host)  # [D, N, L]
         out[rows] = absorb_output(o_latent, w_uv).to(out.dtype)                           # [D, N, V]
 
     def _prefill(self, i: int, starts: list[int], q_nope, q_pe, kv_cache, meta: AttentionMetadata,

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import torch
 
 from kvlab import kernels
-from kvlab._validate import positive_int
 from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvlab.core.sequence import BlockCopy, compute_slot_mapping
 from kvlab.engine.attention import Attention, AttentionMetadata
@@ -24,6 +23,7 @@ from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
 from kvlab.engine.mla import MLAAttention
 from kvlab.engine.sampler import Sampler
 from kvlab.errors import KvlabValueError, RequestFailedError
+from kvlab.kernels.checks import check_num_kv_splits
 
 
 def prepare_inputs(
@@ -51,18 +51,23 @@ def prepare_inputs(
             slots += compute_slot_mapping(table, block_size, step_positions)
         seq_lens.append(s.num_computed_tokens + s.num_tokens)
         query_start_loc.append(query_start_loc[-1] + s.num_tokens)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)  # [num_seqs]
-    query_start_loc_t = torch.tensor(query_start_loc, dtype=torch.int32, device=device)  # [num_seqs + 1]
+    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)  # [num_seqs], kept on the host for the checks
+    query_start_loc_cpu = torch.tensor(query_start_loc, dtype=torch.int32)  # [num_seqs + 1]
+    seq_lens_t, query_start_loc_t = seq_lens_cpu.to(device), query_start_loc_cpu.to(device)
     metadata = []
     for g, slots in enumerate(slot_mappings):
         tables = [s.block_tables[g] for s in scheduler_output.scheduled]
         width = max(len(t) for t in tables)
+        table_cpu = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables],
+                                 dtype=torch.int32)  # [num_seqs, max_blocks_per_seq]
+        slots_cpu = torch.tensor(slots, dtype=torch.int64)  # [num_tokens]
         metadata.append(AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),  # [num_tokens]
-            block_table=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                     device=device),  # [num_seqs, max_blocks_per_seq]
+            slot_mapping=slots_cpu.to(device),
+            block_table=table_cpu.to(device),
             seq_lens=seq_lens_t,
             query_start_loc=query_start_loc_t,
+            host=kernels.HostMetadata(seq_lens_cpu, table_cpu, query_start_loc_cpu),
+            slot_mapping_cpu=slots_cpu,
         ))
     input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)  # [num_tokens]
     positions_t = torch.tensor(positions, dtype=torch.int64, device=device)  # [num_tokens]
@@ -149,7 +154,7 @@ class ModelRunner:
 
     @decode_kv_splits.setter
     def decode_kv_splits(self, splits: int | None) -> None:
-        self._decode_kv_splits = None if splits is None else positive_int("decode_kv_splits", splits)
+        self._decode_kv_splits = check_num_kv_splits(splits, "decode_kv_splits")
         for layer in self._attention_layers():
             layer.decode_kv_splits = self._decode_kv_splits
 
