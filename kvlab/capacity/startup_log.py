@@ -109,6 +109,9 @@ def reconstruct(
                                   f"block_size={block_size}")
         num_blocks = log.kv_cache_tokens // block_size
     else:  # tokens = int(num_blocks / per_request x max_model_len): the smallest num_blocks that logs it
+        if block_size > log.max_model_len:
+            raise KvlabValueError(f"block_size={block_size:,} is larger than the log's max_model_len "
+                                  f"({log.max_model_len:,} tokens): no block of such a pool is ever full")
         per_request = cdiv(log.max_model_len, block_size)
         num_blocks = cdiv(log.kv_cache_tokens * per_request, log.max_model_len)
     pool = num_blocks * block_size * kv_bytes_per_token(spec, kv_dtype, tp)
