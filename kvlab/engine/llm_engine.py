@@ -256,9 +256,18 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        """One step, recorded; errors stay in the outputs (an interrupt of the executor is raised again)."""
+        """One step, recorded; errors stay in the outputs (an interrupt of the executor is raised again).
+
+        An exception outside the executor undoes the step (``kvlab.core.sched.loop.step``) and the
+        sampler's draws with it, and is raised again with nothing recorded.
+        """
         started = time.perf_counter()
-        self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
+        draws = self.model_runner.sampler.get_state()
+        try:
+            self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
+        except BaseException:  # the step was undone (kvlab.core.sched.loop.step): so are its draws
+            self.model_runner.sampler.set_state(draws)
+            raise
         now = time.perf_counter()
         self.step_seconds.append(now - started)
         self._record(outputs, now)

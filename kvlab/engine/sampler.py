@@ -49,6 +49,16 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=generator)
         return int((probs / q).argmax())
 
+    def get_state(self) -> dict[str, torch.Tensor]:
+        """Every request's generator state, for ``set_state`` to put back (an undone step draws nothing)."""
+        return {request_id: generator.get_state() for request_id, generator in self.generators.items()}
+
+    def set_state(self, states: dict[str, torch.Tensor]) -> None:
+        """Generators as ``get_state`` saw them: later ones are forgotten, the others rewound."""
+        self.generators = {request_id: self.generators[request_id] for request_id in states}
+        for request_id, state in states.items():
+            self.generators[request_id].set_state(state)
+
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the generators of finished requests."""
         for request_id in request_ids:
