@@ -228,6 +228,8 @@ class LLMEngine:
         client-aborted request before its statistics are taken, so there that count stays 0.
         Returns the ids aborted, samples included.
         """
+        if not isinstance(request_ids, str | Iterable) or isinstance(request_ids, bytes | dict):
+            raise KvlabValueError(f"request_ids must be a request id string or a list of them, got {request_ids!r}")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         bad = [i for i in ids if not isinstance(i, str)]
         if bad:
