@@ -156,7 +156,7 @@ def test_an_interrupt_inside_the_executor_finishes_the_step_and_then_stops_the_l
 
 
 def test_finish_requests_aborts_running_and_waiting_requests_and_ignores_unknown_ids():
-    s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=4)
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=4)
     s.add_request(req("run", 9, n=2, temperature=1.0, seed=1))     # its prompt needs three chunks
     s.add_request(req("wait", 5))
     step(s, NoComputeExecutor())

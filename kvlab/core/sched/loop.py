@@ -50,7 +50,8 @@ class NoComputeExecutor:
 
 
 @checked
-def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
+def step(scheduler: Scheduler, executor: Executor, *, atomic: bool = True
+         ) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
     """One engine step, as vLLM's ``EngineCore.step``: schedule, execute, update; all or nothing.
 
     An exception from the executor (an interrupt included) does not escape: it fails the step's
@@ -60,9 +61,11 @@ def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, lis
     scheduler, its KV cache manager and pool go back to their state before it (a ``Snapshot``, the
     design kvlab chose over failing the step's requests, so a Ctrl-C costs no request), blocks the
     step took out of the prefix cache stay out of it (it may have written them), and the exception
-    is raised again. The next call schedules the same step afresh.
+    is raised again. The next call schedules the same step afresh. ``atomic=False`` skips the snapshot
+    (a pass over the pool's blocks) for a caller that throws the scheduler away when a step raises:
+    a simulation builds its own and keeps nothing of an interrupted run.
     """
-    before = Snapshot(scheduler)
+    before = Snapshot(scheduler) if atomic else None
     try:
         scheduler_output = scheduler.schedule()
         try:
@@ -72,7 +75,8 @@ def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, lis
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
         return scheduler_output, outputs, scheduler.make_stats()
     except BaseException:
-        _undo(scheduler, before)
+        if before is not None:
+            _undo(scheduler, before)
         raise
 
 
