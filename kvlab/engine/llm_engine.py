@@ -49,7 +49,7 @@ from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.registry import kv_cache_specs
-from kvlab.errors import KvlabValueError, RequestStateError
+from kvlab.errors import CheckpointError, KvlabValueError, RequestStateError
 from kvlab.units import GiB
 
 
@@ -152,13 +152,23 @@ class LLMEngine:
 
     @property
     def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (transformers' ``AutoTokenizer``), if it ships one; else None."""
+        """The checkpoint's tokenizer (transformers' ``AutoTokenizer``), if it ships one; else None.
+
+        Only the folder's own files are read and no code they name is run (``trust_remote_code=False``): a
+        ``tokenizer_config.json`` whose ``auto_map`` asks for custom code is a ``CheckpointError``, never a
+        "run the custom code? [y/N]" prompt, which would wait forever in a notebook kernel.
+        """
         if self._tokenizer is None and any(
             (self.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")
         ):
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=False,
+                                                                local_files_only=True)
+            except (ValueError, OSError, TypeError, KeyError) as error:
+                raise CheckpointError(f"{self.model_dir}: its tokenizer files could not be loaded without running "
+                                      f"code they name (trust_remote_code=False): {error}") from error
         return self._tokenizer
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
