@@ -189,6 +189,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     #: the same names (every one required and every tensor used, shapes and dtypes checked): as the Llama's.
     compute_logits = LlamaForCausalLM.compute_logits
     load_weights = LlamaForCausalLM.load_weights
+    check_weights = LlamaForCausalLM.check_weights
 
 
 def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,

@@ -18,6 +18,7 @@ That pass is the snapshot's cost, about a microsecond per block on a CPU.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import random
 import types
@@ -46,7 +47,7 @@ class Snapshot:
 
     def _save(self, obj: Any, queue: deque[Any]) -> None:
         """Keep a shallow copy of ``obj``'s contents; what it refers to joins ``queue``."""
-        if type(obj) is tuple:
+        if isinstance(obj, tuple):  # named tuples too: immutable, but they may hold what is not
             queue.extend(obj)
         elif isinstance(obj, list | deque | dict):
             items = list(obj.values() if isinstance(obj, dict) else obj)
@@ -56,6 +57,7 @@ class Snapshot:
             queue.extend(items)  # a dict's keys are hashable, so never changed in place
         elif isinstance(obj, set):
             self._saved.append((obj, set(obj)))
+            queue.extend(obj)
         elif isinstance(obj, random.Random):
             self._saved.append((obj, obj.getstate()))
         else:
@@ -74,7 +76,7 @@ class Snapshot:
         """Save many items of one class in one pass (the pool's blocks, the prefix index's dicts) and walk
         what they refer to from the first only; False if the items are not alike."""
         cls = type(items[0])
-        if set(map(type, items)) != {cls} or isinstance(items[0], _ATOMS) or cls is tuple:
+        if set(map(type, items)) != {cls} or isinstance(items[0], (*_ATOMS, tuple)):
             return False
         fresh = [item for item in items if id(item) not in self._seen]
         if cls in (dict, set, list):
@@ -121,19 +123,14 @@ class _Items:
         self.cls, self.items = cls, items
 
 
-_SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # a cache of class layouts, which never change
-
-
+@functools.cache  # a class's layout never changes
 def _slot_names(cls: type) -> tuple[str, ...]:
     """Every ``__slots__`` name of ``cls`` and its bases, ``__dict__`` and ``__weakref__`` aside."""
-    names = _SLOT_NAMES.get(cls)
-    if names is None:
-        found: list[str] = []
-        for base in cls.__mro__:
-            declared = base.__dict__.get("__slots__", ())
-            found += [declared] if isinstance(declared, str) else list(declared)
-        names = _SLOT_NAMES[cls] = tuple(n for n in dict.fromkeys(found) if n not in ("__dict__", "__weakref__"))
-    return names
+    found: list[str] = []
+    for base in cls.__mro__:
+        declared = base.__dict__.get("__slots__", ())
+        found += [declared] if isinstance(declared, str) else list(declared)
+    return tuple(n for n in dict.fromkeys(found) if n not in ("__dict__", "__weakref__"))
 
 
 def _slots_of(cls: type) -> Callable[[Any], tuple[Any, ...]]:
