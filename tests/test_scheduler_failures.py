@@ -8,13 +8,12 @@ failure did not touch produce exactly what they produce in a clean run.
 """
 
 import sys
-from pathlib import Path
 
 import pytest
+from _interrupts import InterruptAtLine
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kvlab.core
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector
 from kvlab.core.request import RequestStatus
@@ -204,36 +203,6 @@ def test_any_mix_of_failures_ends_with_every_request_finished_and_the_pool_whole
 
 
 # ----------------------------------------------------------------- an interrupt outside the executor (issue 28.1)
-
-
-class InterruptAtLine:
-    """A tracer raising ``KeyboardInterrupt`` (a Ctrl-C) at the ``k``-th line kvlab.core runs inside ``step``."""
-
-    def __init__(self, k):
-        self.k, self.lines = k, 0
-
-    def __call__(self, frame, event, arg):
-        return self.line if frame.f_code.co_filename.startswith(CORE) and not under_executor_or_snapshot(frame) \
-            else None
-
-    def line(self, frame, event, arg):
-        if event == "line":
-            self.lines += 1
-            if self.lines == self.k:
-                raise KeyboardInterrupt
-        return self.line
-
-
-CORE = str(Path(kvlab.core.__file__).parent)
-
-
-def under_executor_or_snapshot(frame):
-    """True inside the executor (a failure there fails the step's requests: tested above) or the undo record."""
-    while frame is not None:
-        if frame.f_code.co_name == "execute_model" or frame.f_code.co_filename.endswith("snapshot.py"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def swap_scheduler():

@@ -13,7 +13,9 @@ of ``/metrics`` would see; ``history`` keeps one ``SchedulerStats`` per step for
 A request that fails (its logits are not finite, or the executor raises in its step) finishes
 with finish reason ``"error"`` and frees its blocks; ``step()`` then raises its error and the
 engine keeps serving the others. vLLM instead treats an exception in ``execute_model`` as fatal
-to the whole engine (``kvlab.core.sched.loop``).
+to the whole engine (``kvlab.core.sched.loop``). An exception outside the executor (a Ctrl-C while
+the scheduler works) undoes the step, the sampler's draws included, and ``step()`` raises it: the
+next call runs the same step again, so no request, block or token is lost.
 """
 
 from __future__ import annotations

@@ -49,15 +49,15 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=generator)
         return int((probs / q).argmax())
 
-    def get_state(self) -> dict[str, torch.Tensor]:
-        """Every request's generator state, for ``set_state`` to put back (an undone step draws nothing)."""
-        return {request_id: generator.get_state() for request_id, generator in self.generators.items()}
+    def get_state(self) -> dict[str, tuple[torch.Generator, torch.Tensor]]:
+        """Every request's generator and its state, for ``set_state`` to put back (an undone step draws nothing)."""
+        return {request_id: (generator, generator.get_state()) for request_id, generator in self.generators.items()}
 
-    def set_state(self, states: dict[str, torch.Tensor]) -> None:
-        """Generators as ``get_state`` saw them: later ones are forgotten, the others rewound."""
-        self.generators = {request_id: self.generators[request_id] for request_id in states}
-        for request_id, state in states.items():
-            self.generators[request_id].set_state(state)
+    def set_state(self, states: dict[str, tuple[torch.Generator, torch.Tensor]]) -> None:
+        """The generators as ``get_state`` saw them, rewound: those made since are forgotten, those dropped return."""
+        self.generators = {request_id: generator for request_id, (generator, _) in states.items()}
+        for generator, state in states.values():
+            generator.set_state(state)
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the generators of finished requests."""

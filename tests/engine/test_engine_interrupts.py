@@ -3,16 +3,14 @@ undoes the step and is raised again; the engine then serves every request to the
 """
 
 import sys
-from pathlib import Path
 
 import pytest
+from _interrupts import InterruptAtLine
 
-import kvlab.core
 from kvlab.engine import LLMEngine
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import BlockStateError
 
-CORE = str(Path(kvlab.core.__file__).parent)
 SHARED = random_token_ids(20, seed=11)
 PROMPTS = [SHARED + random_token_ids(6, seed=12), SHARED + random_token_ids(9, seed=13), random_token_ids(18, seed=14)]
 
@@ -43,29 +41,10 @@ def serve(eng, tracer):
     return interrupts
 
 
-class InterruptAt:
-    """A tracer that raises ``KeyboardInterrupt`` at the ``k``-th line kvlab.core runs (once), as a Ctrl-C would."""
-
-    def __init__(self, k):
-        self.k, self.lines, self.active = k, 0, False
-
-    def __call__(self, frame, event, arg):
-        name = frame.f_code.co_filename  # the undo record's own walk is no position of the step
-        if not self.active or not name.startswith(CORE) or name.endswith("snapshot.py"):
-            return None
-        return self.line
-
-    def line(self, frame, event, arg):
-        if event == "line" and self.active:
-            self.lines += 1
-            if self.lines == self.k:
-                raise KeyboardInterrupt
-        return self.line
-
-
 def run_interrupted_at(model_dir, k):
     eng = crowded_engine(model_dir)
-    tracer, previous = InterruptAt(k), sys.gettrace()
+    tracer, previous = InterruptAtLine(k), sys.gettrace()
+    tracer.active = False
     sys.settrace(tracer)
     try:
         interrupts = serve(eng, tracer)
