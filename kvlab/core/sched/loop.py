@@ -84,7 +84,8 @@ def _undo(scheduler: Scheduler, before: Snapshot) -> None:
     """Put the scheduler back as ``before`` saw it; a block whose cached hash the step changed loses it.
 
     Such a block was evicted for reuse during the step, and the step's forward may have written
-    new KV into it, so its old hash must not serve a prefix hit.
+    new KV into it, so its old hash must not serve a prefix hit. (A second interrupt during the undo
+    itself, a few milliseconds, is not guarded against.)
     """
     blocks = scheduler.kv_cache_manager.block_pool.blocks
     hashes = [block.block_hash for block in blocks]

@@ -12,7 +12,9 @@ neither ``__dict__`` nor ``__slots__`` (locks, C objects); a ``random.Random`` k
 
 A list of objects of one slotted class (the pool's blocks) is saved in one pass, and what they refer
 to is walked from its first item only: blocks refer to each other, to their pool and to hashes.
-That pass is the snapshot's cost, about a microsecond per block on a CPU.
+That pass is the snapshot's cost, which grows with the pool: nothing to speak of for the notebooks'
+pools of tens of blocks, and some milliseconds of CPU per step for the 8,193 blocks a default engine
+gives the tiny Llama (measured 3-25 ms on a shared, loaded 2-core machine; not a benchmark).
 """
 
 from __future__ import annotations
