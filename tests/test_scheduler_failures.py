@@ -7,11 +7,15 @@ request out) and check that the loop ends, the pool is whole again, and the requ
 failure did not touch produce exactly what they produce in a clean run.
 """
 
+import sys
+
 import pytest
+from _interrupts import InterruptAtLine
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_offload import CPUOffloadingManager, OffloadingConnector
 from kvlab.core.request import RequestStatus
 from kvlab.core.sched.loop import NoComputeExecutor, run_until_done, step
 from kvlab.core.sched.output import GenerationRequest, ModelRunnerOutput, SamplingParams
@@ -156,7 +160,7 @@ def test_an_interrupt_inside_the_executor_finishes_the_step_and_then_stops_the_l
 
 
 def test_finish_requests_aborts_running_and_waiting_requests_and_ignores_unknown_ids():
-    s = make_scheduler(max_num_seqs=1, max_num_batched_tokens=4)
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=4)
     s.add_request(req("run", 9, n=2, temperature=1.0, seed=1))     # its prompt needs three chunks
     s.add_request(req("wait", 5))
     step(s, NoComputeExecutor())
@@ -196,3 +200,46 @@ def test_any_mix_of_failures_ends_with_every_request_finished_and_the_pool_whole
     for r in requests:
         if r.status != RequestStatus.FINISHED_ERROR:  # untouched by the failures: exactly the clean tokens
             assert r.output_token_ids == clean[r.request_id]
+
+
+# ----------------------------------------------------------------- an interrupt outside the executor (issue 28.1)
+
+
+def swap_scheduler():
+    """Nine GPU blocks of 4 tokens over a CPU tier of eight, preempting by swap: offload, swap-out and swap-in."""
+    manager = KVCacheManager(9, 4, hash_seed="0")
+    return Scheduler(manager, max_num_batched_tokens=8, preemption_mode="swap",
+                     connector=OffloadingConnector(manager, CPUOffloadingManager(8)))
+
+
+def interrupted_run(make, k):
+    """Four requests (one forked n=2, two sharing a prefix) stepped to the end, a Ctrl-C at line ``k`` of a step."""
+    s, tracer, interrupts = make(), InterruptAtLine(k), 0
+    for r in (req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=6), req("b", [1, 2, 3, 4, 5, 6, 7, 8, 10]),
+              req("c", 11, n=2, temperature=1.0, seed=0), req("d", 6, max_tokens=7)):
+        s.add_request(r)
+    requests = dict(s.requests)
+    executor = NoComputeExecutor(vocab_size=1000)
+    for _ in range(300):
+        if not s.has_unfinished_requests():
+            break
+        sys.settrace(tracer)
+        try:
+            step(s, executor)
+        except KeyboardInterrupt:
+            interrupts += 1
+        finally:
+            sys.settrace(None)
+    return s, interrupts, {i: r.output_token_ids for i, r in requests.items()}, tracer.lines
+
+
+@pytest.mark.parametrize("make", [lambda: make_scheduler(num_blocks=9, max_num_batched_tokens=8), swap_scheduler],
+                         ids=["recompute", "swap"])
+def test_a_ctrl_c_at_any_line_of_a_step_undoes_it_and_the_run_ends_as_if_none_came(make):
+    s, _, clean, lines = interrupted_run(make, 0)
+    assert s.num_preemptions > 0 and s.kv_cache_manager.prefix_cache_stats.hits > 0
+    for k in range(1, lines + 1, max(1, lines // 150)):
+        s, interrupts, outputs, _ = interrupted_run(make, k)
+        assert interrupts == 1, k
+        assert outputs == clean, k  # every request finished with exactly its tokens: none lost, none failed
+        assert_pool_is_whole(s)

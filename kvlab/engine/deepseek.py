@@ -26,7 +26,7 @@ from torch import nn
 from kvlab.engine.attention import AttentionMetadata
 from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.deepseek_rope import DeepseekRotaryEmbedding
-from kvlab.engine.loader import read_weights
+from kvlab.engine.loader import check_before_loading, read_weights
 from kvlab.engine.mla import MLAAttention
 from kvlab.engine.model import LlamaForCausalLM, RMSNorm
 from kvlab.errors import KvlabValueError
@@ -189,6 +189,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     #: the same names (every one required and every tensor used, shapes and dtypes checked): as the Llama's.
     compute_logits = LlamaForCausalLM.compute_logits
     load_weights = LlamaForCausalLM.load_weights
+    check_weights = LlamaForCausalLM.check_weights
 
 
 def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -200,6 +201,7 @@ def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float
     correction bias in float32 too). On CPU keep ``float32``: the Triton interpreter has no bf16.
     """
     config = config or DeepseekConfig.from_pretrained(model_dir)
+    check_before_loading(model_dir, config, lambda: DeepseekV2ForCausalLM(config))
     model = DeepseekV2ForCausalLM(config)
     model.to(dtype)
     for module in model.modules():

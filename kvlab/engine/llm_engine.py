@@ -13,7 +13,9 @@ of ``/metrics`` would see; ``history`` keeps one ``SchedulerStats`` per step for
 A request that fails (its logits are not finite, or the executor raises in its step) finishes
 with finish reason ``"error"`` and frees its blocks; ``step()`` then raises its error and the
 engine keeps serving the others. vLLM instead treats an exception in ``execute_model`` as fatal
-to the whole engine (``kvlab.core.sched.loop``).
+to the whole engine (``kvlab.core.sched.loop``). An exception outside the executor (a Ctrl-C while
+the scheduler works) undoes the step, the sampler's draws included, and ``step()`` raises it: the
+next call runs the same step again, so no request, block or token is lost.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.registry import kv_cache_specs
-from kvlab.errors import KvlabValueError, RequestStateError
+from kvlab.errors import CheckpointError, KvlabValueError, RequestStateError
 
 
 class LLMEngine:
@@ -151,13 +153,23 @@ class LLMEngine:
 
     @property
     def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (transformers' ``AutoTokenizer``), if it ships one; else None."""
+        """The checkpoint's tokenizer (transformers' ``AutoTokenizer``), if it ships one; else None.
+
+        Only the folder's own files are read and no code they name is run (``trust_remote_code=False``): a
+        ``tokenizer_config.json`` whose ``auto_map`` asks for custom code is a ``CheckpointError``, never a
+        "run the custom code? [y/N]" prompt, which would wait forever in a notebook kernel.
+        """
         if self._tokenizer is None and any(
             (self.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")
         ):
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=False,
+                                                                local_files_only=True)
+            except (ValueError, OSError, TypeError, KeyError) as error:
+                raise CheckpointError(f"{self.model_dir}: its tokenizer files could not be loaded without running "
+                                      f"code they name (trust_remote_code=False): {error}") from error
         return self._tokenizer
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -227,6 +239,8 @@ class LLMEngine:
         it before ``_update_stats_from_finished`` would count it, so the "abort" label stays 0.
         Returns the ids aborted, samples included.
         """
+        if not isinstance(request_ids, str | Iterable) or isinstance(request_ids, bytes | dict):
+            raise KvlabValueError(f"request_ids must be a request id string or a list of them, got {request_ids!r}")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         bad = [i for i in ids if not isinstance(i, str)]
         if bad:
@@ -255,9 +269,18 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        """One step, recorded; errors stay in the outputs (an interrupt of the executor is raised again)."""
+        """One step, recorded; errors stay in the outputs (an interrupt of the executor is raised again).
+
+        An exception outside the executor undoes the step (``kvlab.core.sched.loop.step``) and the
+        sampler's draws with it, and is raised again with nothing recorded.
+        """
         started = time.perf_counter()
-        self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
+        draws = self.model_runner.sampler.get_state()
+        try:
+            self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
+        except BaseException:  # the step was undone (kvlab.core.sched.loop.step): so are its draws
+            self.model_runner.sampler.set_state(draws)
+            raise
         now = time.perf_counter()
         self.step_seconds.append(now - started)
         self._record(outputs, now)

@@ -6,20 +6,25 @@ safetensors are read: they are plain tensors, never code, so loading one is safe
 that can be wrong with the files is refused with a ``CheckpointError`` naming the file: a JSON
 file that does not parse, a shard path that leaves the folder (``../``, an absolute path), a
 truncated or garbage safetensors file (the library's own message is kept), a tensor the index
-puts in one shard and the shard lacks, a tensor in two files. ``LlamaForCausalLM.load_weights``
-then checks the tensors against ``config.json``.
+puts in one shard and the shard lacks, a tensor in two files, a weight file that is a link to a
+file outside the folder (the real path is what counts). ``check_before_loading`` then compares the
+headers' tensor names and shapes with the model ``config.json`` describes, built on the meta
+device, before a weight is read or allocated; ``LlamaForCausalLM.load_weights`` checks the tensors
+again as it copies them.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from kvlab.engine.config import DecoderConfig, read_json
-from kvlab.engine.model import LlamaForCausalLM
+from kvlab.engine.model import LlamaForCausalLM, check_layer_count
 from kvlab.engine.registry import ModelConfig, model_family, read_model_config
 from kvlab.errors import CheckpointError
 
@@ -53,6 +58,8 @@ def shard_map(model_dir: str | os.PathLike) -> dict[Path, set[str] | None]:
             raise CheckpointError(
                 f"model_dir={str(model_dir)!r} holds no *.safetensors file (kvlab does not read pickled .bin weights)"
             )
+        for file in files:
+            _check_inside(root, file)
         return dict.fromkeys(files)
     data = read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -64,12 +71,27 @@ def shard_map(model_dir: str | os.PathLike) -> dict[Path, set[str] | None]:
     absent = [str(f.relative_to(root)) for f in shards if not f.is_file()]
     if absent:
         raise CheckpointError(f"{index} lists shards that are missing: {absent}")
+    for file in shards:
+        _check_inside(root, file)
     return shards
 
 
-def read_weights(model_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+def _check_inside(root: Path, file: Path) -> None:
+    """The one rule for every weight file: its real path (symlinks followed) lies inside the checkpoint folder's."""
+    real = file.resolve()
+    if not real.is_relative_to(root.resolve()):
+        raise CheckpointError(
+            f"{file} is a link to {real}, which leaves the checkpoint folder {root}: weight files must be inside it "
+            "(copy the file in; a Hugging Face download can write real files with snapshot_download(local_dir=...))"
+        )
+
+
+def read_weights(model_dir: str | os.PathLike, *, meta: bool = False
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """Every tensor of the checkpoint by name, and the file each came from.
 
+    ``meta=True`` reads the safetensors headers only (a few kB): each tensor is then a meta tensor of
+    its shape and dtype, enough to check a checkpoint before any weight is read or allocated.
     Rotary ``inv_freq`` buffers some old files carry are skipped (kvlab computes them).
     """
     weights: dict[str, torch.Tensor] = {}
@@ -78,7 +100,8 @@ def read_weights(model_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
         try:
             with safe_open(str(path), framework="pt") as handle:
                 names = [n for n in handle.keys() if not n.endswith("rotary_emb.inv_freq")]  # noqa: SIM118
-                tensors = {name: handle.get_tensor(name) for name in names}
+                tensors = {name: _meta_tensor(path, name, handle.get_slice(name)) if meta else handle.get_tensor(name)
+                           for name in names}
         except (SafetensorError, OSError) as error:
             raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from error
         lacking = sorted(n for n in assigned or () if n not in tensors and not n.endswith("rotary_emb.inv_freq"))
@@ -89,6 +112,35 @@ def read_weights(model_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
                 raise CheckpointError(f"tensor {name} is in two weight files: {sources[name]} and {path}")
             weights[name], sources[name] = tensor, path
     return weights, sources
+
+
+#: safetensors' dtype names (the header's "dtype" field) -> torch's.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _meta_tensor(path: Path, name: str, tensor_slice: Any) -> torch.Tensor:
+    """A meta tensor shaped and typed as the header describes tensor ``name``: no data is read."""
+    dtype = _SAFETENSORS_DTYPES.get(tensor_slice.get_dtype())
+    if dtype is None:
+        raise CheckpointError(f"{path}: {name} has dtype {tensor_slice.get_dtype()}, which kvlab does not read")
+    return torch.empty(tensor_slice.get_shape(), dtype=dtype, device="meta")
+
+
+def check_before_loading(model_dir: str | os.PathLike, config: Any, build: Callable[[], torch.nn.Module]) -> None:
+    """Compare the checkpoint's tensor names and shapes (its headers) with the model ``build()`` makes from
+    ``config.json``, on the meta device, so a config that disagrees costs no memory and no time.
+
+    The layer count goes first: even on the meta device, 200,000 layers would take minutes to build.
+    """
+    header, sources = read_weights(model_dir, meta=True)
+    config_file = str(Path(model_dir) / "config.json")
+    check_layer_count(config, header, config_file)
+    with torch.device("meta"):
+        model = build()
+    model.check_weights(header, sources={name: str(path) for name, path in sources.items()}, config_file=config_file)
 
 
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -113,13 +165,19 @@ def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
     exactly (``LlamaForCausalLM.load_weights``).
     """
     config = config or DecoderConfig.from_pretrained(model_dir)
+    names = read_weights(model_dir, meta=True)[0]
+
+    def build() -> LlamaForCausalLM:
+        return LlamaForCausalLM(
+            config,
+            qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
+            o_bias="model.layers.0.self_attn.o_proj.bias" in names,
+            mlp_bias="model.layers.0.mlp.gate_proj.bias" in names,
+        )
+
+    check_before_loading(model_dir, config, build)
     weights, sources = read_weights(model_dir)
-    model = LlamaForCausalLM(
-        config,
-        qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
-        o_bias="model.layers.0.self_attn.o_proj.bias" in weights,
-        mlp_bias="model.layers.0.mlp.gate_proj.bias" in weights,
-    )
+    model = build()
     model.to(dtype)
     model.load_weights(weights, sources={name: str(path) for name, path in sources.items()},
                        config_file=str(Path(model_dir) / "config.json"))

@@ -179,15 +179,22 @@ class LlamaForCausalLM(nn.Module):
         is skipped, as vLLM skips it: the embedding is the head.
         """
         items = dict(weights.items() if isinstance(weights, Mapping) else weights)
-        params = dict(self.named_parameters(remove_duplicate=False))
-        if self.config.tie_word_embeddings:
-            params.pop("lm_head.weight", None)
-            items.pop("lm_head.weight", None)
-        check_checkpoint_tensors(self.config, {n: tuple(p.shape) for n, p in params.items()}, items,
-                                 sources or {}, config_file)
+        params = self.check_weights(items, sources=sources, config_file=config_file)
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(items[name].to(param.dtype))
+
+    def check_weights(self, weights: dict[str, torch.Tensor], *, sources: Mapping[str, str] | None = None,
+                      config_file: str = "config.json") -> dict[str, torch.nn.Parameter]:
+        """``load_weights``' checks alone (meta tensors will do: only names, shapes and dtypes are read); returns
+        the parameters to fill, by name. A tied ``lm_head.weight`` leaves ``weights``."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        if self.config.tie_word_embeddings:
+            params.pop("lm_head.weight", None)
+            weights.pop("lm_head.weight", None)
+        check_checkpoint_tensors(self.config, {n: tuple(p.shape) for n, p in params.items()}, weights,
+                                 sources or {}, config_file)
+        return params
 
 
 #: parameter name suffix -> the config fields its shape follows from, dimension by dimension.
@@ -217,13 +224,7 @@ def check_checkpoint_tensors(config: Any, expected: Mapping[str, tuple[int, ...]
     def where(name: str) -> str:
         return sources.get(name, "the checkpoint")
 
-    parts = [n.split(".") for n in tensors]
-    layers = sorted({int(p[2]) for p in parts if len(p) > 2 and p[:2] == ["model", "layers"] and p[2].isdigit()})
-    if layers and layers != list(range(config.num_hidden_layers)):
-        raise CheckpointError(
-            f"{config_file}: num_hidden_layers is {config.num_hidden_layers}, but the tensors hold layers "
-            f"{_ranges(layers)} ({len(layers)} layers)"
-        )
+    check_layer_count(config, tensors, config_file)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(
@@ -247,6 +248,17 @@ def check_checkpoint_tensors(config: Any, expected: Mapping[str, tuple[int, ...]
                 f"{where(name)}: {name} has shape {tuple(tensor.shape)}, but {config_file} implies {shape}"
                 f"{f' ({_field_values(config, fields)})' if fields else ''}: one of them is wrong"
             )
+
+
+def check_layer_count(config: Any, names: Iterable[str], config_file: str) -> None:
+    """Refuse a ``num_hidden_layers`` other than the layers the tensor names hold (``model.layers.<i>.``)."""
+    parts = [n.split(".") for n in names]
+    layers = sorted({int(p[2]) for p in parts if len(p) > 2 and p[:2] == ["model", "layers"] and p[2].isdigit()})
+    if layers and layers != list(range(config.num_hidden_layers)):
+        raise CheckpointError(
+            f"{config_file}: num_hidden_layers is {config.num_hidden_layers}, but the tensors hold layers "
+            f"{_ranges(layers)} ({len(layers)} layers)"
+        )
 
 
 def _field_values(config: DecoderConfig, dims: Iterable[str]) -> str:

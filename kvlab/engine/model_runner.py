@@ -6,7 +6,8 @@ scheduler asked for (copy-on-write), flatten the step's requests into one batch
 sample. vLLM keeps a persistent batch on the GPU and updates it incrementally; kvlab
 rebuilds the small tensors every step, which is simpler to read and costs nothing next to
 the model on a CPU. A request that cannot be sampled (``RequestFailedError``: non-finite
-logits) goes into the output's ``errors``, and the rest of the batch is sampled as usual.
+logits; or any other exception its sampling raises) goes into the output's ``errors``, and the
+rest of the batch is sampled as usual.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvlab.engine.attention import Attention, AttentionMetadata
 from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
 from kvlab.engine.mla import MLAAttention
 from kvlab.engine.sampler import Sampler
-from kvlab.errors import KvlabValueError, RequestFailedError
+from kvlab.errors import KvlabValueError
 from kvlab.kernels.checks import check_num_kv_splits
 
 
@@ -183,7 +184,7 @@ class ModelRunner:
             for request_id, params in ((s.request_id, s.sampling_params), *s.forked):
                 try:
                     sampled[request_id] = self.sampler.sample(row, request_id, params)
-                except RequestFailedError as error:
+                except Exception as error:  # noqa: BLE001 - one request's failure (bad logits, a bad parameter) is its own
                     errors[request_id] = error
                 if self.keep_logits:
                     self.logits.setdefault(request_id, []).append(row.to("cpu", copy=True))

@@ -49,6 +49,16 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=generator)
         return int((probs / q).argmax())
 
+    def get_state(self) -> dict[str, tuple[torch.Generator, torch.Tensor]]:
+        """Every request's generator and its state, for ``set_state`` to put back (an undone step draws nothing)."""
+        return {request_id: (generator, generator.get_state()) for request_id, generator in self.generators.items()}
+
+    def set_state(self, states: dict[str, tuple[torch.Generator, torch.Tensor]]) -> None:
+        """The generators as ``get_state`` saw them, rewound: those made since are forgotten, those dropped return."""
+        self.generators = {request_id: generator for request_id, (generator, _) in states.items()}
+        for generator, state in states.values():
+            generator.set_state(state)
+
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the generators of finished requests."""
         for request_id in request_ids:

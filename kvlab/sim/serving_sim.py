@@ -180,7 +180,7 @@ def simulate_chat(
             raise KvlabValueError(f"the chat was still running after max_steps={max_steps} steps")
         chat.submit_due(steps)
         if scheduler.has_unfinished_requests():
-            output, finished, _ = step(scheduler, executor)
+            output, finished, _ = step(scheduler, executor, atomic=False)  # an interrupted run is discarded
             computed += output.total_num_scheduled_tokens
             before = chat.turns_done
             chat.receive(finished, steps)

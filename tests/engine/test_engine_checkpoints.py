@@ -7,6 +7,7 @@ Every bad checkpoint here is made from the real tiny one (``save_tiny_llama``) w
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -172,3 +173,68 @@ def test_null_fields_take_their_defaults_as_transformers_reads_them(checkpoint):
     edit_config(checkpoint, rms_norm_eps=None, max_position_embeddings=None)
     config = load_model(checkpoint).config
     assert (config.rms_norm_eps, config.max_position_embeddings, config.tie_word_embeddings) == (1e-6, None, True)
+
+
+# ----------------------------------------------------------------- checked before anything is built (issue 28)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"num_hidden_layers": 20_000}, r"num_hidden_layers is 20000, but the tensors hold layers 0\.\.1"),  # main: 35 s
+    ({"vocab_size": 10**9}, r"embed_tokens\.weight has shape \(256, 64\).*vocab_size = 1000000000"),  # an OOM
+])
+def test_sizes_in_config_json_are_checked_against_the_headers_before_any_memory_is_allocated(checkpoint, changes,
+                                                                                            words):
+    edit_config(checkpoint, **changes)
+    started = time.process_time()
+    with pytest.raises(CheckpointError, match=words):
+        load_model(checkpoint)
+    assert time.process_time() - started < 5  # main built every layer, or allocated the embedding, first
+
+
+def test_the_headers_are_read_without_the_weights(checkpoint):
+    from kvlab.engine.loader import read_weights
+
+    header, sources = read_weights(checkpoint, meta=True)
+    weights, _ = read_weights(checkpoint)
+    assert {n: (t.shape, t.dtype) for n, t in header.items()} == {n: (t.shape, t.dtype) for n, t in weights.items()}
+    assert {t.device.type for t in header.values()} == {"meta"} and set(sources.values()) == {
+        checkpoint / "model.safetensors"}
+
+
+def test_a_weight_file_that_links_out_of_the_folder_is_refused_like_a_shard_path_that_does(checkpoint, tmp_path):
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(checkpoint / "model.safetensors", outside)
+    (checkpoint / "model.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is a link to .*elsewhere\.safetensors, which "
+                                              r"leaves the checkpoint folder"):
+        load_model(checkpoint)
+    (checkpoint / "model.safetensors").unlink()
+    (checkpoint / "shard-1.safetensors").symlink_to(outside)  # the same rule for a shard the index lists
+    write_index(checkpoint, dict.fromkeys(load_file(outside), "shard-1.safetensors"))
+    with pytest.raises(CheckpointError, match="leaves the checkpoint folder"):
+        load_model(checkpoint)
+    shutil.move(outside, checkpoint / "real.safetensors")  # a link that stays inside the folder is fine
+    (checkpoint / "shard-1.safetensors").unlink()
+    (checkpoint / "shard-1.safetensors").symlink_to(checkpoint / "real.safetensors")
+    write_index(checkpoint, dict.fromkeys(load_file(checkpoint / "real.safetensors"), "shard-1.safetensors"))
+    assert load_model(checkpoint).config.num_hidden_layers == 2
+
+
+def test_a_tokenizer_that_asks_for_custom_code_is_refused_without_a_prompt(checkpoint, monkeypatch):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "a": 1}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+                            ).save_pretrained(checkpoint)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="EvilTokenizer",
+                  auto_map={"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]})
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
+    ran = checkpoint / "custom-code-ran"
+    (checkpoint / "tokenization_evil.py").write_text(f"open({str(ran)!r}, 'w')\nclass EvilTokenizer: pass\n")
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("the engine asked a question on stdin"))
+    eng = LLMEngine(checkpoint, num_gpu_blocks=8)
+    with pytest.raises(CheckpointError, match=r"could not be loaded without running code .*trust_remote_code=False"):
+        eng.encode("a")
+    assert not ran.exists()

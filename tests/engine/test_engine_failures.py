@@ -180,3 +180,61 @@ def test_an_aborted_request_is_finished_aborted_in_the_scheduler(tiny_llama_dir)
     request = eng.scheduler.requests[request_id]
     eng.abort_request(request_id)
     assert request.status == RequestStatus.FINISHED_ABORTED and request.get_finished_reason() == "abort"
+
+
+# ----------------------------------------------------------------- refused at the door, or failing alone (issue 28)
+
+
+def test_more_samples_than_max_num_seqs_could_never_be_admitted_and_are_refused(tiny_llama_dir):
+    eng = engine(tiny_llama_dir, max_num_seqs=2)
+    with pytest.raises(KvlabValueError, match=r"n=3 samples, but max_num_seqs=2: .* could never be admitted"):
+        eng.generate([[5, 6, 7]], n=3, temperature=1.0, seed=0)
+    with pytest.raises(KvlabValueError, match="max_num_seqs=2"):
+        eng.add_request([5, 6, 7], n=3, temperature=1.0, seed=0)
+    assert not eng.has_unfinished_requests() and eng.outputs == {}
+    assert len(eng.generate([[5, 6, 7]], max_tokens=2, n=2, temperature=1.0, seed=0)[0]) == 2  # n = max_num_seqs runs
+
+
+def test_numpy_integers_are_taken_as_ints_at_the_door(tiny_llama_dir):
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(max_tokens=np.int64(3), n=np.int32(2), temperature=1.0, seed=np.int64(7))
+    assert [type(v) for v in (params.max_tokens, params.n, params.seed)] == [int, int, int]
+    eng = engine(tiny_llama_dir)
+    eng.add_request([5, 6, 7], max_tokens=np.int64(3), request_id="numpy", temperature=1.0, seed=np.int64(7))
+    eng.add_request([5, 6, 7], max_tokens=3, request_id="python", temperature=1.0, seed=7)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.outputs["numpy"] == eng.outputs["python"] and len(eng.outputs["numpy"]) == 3
+
+
+def test_a_request_whose_sampling_raises_fails_alone_and_the_batch_is_served(tiny_llama_dir, hf_greedy, monkeypatch):
+    eng = engine(tiny_llama_dir)
+    sample = eng.model_runner.sampler.sample
+
+    def broken_for_bad(logits, request_id, params):
+        if request_id == "bad":
+            raise TypeError("manual_seed expected a long")
+        return sample(logits, request_id, params)
+
+    monkeypatch.setattr(eng.model_runner.sampler, "sample", broken_for_bad)
+    good = random_token_ids(10, seed=7)
+    eng.add_request([5, 6, 7], max_tokens=3, request_id="bad", temperature=1.0, seed=1)
+    eng.add_request(good, max_tokens=4, request_id="good")
+    failures = []
+    while eng.has_unfinished_requests():
+        try:
+            eng.step()
+        except TypeError as error:
+            failures.append(error)
+    assert len(failures) == 1 and "request(s) ['bad']" in "".join(failures[0].__notes__)
+    assert eng.finish_reasons == {"bad": "error", "good": "length"} and eng.outputs["good"] == hf_greedy(good, 4)
+    assert_nothing_held(eng)
+
+
+@pytest.mark.parametrize("request_ids", [123, None, 1.5])
+def test_abort_request_refuses_what_is_not_a_request_id_by_name(tiny_llama_dir, request_ids):
+    eng = engine(tiny_llama_dir)
+    eng.add_request([5, 6, 7], max_tokens=2, request_id="kept")
+    with pytest.raises(KvlabValueError, match="request_ids must be a request id string or a list of them"):
+        eng.abort_request(request_ids)
+    assert eng.has_unfinished_requests()

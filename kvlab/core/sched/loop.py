@@ -4,7 +4,12 @@ Mirrors the loop of ``vllm/v1/engine/core.py``: ``schedule``, ``execute_model``,
 kvlab differs where a step fails: vLLM treats an exception from ``execute_model`` as fatal (the
 engine core logs it, tells its clients the engine is dead and shuts down, failing every request);
 kvlab fails only the requests of that step (``Scheduler.fail_step``) and serves the rest, so a
-learner's loop ``while scheduler.has_unfinished_requests(): step(...)`` always ends.
+learner's loop ``while scheduler.has_unfinished_requests(): step(...)`` always ends. An exception
+anywhere else in the step, a Ctrl-C in ``schedule`` or ``update_from_output`` included, undoes the
+step instead: the scheduler goes back to its state before it (``kvlab.core.sched.snapshot``). vLLM
+dies of such an exception as well (``run_engine_core``: "EngineCore encountered a fatal error"), and
+its engine core process turns SIGINT into a shutdown request its busy loop handles between steps,
+so there a Ctrl-C never lands inside one; in a notebook kernel it lands wherever Python is.
 
 ``NoComputeExecutor`` stands in for a model, for simulations at scales a CPU model could not run.
 """
@@ -16,6 +21,7 @@ import zlib
 from kvlab._validate import checked, positive_int
 from kvlab.core.sched.output import Executor, ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from kvlab.core.sched.scheduler import Scheduler
+from kvlab.core.sched.snapshot import Snapshot
 from kvlab.errors import RequestStateError
 
 
@@ -44,20 +50,48 @@ class NoComputeExecutor:
 
 
 @checked
-def step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
-    """One engine step, as vLLM's ``EngineCore.step``: schedule, execute, update.
+def step(scheduler: Scheduler, executor: Executor, *, atomic: bool = True
+         ) -> tuple[SchedulerOutput, list[RequestOutput], SchedulerStats]:
+    """One engine step, as vLLM's ``EngineCore.step``: schedule, execute, update; all or nothing.
 
     An exception from the executor (an interrupt included) does not escape: it fails the step's
     requests (``Scheduler.fail_step``), whose outputs carry it, and the scheduler serves the rest.
-    ``LLMEngine.step`` raises it again once its bookkeeping is done.
+    ``LLMEngine.step`` raises it again once its bookkeeping is done. Any other exception, a
+    ``KeyboardInterrupt`` in ``schedule`` or ``update_from_output`` included, undoes the step: the
+    scheduler, its KV cache manager and pool go back to their state before it (a ``Snapshot``, the
+    design kvlab chose over failing the step's requests, so a Ctrl-C costs no request), blocks the
+    step took out of the prefix cache stay out of it (it may have written them), and the exception
+    is raised again. The next call schedules the same step afresh. ``atomic=False`` skips the snapshot
+    (a pass over the pool's blocks) for a caller that throws the scheduler away when a step raises:
+    a simulation builds its own and keeps nothing of an interrupted run.
     """
-    scheduler_output = scheduler.schedule()
+    before = Snapshot(scheduler) if atomic else None
     try:
-        model_runner_output = executor.execute_model(scheduler_output)
-    except BaseException as error:  # noqa: BLE001 - nothing may strand the step's requests; re-raised by callers
-        model_runner_output = scheduler.fail_step(scheduler_output, error)
-    outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
-    return scheduler_output, outputs, scheduler.make_stats()
+        scheduler_output = scheduler.schedule()
+        try:
+            model_runner_output = executor.execute_model(scheduler_output)
+        except BaseException as error:  # noqa: BLE001 - nothing may strand the step's requests; re-raised by callers
+            model_runner_output = scheduler.fail_step(scheduler_output, error)
+        outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+        return scheduler_output, outputs, scheduler.make_stats()
+    except BaseException:
+        if before is not None:
+            _undo(scheduler, before)
+        raise
+
+
+def _undo(scheduler: Scheduler, before: Snapshot) -> None:
+    """Put the scheduler back as ``before`` saw it; a block whose cached hash the step changed loses it.
+
+    Such a block was evicted for reuse during the step, and the step's forward may have written
+    new KV into it, so its old hash must not serve a prefix hit. (A second interrupt during the undo
+    itself, a few milliseconds, is not guarded against.)
+    """
+    blocks = scheduler.kv_cache_manager.block_pool.blocks
+    hashes = [block.block_hash for block in blocks]
+    before.restore()
+    rewritten = [b.block_id for b, h in zip(blocks, hashes, strict=True) if b.block_hash not in (None, h)]
+    scheduler.kv_cache_manager.block_pool.evict_blocks(rewritten, notify=False)
 
 
 @checked

@@ -51,8 +51,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        positive_int("max_tokens", self.max_tokens)
-        positive_int("n", self.n)
+        # Integers are kept as Python ints (a numpy int passes the door too): torch generators take no other seed.
+        object.__setattr__(self, "max_tokens", positive_int("max_tokens", self.max_tokens))
+        object.__setattr__(self, "n", positive_int("n", self.n))
         temperature = non_negative_number("temperature", self.temperature)
         if temperature > MAX_TEMPERATURE:
             raise KvlabValueError(f"temperature must be in [0, {MAX_TEMPERATURE}] (as in vLLM), got {temperature!r}")
@@ -66,6 +67,7 @@ class SamplingParams:
         object.__setattr__(self, "temperature", temperature)
         if self.seed is not None:
             seed = non_negative_int("seed", self.seed)
+            object.__setattr__(self, "seed", seed)
             if seed + self.n - 1 > MAX_SEED:
                 raise KvlabValueError(
                     f"seed must be an integer in [0, 2**64 - n] = [0, {MAX_SEED - self.n + 1}] (torch generators "

@@ -126,7 +126,14 @@ class Scheduler:
     @checked
     def check_admissible(self, request: GenerationRequest) -> None:
         """Refuse a request this scheduler could never run: too long for the pool or ``max_model_len``, or
-        parallel samples (``n > 1``, served by fork) over several KV cache groups, which fork cannot share."""
+        parallel samples (``n > 1``, served by fork) over several KV cache groups, which fork cannot share, or
+        more samples than ``max_num_seqs`` lets run at once (they are admitted together)."""
+        n = request.sampling_params.n
+        if n > self.max_num_running_reqs:
+            raise KvlabValueError(
+                f"request {request.request_id!r} asks for n={n} samples, but max_num_seqs="
+                f"{self.max_num_running_reqs}: its samples run together, so it could never be admitted. Lower n or "
+                "raise max_num_seqs")
         if request.sampling_params.n > 1 and self.kv_cache_manager.num_kv_cache_groups > 1:
             raise KvlabValueError(
                 f"request {request.request_id!r} asks for n={request.sampling_params.n} samples: kvlab forks them, "
