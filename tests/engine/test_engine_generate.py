@@ -240,8 +240,12 @@ def test_prepare_inputs_flattens_a_mixed_batch():
         preempted_req_ids=[], finished_req_ids=set(), blocks_to_copy=[])
     input_ids, positions, meta = prepare_inputs(out, block_size=8)
     assert input_ids.tolist() == [5, 6, 7, 8] and positions.tolist() == [0, 1, 2, 17]
-    on_meta = prepare_inputs(out, block_size=8, device="meta")  # every tensor is built where the model runs
-    assert {t.device.type for t in (*on_meta[:2], *dataclasses.astuple(on_meta[2]))} == {"meta"}
+    on_meta = prepare_inputs(out, block_size=8, device="meta")  # every tensor is built where the model runs,
+    device = (on_meta[2].slot_mapping, on_meta[2].block_table, on_meta[2].seq_lens, on_meta[2].query_start_loc)
+    assert {t.device.type for t in (*on_meta[:2], *device)} == {"meta"}
+    host = on_meta[2].host  # but for the host copies the kernels' checks read (no device sync)
+    assert {t.device.type for t in (*dataclasses.astuple(host), on_meta[2].slot_mapping_cpu)} == {"cpu"}
+    assert host.block_table_cpu.tolist() == [[3, 9, 0], [4, 1, 2]]
     assert meta.slot_mapping.tolist() == [24, 25, 26, 2 * 8 + 1]  # position 17: block 2, offset 1
     assert meta.block_table.tolist() == [[3, 9, 0], [4, 1, 2]]  # padded with the null block
     assert meta.seq_lens.tolist() == [3, 18] and meta.query_start_loc.tolist() == [0, 3, 4]
