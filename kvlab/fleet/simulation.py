@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab._validate import positive_int
 from kvlab.capacity.cost_model import CostModel, cost_model
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
 from kvlab.engine.metrics import EngineMetrics
-from kvlab.errors import KvlabValueError
+from kvlab.errors import KvlabValueError, ReplicaDiedError
 from kvlab.fleet.routers import FLEET_HASH_SEED, FleetRequest, Router
 
 
@@ -95,6 +96,7 @@ class FleetResult:
     num_replicas: int
     usage: list[float]
     copies_of_first_block: dict[str, int]
+    dead: list[int]
 
     @property
     def prefilled_tokens(self) -> int:
@@ -130,29 +132,67 @@ class FleetResult:
                    if e is not None)
 
 
+class LocalReplicas:
+    """The fleet simulation's backend: ``ReplicaCore``s in this process (events and usage read directly)."""
+
+    def __init__(self, num_replicas: int, num_blocks: int, block_size: int) -> None:
+        self.replicas = [ReplicaCore(num_blocks, block_size) for _ in range(num_replicas)]
+        self.dead: list[int] = []
+
+    def serve(self, replica: int, request: FleetRequest) -> Served:
+        return self.replicas[replica].serve(request.request_id, request.prompt_token_ids, replica)
+
+    def take_events(self, replica: int) -> list:
+        return self.replicas[replica].take_events()
+
+    def usage(self, replica: int) -> float:
+        return self.replicas[replica].manager.usage
+
+    def holds(self, replica: int, block_hash: bytes) -> bool:
+        return self.replicas[replica].manager.block_pool.get_cached_block(block_hash) is not None
+
+
 def simulate_fleet(router: Router, requests: Sequence[FleetRequest], num_blocks: int, block_size: int = 16,
-                   cost: CostModel | None = None, decode_step_seconds: float | None = None) -> FleetResult:
-    """Route every request, serve it on its replica's manager, feed the router the events and the load."""
+                   cost: CostModel | None = None, decode_step_seconds: float | None = None,
+                   backend: Any = None, before_each: Callable[[int], None] | None = None) -> FleetResult:
+    """Route every request, serve it on its replica, feed the router the replica's events and the load.
+
+    ``backend`` serves the requests: ``LocalReplicas`` (the default, in this process) or a
+    ``ReplicaFleet`` of processes; ``before_each(k)`` runs before request ``k`` (to kill a replica).
+    A replica that dies (``ReplicaDiedError``) is taken out of routing and the request is routed
+    again, so none is lost; ``FleetResult.dead`` lists it.
+    """
     n = router.num_replicas
     cost = cost or cost_model("llama-3-8b")
     step = cost.forward_seconds(1, 0) if decode_step_seconds is None else decode_step_seconds
-    replicas = [ReplicaCore(num_blocks, block_size) for _ in range(n)]
+    backend = backend if backend is not None else LocalReplicas(n, num_blocks, block_size)
     busy_until = [0.0] * n
     in_flight: list[deque[tuple[float, str]]] = [deque() for _ in range(n)]
-    served, ttft, expected = [], [], []
+    served, ttft, expected, dead = [], [], [], []
     first_block: dict[str, bytes] = {}
-    for request in requests:
+    for k, request in enumerate(requests):
+        if before_each is not None:
+            before_each(k)
         now = request.arrival
-        for i in range(n):
+        for i in router.live():
             while in_flight[i] and in_flight[i][0][0] <= now:
                 router.finished(in_flight[i].popleft()[1])
-            router.update_load(i, len(in_flight[i]), replicas[i].manager.usage)
-        i = router.route(request)
-        guess = router.last_expected_hit_tokens
+            router.update_load(i, len(in_flight[i]), backend.usage(i))
+        while True:
+            i = router.route(request)
+            guess = router.last_expected_hit_tokens
+            try:
+                s = backend.serve(i, request)
+                router.observe(i, backend.take_events(i))
+                break
+            except ReplicaDiedError:
+                dead.append(i)
+                router.mark_dead(i)
+                for _, request_id in in_flight[i]:
+                    router.finished(request_id)
+                in_flight[i].clear()
         expected.append(None if guess is None else min(guess, (len(request.prompt_token_ids) - 1) // block_size
                                                        * block_size))
-        s = replicas[i].serve(request.request_id, request.prompt_token_ids, i)
-        router.observe(i, replicas[i].take_events())
         start = max(now, busy_until[i])
         prefill = cost.forward_seconds(s.prefilled_tokens, s.hit_tokens)
         busy_until[i] = start + prefill + request.output_len * step
@@ -161,6 +201,6 @@ def simulate_fleet(router: Router, requests: Sequence[FleetRequest], num_blocks:
         ttft.append(start - now + prefill)
         if request.session is not None and request.session not in first_block:
             first_block[request.session] = request.block_hashes(block_size)[0]
-    copies = {session: sum(r.manager.block_pool.get_cached_block(h) is not None for r in replicas)
-              for session, h in first_block.items()}
-    return FleetResult(router.name, served, ttft, expected, n, [r.manager.usage for r in replicas], copies)
+    copies = {session: sum(backend.holds(i, h) for i in router.live()) for session, h in first_block.items()}
+    return FleetResult(router.name, served, ttft, expected, n, [backend.usage(i) for i in router.live()], copies,
+                       dead)
