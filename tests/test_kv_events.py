@@ -99,3 +99,31 @@ def test_a_subscriber_that_missed_frames_gets_them_replayed_from_the_bounded_buf
     finally:
         subscriber.close()
         publisher.shutdown()
+
+
+def test_an_index_fed_only_by_the_events_always_equals_the_pools_cached_hashes():
+    """The invariant a precise router relies on: BlockStored and BlockRemoved account for every change."""
+    import random
+
+    from kvlab.fleet.routers import KVBlockIndex
+
+    rng = random.Random(0)
+    manager = KVCacheManager(12, 4, enable_kv_cache_events=True)
+    index = KVBlockIndex(1)
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    live: list[Request] = []
+    for i in range(200):
+        if live and (len(live) > 2 or rng.random() < 0.5):
+            manager.free(live.pop(rng.randrange(len(live))))
+        else:
+            request = Request(f"r{i}", rng.choice(prefixes)[: rng.randint(1, 12)] + [rng.randrange(50)
+                                                                                for _ in range(rng.randint(0, 9))])
+            hits, num_hits, _ = manager.get_computed_blocks(request)
+            if manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits) is not None:
+                live.append(request)
+        if i % 50 == 49 and not live:
+            assert manager.reset_prefix_cache()
+        for event in manager.take_events():
+            index.apply(0, event)
+        cached = {h for h, _ in manager.block_pool.cached_block_hash_to_block.items()}
+        assert index.held[0] == cached, i
