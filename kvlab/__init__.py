@@ -82,6 +82,12 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
                                         (``vllm/model_executor/models/registry.py``)
 09  capacity.parallel                   TP against data-parallel attention per GPU (``max_tp_shards``;
                                         ``data_parallel_size``, ``enable_expert_parallel``: ``vllm/config/parallel.py``)
+10  core.kv_cache_events,               the events ``BlockPool`` queues and their wire form (``BlockStored``,
+    distributed.kv_events               ``BlockRemoved``, ``AllBlocksCleared``, ``KVEventBatch``, the ZMQ publisher,
+                                        ``KVEventsConfig``: ``vllm/distributed/kv_events.py``, ``config/kv_events.py``)
+10  fleet.metrics                       a replica's ``/metrics`` in vLLM's names (``vllm/v1/metrics/loggers.py``)
+10  fleet.routers, fleet.simulation,    kvlab's own: routers after production-stack, SGLang, llm-d and Dynamo; the
+    fleet.replica                       fleet over core managers, and replicas as processes on ZMQ and HTTP
 ==  ==================================  ==========================================================
 
 The names below are importable from ``kvlab`` itself; they load on first use, so importing

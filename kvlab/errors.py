@@ -102,3 +102,11 @@ class NonFiniteLogitsError(RequestFailedError):
             "sampled. The model produced them (a NaN or huge weight, an overflow in a low-precision dtype); "
             "kvlab finishes the request with an error instead of emitting a meaningless token",
         )
+
+
+class ReplicaDiedError(KvlabError):
+    """A fleet replica process exited or stopped answering within its timeout; the message names it."""
+
+    def __init__(self, replica: int, reason: str) -> None:
+        self.replica = replica
+        super().__init__(f"replica {replica}: {reason}")

@@ -46,7 +46,7 @@ from mutation_catalogue import ROOT, Mutant, all_mutants, apply  # noqa: E402
 
 SITE_DIR = Path(__file__).resolve().parent / "mutation_site"
 #: Notebooks in the order they run when not hinted: quickest first (measured on 2 cores).
-NOTEBOOK_ORDER = ("01", "04", "03", "02", "08", "07", "05", "06", "09")
+NOTEBOOK_ORDER = ("01", "04", "03", "02", "10", "08", "07", "05", "06", "09")
 #: Tests that hold the real installation to its layout and cannot pass on a scratch copy.
 SCRATCH_DESELECT = ("tests/test_packaging.py::test_kernels_folder_is_installed_as_kvlab_kernels_and_not_as_kernels",)
 TEST_ARGS = ("-m", "not ui", "--ignore=tests/vllm", "--ignore=tests/test_mutants.py",

@@ -24,7 +24,7 @@ class Mutant:
     """One bug: in ``path``, the text ``original`` (exactly once) becomes ``mutated``."""
 
     name: str
-    layer: str            # capacity, core, sim, kernels, engine, exercises, viz
+    layer: str            # capacity, core, sim, kernels, engine, fleet, exercises, viz
     path: str             # relative to the repository root
     original: str
     mutated: str
@@ -207,6 +207,22 @@ OTHER_MUTANTS: list[Mutant] = [
            "        cache[src] = cache[dst]",
            "a block copy goes from the destination to the source",
            ("06",), ("tests/engine/test_engine_generate.py",)),
+    # --- the fleet's routers
+    Mutant("cache_aware_either_threshold", "fleet", "kvlab/fleet/routers.py",
+           "                and max(loads) > self.balance_rel_threshold * min(loads))",
+           "                or max(loads) > self.balance_rel_threshold * min(loads))",
+           "SGLang's router balances load when either threshold is passed (it needs both)",
+           (), ("tests/test_fleet_routers.py",)),
+    Mutant("precise_index_keeps_removed", "fleet", "kvlab/fleet/routers.py",
+           "self.held[replica].difference_update(event.block_hashes)",
+           "self.held[replica].difference_update(())",
+           "an event-fed index can ignore BlockRemoved: a block once stored stays a hit",
+           ("10",), ("tests/test_fleet_routers.py", "tests/test_fleet_simulation.py")),
+    Mutant("dynamo_ignores_overlap", "fleet", "kvlab/fleet/routers.py",
+           "self.overlap_weight * (len(hashes) - self.index.overlap_blocks(hashes, i))",
+           "self.overlap_weight * len(hashes)",
+           "Dynamo's cost counts every prompt block as prefill, cached or not",
+           (), ("tests/test_fleet_routers.py",)),
     # --- the grader and a panel
     Mutant("grader_tolerance", "exercises", "kvlab/exercises/canonical.py",
            "return math.isclose(expected, actual, rel_tol=1e-9, abs_tol=1e-12)",

@@ -33,7 +33,11 @@ def seconds(value: float) -> str:
 
 
 def time_row(result: dict, machine: dict) -> str:
-    """The opening's **Time** row for one notebook's measurement (``tests/test_navigation.py`` reads it back)."""
+    """The opening's **Time** row for one notebook's measurement (``tests/test_navigation.py`` reads it back).
+
+    A result measured on another machine than the file's latest keeps its own ``machine``.
+    """
+    machine = result.get("machine", machine)
     return (f"{ROW} Run All takes {seconds(result['wall_s'])} ({seconds(result['cpu_s'])} of CPU time), measured on "
             f"{machine['cores']} cores of a shared {machine['cpu']} (load {result['load_before']:g}) on "
             f"{machine['date']} with `scripts/time_notebooks.py`; on a laptop with nothing else running, expect "
@@ -107,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     saved = load_measurement(NAME)
     results = dict(saved["results"]) if saved else {}
+    for name, result in results.items():  # results not re-measured keep the machine they were measured on
+        if saved and "machine" not in result and name not in {p.name for p in notebooks}:
+            result["machine"] = saved["machine"]
     for path in notebooks:
         results[path.name] = time_notebook(path.resolve())
         r = results[path.name]

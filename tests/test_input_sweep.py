@@ -47,6 +47,8 @@ SKIP: dict[str, str] = {
         "kvlab.capacity.hybrid.HybridKVCachePlan", "kvlab.capacity.parallel.ParallelPlan",
         "kvlab.sim.hybrid_hits.HitWalkthrough",
         "kvlab.core.kv_cache_utils.KVCacheBlocks",
+        "kvlab.core.kv_cache_events.BlockStored", "kvlab.core.kv_cache_events.BlockRemoved",
+        "kvlab.core.kv_cache_events.AllBlocksCleared",
     )},
     **{name: INSIDE for name in (
         "kvlab.core.kv_cache_coordinator.HybridKVCacheCoordinator",

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
 from kvlab.core.hashing import make_block_hash_with_group_id
+from kvlab.core.kv_cache_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEventRecord
 from kvlab.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheBlockCopy
 from kvlab.errors import BlockStateError, KvlabValueError, OutOfBlocksError
 
@@ -111,6 +112,7 @@ class BlockPool:
         *,
         metrics_collector: BlockPoolObserver | None = None,
         observers: Iterable[BlockPoolObserver] = (),
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.num_gpu_blocks = positive_int("num_blocks", num_blocks)
         if reserve_null_block and num_blocks < 2:
@@ -135,6 +137,9 @@ class BlockPool:
         self.evicted_hashes: set[BlockHash] = set()
         # Bumped by every eviction: a lookup's hits, stamped with it, are still cached while it is unchanged.
         self.eviction_epoch = 0
+        # vLLM's KV cache events: plain records queued here, handed over by take_events()
+        self.enable_kv_cache_events = bool(enable_kv_cache_events)
+        self.kv_event_queue: list[KVCacheEventRecord] = []
         if reserve_null_block:
             self.null_block = self.free_block_queue.popleft()
             self.null_block.is_null = True
@@ -239,6 +244,8 @@ class BlockPool:
             index.pop(primary, block.block_id)
             block._block_hash = block._block_hash_num_tokens = None
             self.eviction_epoch += 1
+            if self.enable_kv_cache_events:  # vLLM: BlockRemoved for the evicted hash
+                self.kv_event_queue.append(BlockRemoved((primary,)))
         if primary is not None:
             self.num_evicted_blocks += 1
             if primary not in index._cache:  # no other block holds the same content
@@ -326,6 +333,7 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int | None = None,
+        token_ids: Sequence[int] = (),
     ) -> None:
         """Give blocks ``num_cached_blocks .. num_full_blocks - 1`` of a request their hashes.
 
@@ -334,10 +342,11 @@ class BlockPool:
         ``num_cached_blocks`` are cached already. With ``block_size`` each entry records the
         prefix tokens it covers (``block_hash_num_tokens``), and a block holding a partial entry
         (a shorter prefix inside it) is promoted to its full hash. A block cached under another
-        full hash, a hash that is None or unhashable, raise before anything changes.
+        full hash, a hash that is None or unhashable, raise before anything changes. ``token_ids``
+        (the request's tokens) fill the ``BlockStored`` event when events are on.
         """
         self._check_cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size)
-        self._cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size)
+        self._cache_full_blocks(blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size, token_ids)
 
     def _check_cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
                                  num_cached_blocks: int, num_full_blocks: int, block_size: int | None) -> None:
@@ -362,7 +371,8 @@ class BlockPool:
                 raise BlockStateError(f"block {block.block_id} is cached under another hash")
 
     def _cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
-                           num_cached_blocks: int, num_full_blocks: int, block_size: int | None = None) -> None:
+                           num_cached_blocks: int, num_full_blocks: int, block_size: int | None = None,
+                           token_ids: Sequence[int] = ()) -> None:
         """The algorithm of ``cache_full_blocks``: kvlab's managers pass their own blocks and hashes."""
         new = blocks[num_cached_blocks:num_full_blocks]
         hashes = block_hashes[num_cached_blocks:num_full_blocks]
@@ -379,6 +389,11 @@ class BlockPool:
             if block._block_hash is not None:  # a partial entry whose block is now full: promote it
                 self._remove_cached_block_hashes(block)
             self._insert_block_hash(block_hash, block, end)
+        if self.enable_kv_cache_events and hashes:
+            size = block_size or 0
+            self.kv_event_queue.append(BlockStored(
+                tuple(hashes), block_hashes[num_cached_blocks - 1] if num_cached_blocks else None,
+                tuple(token_ids[num_cached_blocks * size:num_full_blocks * size]), size))
 
     @checked
     def cache_partial_block(self, block: KVCacheBlock, block_hash: BlockHash, num_tokens: int) -> None:
@@ -416,6 +431,8 @@ class BlockPool:
         hashes.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
         removed = [h for h in hashes if self.cached_block_hash_to_block.pop(h, block.block_id) is not None]
         block.reset_hash()
+        if self.enable_kv_cache_events:  # vLLM: one BlockRemoved per hash
+            self.kv_event_queue.extend(BlockRemoved((h,)) for h in removed)
         return removed
 
     @checked
@@ -451,7 +468,14 @@ class BlockPool:
         self.cached_block_hashes_by_block.clear()
         self.evicted_hashes.clear()
         self.eviction_epoch += 1
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEventRecord]:
+        """Hand over every queued KV cache event and start a new queue (vLLM's ``take_events``)."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     # ----------------------------------------------------------------- checks
 

@@ -46,6 +46,7 @@ from kvlab.core.hashing import (
     none_hash_from_seed,
 )
 from kvlab.core.kv_cache_coordinator import GroupBlocks, get_kv_cache_coordinator
+from kvlab.core.kv_cache_events import KVCacheEventRecord
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, KVCacheBlocks
 from kvlab.core.manager_checks import AllocationChecks
 from kvlab.core.manager_fork import ForkMixin
@@ -71,7 +72,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     requests the hit rate covers. ``kv_cache_groups`` (specs or ``KVCacheGroupSpec``s, each of
     ``block_size``) replaces the one full-attention group; ``max_in_flight_tokens`` (vLLM's: the
     tokens scheduled but not yet computed, at most) caps what a sliding-window group is counted
-    to need when a whole request must fit.
+    to need when a whole request must fit. ``enable_kv_cache_events`` queues vLLM's KV cache events
+    (``take_events``).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         metrics_collector: BlockPoolObserver | None = None,
         kv_cache_groups: Sequence[KVCacheGroupSpec | KVCacheSpec] | None = None,
         max_in_flight_tokens: int | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.block_size = positive_int("block_size", block_size)
         self.hash_block_size = self._check_hash_block_size(hash_block_size, verify_hits)
@@ -105,7 +108,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             positive_int("max_in_flight_tokens", max_in_flight_tokens)
         self.watermark_blocks = self._check_watermark(watermark, num_blocks)
         self.caching_metrics = CachingMetrics(hit_rate_window)
-        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block, metrics_collector=metrics_collector)
+        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block, metrics_collector=metrics_collector,
+                                    enable_kv_cache_events=enable_kv_cache_events)
         self.enable_caching = bool(enable_caching)
         self.coordinator = get_kv_cache_coordinator(groups, self.block_pool, self.enable_caching, self.hash_block_size,
                                                     max_model_len=self.max_model_len,
@@ -385,6 +389,10 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self._check_same_object(request)
         self.coordinator.free(request.request_id)
         self._requests.pop(request.request_id, None)
+
+    def take_events(self) -> list[KVCacheEventRecord]:
+        """The KV cache events the pool queued since the last call (vLLM's ``KVCacheManager.take_events``)."""
+        return self.block_pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update, say); refused (False) while any block is in use."""

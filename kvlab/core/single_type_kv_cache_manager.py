@@ -199,11 +199,12 @@ class SingleTypeKVCacheManager:
             keys: Sequence[Any] = self.full_block_hashes(request)
             if self.keyed:  # only the entries from num_cached on are read
                 keys = [None] * num_cached + [self.cache_key(h) for h in keys[num_cached:num_full]]
-            start = num_cached
+            start, events = num_cached, self.block_pool.enable_kv_cache_events
             for i in range(num_cached, num_full + 1):  # runs of real blocks, between null ones
                 if i == num_full or blocks[i].is_null:
                     if start < i:
-                        self.block_pool._cache_full_blocks(blocks, keys, start, i, self.block_size)
+                        self.block_pool._cache_full_blocks(blocks, keys, start, i, self.block_size,
+                                                           request.all_token_ids if events else ())
                     start = i + 1
         self.num_cached_block[request_id] = num_full
         return range(num_cached, num_full)
