@@ -67,36 +67,44 @@ def _nbval_classes() -> tuple[type, type] | None:
 
 
 class Renderer:
-    """One JupyterLab server and one Chromium per pytest process, started on first use, stopped at the end."""
+    """One Chromium and one JupyterLab per pytest process, each started on first use, stopped at the end.
+
+    Playwright's sync API allows one running instance per process, so every browser test of the process
+    (``tests/test_ui_browser.py``, ``tests/test_html_export.py``) takes its pages from this one browser.
+    """
 
     def __init__(self) -> None:
-        self._stack: ExitStack | None = None
+        self._stack = ExitStack()
         self.home: Path | None = None
         self.lab: ui.Server | None = None
         self.browser: Any = None
 
-    def start(self) -> None:
-        if self._stack is not None:
-            return
-        from playwright.sync_api import sync_playwright
+    def _home(self) -> Path:
+        if self.home is None:
+            self.home = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlab-rendered-")))
+        return self.home
 
-        stack = ExitStack()
-        try:
-            self.home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlab-rendered-")))
-            ui.stage_workbook(self.home / "workbook", [])
-            self.lab = stack.enter_context(ui.jupyterlab(self.home / "lab", self.home / "workbook"))
-            playwright = stack.enter_context(sync_playwright())
-            self.browser = stack.enter_context(ui.chromium(playwright, self.home / "profile"))
+    def start_browser(self) -> Any:
+        """The process's Chromium context (a 1280x720 viewport, waits bounded by ``_browser.WAIT_S``)."""
+        if self.browser is None:
+            from playwright.sync_api import sync_playwright
+
+            playwright = self._stack.enter_context(sync_playwright())
+            self.browser = self._stack.enter_context(ui.chromium(playwright, self._home() / "profile"))
             self.browser.set_default_timeout(ui.WAIT_S * 1000)
-        except BaseException:
-            stack.close()
-            raise
-        self._stack = stack
+        return self.browser
+
+    def start(self) -> None:
+        """The browser and a JupyterLab serving the staging folder of executed copies."""
+        self.start_browser()
+        if self.lab is None:
+            ui.stage_workbook(self._home() / "workbook", [])
+            self.lab = self._stack.enter_context(ui.jupyterlab(self.home / "lab", self.home / "workbook"))
 
     def close(self) -> None:
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            stack.close()
+        stack, self._stack = self._stack, ExitStack()
+        self.lab = self.browser = self.home = None
+        stack.close()
 
     def trust(self, notebook: Path) -> None:
         """Sign ``notebook`` with the test server's own secret, so JupyterLab renders its widgets and figures."""
@@ -113,6 +121,31 @@ def trust(notebook: Path, data_dir: Path) -> None:
     notary.store.close()
 
 
+# ipywidgets' manager restores the saved widgets once the kernel is ready; a second restore, from the kernel
+# only, starts when the kernel connects and marks the manager restored before the notebook's models are in
+# it, so a widget output rendered in that window says "model not found" (a race in ipywidgets 8, seen on a
+# loaded machine). Reloading the notebook from disk renders its outputs again, against the models now loaded.
+RELOADS = 3
+
+
+def reload_from_disk(page: Any) -> None:
+    """File > Reload Notebook from Disk, then wait until the notebook's cells are back.
+
+    JupyterLab asks first when the notebook is dirty, as restoring widgets makes it (each model registered
+    marks it changed).
+    """
+    dirty = page.locator(".lm-TabBar-tab.lm-mod-current.jp-mod-dirty").count() > 0
+    page.locator(".lm-MenuBar-itemLabel", has_text="File").first.click()
+    page.locator(".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel",
+                 has_text="Reload Notebook from Disk").first.click()
+    if dirty:
+        accept = page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept")  # "Are you sure ...?"
+        accept.first.wait_for(state="visible")
+        accept.first.click()
+        accept.first.wait_for(state="detached")
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
+
+
 def problems_in_lab(browser: Any, lab: ui.Server, path: str, want: dict[str, Any],
                     shot: Path | None = None) -> tuple[list[str], list[dict[str, Any]]]:
     """Open the notebook at ``path`` (under the server's root) and say where the page falls short of ``want``.
@@ -124,7 +157,11 @@ def problems_in_lab(browser: Any, lab: ui.Server, path: str, want: dict[str, Any
     try:
         ui.open_in_lab(page, lab, path)
         root = ".jp-NotebookPanel:not(.lm-mod-hidden)"
-        ui.wait_for_render(page, root, want["views"], want["plots"])
+        for _attempt in range(RELOADS + 1):
+            report = ui.wait_for_render(page, root, want["views"], want["plots"])
+            if not any("model not found" in e for e in report["widgetErrors"]):
+                break
+            reload_from_disk(page)
         figures = ui.figure_text_report(page, root)
         if shot is not None:
             ui.screenshot_whole(page, shot, ui.LAB_SCROLLER, figures=FIGURE_SHOTS)
@@ -137,6 +174,11 @@ def problems_in_lab(browser: Any, lab: ui.Server, path: str, want: dict[str, Any
 
 
 RENDERER_KEY = pytest.StashKey[Renderer]()
+
+
+def shared_browser(config: pytest.Config) -> Any:
+    """The process's one Chromium context, for any browser test (see ``Renderer``)."""
+    return config.stash.setdefault(RENDERER_KEY, Renderer()).start_browser()
 
 
 class RenderedNotebook(pytest.Item):
@@ -165,7 +207,7 @@ class RenderedNotebook(pytest.Item):
                   and any(o.get("output_type") == "error" for o in c.test_outputs)]
         if failed:
             pytest.skip(f"cells {failed} failed under nbval (reported there)")
-        renderer = self.config.stash[RENDERER_KEY]
+        renderer = self.config.stash.setdefault(RENDERER_KEY, Renderer())
         renderer.start()
         executed = self._executed_copy(renderer)
         self._check_in_lab(renderer, executed)
@@ -233,7 +275,6 @@ def add_render_items(session: pytest.Session, items: list[pytest.Item]) -> None:
             by_file.setdefault(item.parent, {})[item.cell_num] = item
     if not by_file:
         return
-    session.config.stash.setdefault(RENDERER_KEY, Renderer())
     out: list[pytest.Item] = []
     for index, item in enumerate(items):
         out.append(item)

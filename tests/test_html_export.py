@@ -91,15 +91,16 @@ def test_links_point_at_the_static_copy(exported):
 
 
 @pytest.mark.ui
-def test_figures_draw_in_chromium_with_the_network_cut_off(exported, tmp_path):
+def test_figures_draw_in_chromium_with_the_network_cut_off(exported, request):
     browser = pytest.importorskip("_browser")
     if browser.chromium_path() is None:
         pytest.skip("no Chromium: the static copy was checked as text only")
-    from playwright.sync_api import sync_playwright
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    from _rendered import shared_browser
 
     _, page, _ = exported
-    with sync_playwright() as playwright, browser.chromium(playwright, tmp_path / "profile") as context:
-        tab = context.new_page()
+    tab = shared_browser(request.config).new_page()  # one Playwright per process (tests/_rendered.py)
+    try:
         fetched: list[str] = []
         tab.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
                   else (fetched.append(route.request.url), route.abort()))
@@ -110,6 +111,8 @@ def test_figures_draw_in_chromium_with_the_network_cut_off(exported, tmp_path):
                              ".map(p => p.querySelectorAll('g.trace').length)")
         heights = tab.evaluate("() => [...document.querySelectorAll('math')]"
                                ".map(m => m.getBoundingClientRect().height)")
+    finally:
+        tab.close()
     assert len(drawn) == page.figures and all(drawn), drawn
     assert fetched == []
     assert heights and all(h > 10 for h in heights), heights    # laid out as formulas, not left as TeX

@@ -42,7 +42,7 @@ from typing import Any
 
 import _browser as ui
 import pytest
-from _rendered import FIGURE_SHOTS, LIVE_IN_LAB, SCREENSHOTS
+from _rendered import FIGURE_SHOTS, LIVE_IN_LAB, SCREENSHOTS, shared_browser
 
 pytestmark = pytest.mark.ui
 
@@ -60,8 +60,7 @@ if ui.chromium_path() is None:
         f"UI tests skipped: no Chromium at {os.environ.get(ui.CHROMIUM_ENV) or ui.DEFAULT_CHROMIUM} "
         f"(apt-get install chromium, or set {ui.CHROMIUM_ENV})", allow_module_level=True,
     )
-sync_playwright = pytest.importorskip("playwright.sync_api", reason="UI tests skipped: playwright is not installed") \
-    .sync_playwright
+pytest.importorskip("playwright.sync_api", reason="UI tests skipped: playwright is not installed")
 
 
 def _say(request: pytest.FixtureRequest, line: str) -> None:
@@ -98,10 +97,8 @@ def home(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="module")
-def browser(home: Path):
-    with sync_playwright() as playwright, ui.chromium(playwright, home / "profile") as context:
-        context.set_default_timeout(ui.WAIT_S * 1000)
-        yield context
+def browser(request: pytest.FixtureRequest):
+    return shared_browser(request.config)  # one Playwright per process: the rendering items use it too
 
 
 @pytest.fixture(scope="module")

@@ -8,42 +8,47 @@ MLA: ``load_deepseek`` builds a DeepSeek-V3-style decoder over one latent cache 
 (``model_family``, ``kv_cache_specs``) says, per ``model_type``, which config, model and KV cache spec
 (``FullAttentionSpec``, ``MLAAttentionSpec``) ``LLMEngine`` and ``load_model`` use.
 """
+from __future__ import annotations
 
-from kvlab.engine.attention import AttentionMetadata
-from kvlab.engine.config import DecoderConfig
-from kvlab.engine.deepseek import DeepseekV2ForCausalLM, load_deepseek
-from kvlab.engine.deepseek_config import DeepseekConfig
-from kvlab.engine.engine_config import EngineConfig
-from kvlab.engine.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.loader import load_model
-from kvlab.engine.mla import MLAAttention, allocate_mla_kv_caches
-from kvlab.engine.model import LlamaForCausalLM
-from kvlab.engine.model_runner import ModelRunner, copy_blocks, prepare_inputs
-from kvlab.engine.registry import kv_cache_specs, model_family
-from kvlab.engine.toy import save_tiny_llama, save_tiny_ministral
-from kvlab.engine.toy_mla import save_tiny_deepseek
+import importlib
+from typing import Any
 
-__all__ = [
-    "AttentionMetadata",
-    "DecoderConfig",
-    "DeepseekConfig",
-    "DeepseekV2ForCausalLM",
-    "EngineConfig",
-    "FullAttentionSpec",
-    "LLMEngine",
-    "LlamaForCausalLM",
-    "MLAAttention",
-    "MLAAttentionSpec",
-    "ModelRunner",
-    "allocate_mla_kv_caches",
-    "copy_blocks",
-    "kv_cache_specs",
-    "load_deepseek",
-    "load_model",
-    "model_family",
-    "prepare_inputs",
-    "save_tiny_deepseek",
-    "save_tiny_llama",
-    "save_tiny_ministral",
-]
+# Loaded on first use (as kvlab's own top level is), so that ``kvlab.engine.metrics`` and the other
+# light modules import without torch's model code or the kernels.
+_WHERE = {
+    "AttentionMetadata": "kvlab.engine.attention",
+    "DecoderConfig": "kvlab.engine.config",
+    "DeepseekV2ForCausalLM": "kvlab.engine.deepseek",
+    "load_deepseek": "kvlab.engine.deepseek",
+    "DeepseekConfig": "kvlab.engine.deepseek_config",
+    "EngineConfig": "kvlab.engine.engine_config",
+    "FullAttentionSpec": "kvlab.engine.kv_cache_interface",
+    "MLAAttentionSpec": "kvlab.engine.kv_cache_interface",
+    "LLMEngine": "kvlab.engine.llm_engine",
+    "load_model": "kvlab.engine.loader",
+    "MLAAttention": "kvlab.engine.mla",
+    "allocate_mla_kv_caches": "kvlab.engine.mla",
+    "LlamaForCausalLM": "kvlab.engine.model",
+    "ModelRunner": "kvlab.engine.model_runner",
+    "copy_blocks": "kvlab.engine.model_runner",
+    "prepare_inputs": "kvlab.engine.model_runner",
+    "kv_cache_specs": "kvlab.engine.registry",
+    "model_family": "kvlab.engine.registry",
+    "save_tiny_llama": "kvlab.engine.toy",
+    "save_tiny_ministral": "kvlab.engine.toy",
+    "save_tiny_deepseek": "kvlab.engine.toy_mla",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvlab.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

@@ -152,8 +152,10 @@ class ServingPanel:
         for control in (self.num_blocks, self.max_num_batched_tokens, self.max_num_seqs, self.enable_prefix_caching):
             control.observe(guarded(self._update, self.errors), names="value")
         self.summary.value = self._summary()
+        # The two columns of controls wrap under each other where the notebook is narrow (a sidebar open).
         self.view = w.VBox([w.HBox([w.VBox([self.num_blocks, self.max_num_batched_tokens]),
-                                    w.VBox([self.max_num_seqs, self.enable_prefix_caching])]),
+                                    w.VBox([self.max_num_seqs, self.enable_prefix_caching])],
+                                   layout=w.Layout(flex_flow="row wrap")),
                             self.errors, self.summary, self.figure])
 
     def _compute(self) -> dict[str, Any]:
