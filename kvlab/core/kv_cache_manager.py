@@ -9,8 +9,8 @@ The scheduler's calls are vLLM's: ``get_computed_blocks(request, max_cache_hit_l
 (the longest cached prefix, its tokens, and the shared-prefix boundary; never the last token,
 which the model must compute for the next token's logits), ``allocate_slots(...)`` (the new
 blocks, or None), ``take_kv_cache_block_copies()`` and ``free(request)`` (tail first). Blocks
-come back as vLLM's ``KVCacheBlocks`` (one list per group) when there are several groups, and as
-the one group's list otherwise (kvlab's shortcut, which every one-group caller relies on).
+come back as vLLM's ``KVCacheBlocks`` (one list per group, ``blocks[0]`` with one group), whatever
+the number of groups, as vLLM 0.33.0's do.
 
 **Sliding windows.** Before it counts what a running request needs, ``allocate_slots`` frees the
 blocks its window left behind (the null block takes their place), as vLLM does; a call that
@@ -113,6 +113,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         # Each request's block table in the first group (with one group: the block table).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = self.coordinator.single_type_managers[0].req_to_blocks
         self._no_hits: tuple[list[KVCacheBlock], ...] = ((),) * len(groups)  # type: ignore[assignment]
+        # vLLM's: the one empty result, shared (nested tuples keep it immutable).
+        self.empty_kv_cache_blocks = KVCacheBlocks(self._no_hits)
         self._last_lookup: tuple[Request, int, tuple[tuple[KVCacheBlock, ...], ...]] | None = None
         self.verify_hits = bool(verify_hits)
         seed = hash_seed if hash_seed is not None else os.getenv("PYTHONHASHSEED")
@@ -200,15 +202,16 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """The request's hashes at block granularity: each block is named by the hash at its last boundary."""
         return self.coordinator.single_type_managers[0].full_block_hashes(request)
 
-    def _out(self, groups: GroupBlocks) -> list[KVCacheBlock] | KVCacheBlocks:
-        return list(groups[0]) if len(groups) == 1 else KVCacheBlocks(tuple(list(g) for g in groups))
+    def create_kv_cache_blocks(self, blocks: GroupBlocks) -> KVCacheBlocks:
+        """The blocks as a ``KVCacheBlocks``; the shared empty one when no group has a block (vLLM's)."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     # ----------------------------------------------------------------- prefix-cache lookup
 
     @checked
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[list[KVCacheBlock] | KVCacheBlocks, int, int]:
+    ) -> tuple[KVCacheBlocks, int, int]:
         """The cached blocks of the request's longest cached prefix, their tokens, and vLLM's shared-prefix boundary.
 
         At most ``max_cache_hit_length`` tokens hit, by default ``num_tokens - 1``: a fully
@@ -221,7 +224,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """
         self._check_request(request)  # max_cache_hit_length: an int >= 0, checked at the door
         if not self.enable_caching:
-            return self._out(self.coordinator.empty()), 0, 0
+            return self.empty_kv_cache_blocks, 0, 0
         self._ensure_block_hashes(request)
         limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         groups, hit_length, uncached = self.coordinator.find_longest_cache_hit(request.block_hashes, limit)
@@ -229,7 +232,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             groups = (self._verified(request, groups[0]),)
             hit_length = len(groups[0]) * self.block_size
         self._last_lookup = (request, self.block_pool.eviction_epoch, tuple(map(tuple, groups)))
-        return self._out(groups), hit_length, (hit_length + uncached if uncached else 0)
+        return self.create_kv_cache_blocks(groups), hit_length, (hit_length + uncached if uncached else 0)
 
     # ----------------------------------------------------------------- allocation
 
@@ -239,7 +242,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | KVCacheBlocks | None = None,
+        new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
@@ -248,7 +251,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
-    ) -> list[KVCacheBlock] | KVCacheBlocks | None:
+    ) -> KVCacheBlocks | None:
         """Give ``request`` slots for ``num_new_tokens`` tokens to compute; return the new blocks, or None.
 
         ``new_computed_blocks`` (``num_new_computed_tokens`` tokens) are the hits from
@@ -307,7 +310,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
                 self._record_admission(request, num_new_computed_tokens, len(computed[0]))
         if self.enable_caching and not delay_cache_blocks:
             self._cache_blocks(request, min(total_computed_tokens + num_new_tokens, num_tokens))
-        return new_blocks[0] if len(new_blocks) == 1 else self._out(new_blocks)
+        return self.create_kv_cache_blocks(new_blocks)
 
     def _ensure_block_hashes(self, request: Request) -> None:
         """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
