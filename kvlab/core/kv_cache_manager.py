@@ -122,8 +122,10 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self._request_block_hasher = get_request_block_hasher(self.hash_block_size, self.caching_hash_fn,
                                                               self.none_hash)
         self._requests: dict[str, Request] = {}  # the live requests holding blocks
-        self.prefix_cache_stats = PrefixCacheStats()  # since start (or the last reset)
-        self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
+        # One record per admission, into the open step's stats (vLLM's prefix_cache_stats); the steps taken by
+        # make_prefix_cache_stats() are added up in _taken_stats, so the since-start totals need no second record.
+        self._interval_stats = PrefixCacheStats()
+        self._taken_stats = PrefixCacheStats()
         self.num_rejected_hits = 0  # hash hits whose tokens differed (verify_hits only)
         self.num_lost_hits = 0  # evicted contents a later request asked for again (num_blocks_evicted_before_reuse)
         self._block_content: dict[int, tuple[tuple[int, ...], Any]] = {}  # verify_hits: what each block holds
@@ -163,9 +165,15 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """Evicted blocks a later request asked for again, and recomputed (kvlab's counter)."""
         return self.num_lost_hits
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The stats since start (kvlab's): the steps ``make_prefix_cache_stats`` took, plus the open one."""
+        return self._taken_stats + self._interval_stats
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The stats gathered since the previous call (then reset), as vLLM's scheduler takes them each step."""
         stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
+        self._taken_stats = self._taken_stats + stats
         return stats
 
     @checked
@@ -202,8 +210,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """The request's hashes at block granularity: each block is named by the hash at its last boundary."""
         return self.coordinator.single_type_managers[0].full_block_hashes(request)
 
-    def create_kv_cache_blocks(self, blocks: GroupBlocks) -> KVCacheBlocks:
-        """The blocks as a ``KVCacheBlocks``; the shared empty one when no group has a block (vLLM's)."""
+    def _create_kv_cache_blocks(self, blocks: GroupBlocks) -> KVCacheBlocks:
+        """The blocks as a ``KVCacheBlocks``, or the shared empty one (vLLM's ``create_kv_cache_blocks``)."""
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     # ----------------------------------------------------------------- prefix-cache lookup
@@ -232,7 +240,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             groups = (self._verified(request, groups[0]),)
             hit_length = len(groups[0]) * self.block_size
         self._last_lookup = (request, self.block_pool.eviction_epoch, tuple(map(tuple, groups)))
-        return self.create_kv_cache_blocks(groups), hit_length, (hit_length + uncached if uncached else 0)
+        return self._create_kv_cache_blocks(groups), hit_length, (hit_length + uncached if uncached else 0)
 
     # ----------------------------------------------------------------- allocation
 
@@ -310,7 +318,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
                 self._record_admission(request, num_new_computed_tokens, len(computed[0]))
         if self.enable_caching and not delay_cache_blocks:
             self._cache_blocks(request, min(total_computed_tokens + num_new_tokens, num_tokens))
-        return self.create_kv_cache_blocks(new_blocks)
+        return self._create_kv_cache_blocks(new_blocks)
 
     def _ensure_block_hashes(self, request: Request) -> None:
         """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
@@ -361,7 +369,6 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     def _record_admission(self, request: Request, num_hits: int, num_hit_blocks: int) -> None:
         """Count the request's lookup once, when it is admitted (vLLM counts at admission too)."""
         preempted = request.num_preemptions > 0
-        self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted)
         self._interval_stats.record(request.num_tokens, num_hits, preempted)
         self.caching_metrics._observe_request(request.num_tokens, num_hits, preempted)
         evicted = self.block_pool.evicted_hashes
@@ -395,5 +402,5 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             return False
         self._block_content.clear()
         self.caching_metrics.reset()
-        self.prefix_cache_stats.reset = self._interval_stats.reset = True
+        self._taken_stats.reset = self._interval_stats.reset = True
         return True
