@@ -169,3 +169,25 @@ def test_every_known_cycle_is_still_there():
 
 def test_the_cycle_finder_finds_a_cycle_made_through_type_checking():
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [{"a", "b"}]
+
+
+def test_the_manager_hands_blocks_back_in_one_type_as_vllm_does():
+    """``get_computed_blocks`` / ``allocate_slots`` are annotated as vLLM 0.33.0's: a ``KVCacheBlocks``, never a list.
+
+    vLLM's ``kv_cache_manager.py`` returns ``tuple[KVCacheBlocks, int, int]`` and ``KVCacheBlocks | None``
+    whatever the number of KV cache groups; a ``list | KVCacheBlocks`` by group count is gone.
+    """
+    import typing
+
+    from kvlab.core.kv_cache_manager import KVCacheManager
+    from kvlab.core.kv_cache_utils import KVCacheBlocks
+    from kvlab.core.request import Request
+
+    returns = {name: typing.get_type_hints(getattr(KVCacheManager, name))["return"]
+               for name in ("get_computed_blocks", "allocate_slots")}
+    assert returns == {"get_computed_blocks": tuple[KVCacheBlocks, int, int],
+                       "allocate_slots": KVCacheBlocks | None}
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    request = Request("r", [1, 2, 3])
+    hits, _, _ = manager.get_computed_blocks(request)
+    assert type(hits) is KVCacheBlocks and type(manager.allocate_slots(request, 3, 0, hits)) is KVCacheBlocks

@@ -4,7 +4,8 @@ import pytest
 
 from kvlab.capacity.models import get_model
 from kvlab.capacity.sizing import kv_bytes
-from kvlab.core.kv_cache_manager import KVCacheManager, Request, RequestStatus, find_longest_cache_hit
+from kvlab.core.cache_stats import PrefixCacheStats
+from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, Request, RequestStatus, find_longest_cache_hit
 from kvlab.core.request import MultiModalFeatureSpec, PlaceholderRange
 from kvlab.errors import KvlabValueError, RequestStateError, UnknownNameError
 from kvlab.sim.collisions import find_block_collision, truncated_hash
@@ -13,7 +14,8 @@ from kvlab.units import MiB
 
 
 def ids(blocks):
-    return [b.block_id for b in blocks]
+    """The one group's block ids, of a ``KVCacheBlocks`` (what the manager returns) or of a block table."""
+    return blocks.get_block_ids()[0] if isinstance(blocks, KVCacheBlocks) else [b.block_id for b in blocks]
 
 
 def free_queue(manager):
@@ -75,7 +77,7 @@ def test_six_block_walk_second_half_b_hits_block_0_misses_block_1_and_waits():
     manager.free(c)
     computed, num_computed, _ = manager.get_computed_blocks(b)
     new = manager.allocate_slots(b, 24, num_computed, computed)
-    assert ids(computed) == [0] and len(new) == 2 and manager.get_block_ids("B")[0] == 0
+    assert ids(computed) == [0] and len(ids(new)) == 2 and manager.get_block_ids("B")[0] == 0
     assert manager.num_blocks_evicted_before_reuse == 1  # block 1's content came back and had to be recomputed
 
 
@@ -243,6 +245,22 @@ def test_stats_count_tokens_at_admission_once_and_the_hit_rate_covers_a_window()
     assert interval.requests == 3 and manager.make_prefix_cache_stats().requests == 0
 
 
+def test_one_record_per_admission_feeds_the_since_start_and_the_per_step_stats(monkeypatch):
+    """vLLM records an admitted lookup once (``record_prefix_cache_stats``); kvlab's totals add the steps up."""
+    records = []
+    real_record = PrefixCacheStats.record
+    monkeypatch.setattr(PrefixCacheStats, "record", lambda self, *a, **k: (records.append(a), real_record(self, *a)))
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    admit(manager, Request("a", tokens(0, 12)))
+    assert len(records) == 1
+    step = manager.make_prefix_cache_stats()
+    admit(manager, Request("b", tokens(0, 9)))
+    assert len(records) == 2 and (step.requests, step.queries, step.hits) == (1, 12, 0)
+    total = manager.prefix_cache_stats
+    assert (total.requests, total.queries, total.hits) == (2, 21, 8)   # both steps, the open one included
+    assert manager.make_prefix_cache_stats().queries == 9 and manager.prefix_cache_stats.queries == 21
+
+
 def test_reset_prefix_cache_waits_for_every_request_to_free_its_blocks():
     manager = KVCacheManager(num_blocks=10, block_size=4)
     request = Request("r", tokens(0, 9))
@@ -297,12 +315,13 @@ def test_bad_calls_raise_a_kvlab_error_and_change_nothing():
     admit(manager, live)
     other = Request("other", tokens(0, 10))
     hits, n, _ = manager.get_computed_blocks(other)
+    reversed_hits = KVCacheBlocks((hits.blocks[0][::-1],))
     before = snapshot(manager)
     bad_calls = [
         (lambda: manager.allocate_slots(live, 0), KvlabValueError, "num_new_tokens"),
         (lambda: manager.allocate_slots(other, 3, n, hits), KvlabValueError, "pass its end"),
         (lambda: manager.allocate_slots(other, 2, 4, hits), KvlabValueError, "num_new_computed_tokens"),
-        (lambda: manager.allocate_slots(other, 2, 8, hits[::-1]), KvlabValueError, "new_computed_blocks"),
+        (lambda: manager.allocate_slots(other, 2, 8, reversed_hits), KvlabValueError, "new_computed_blocks"),
         (lambda: manager.allocate_slots(live, 1, 8, hits), RequestStateError, "admission"),
         (lambda: manager.allocate_slots(Request("live", tokens(0, 3)), 3), RequestStateError, "unique"),
         (lambda: manager.allocate_slots(live, 1, num_lookahead_tokens=-1), KvlabValueError, "num_lookahead"),

@@ -39,7 +39,7 @@ class ManagerMachine(RuleBasedStateMachine):
         return request.lora_name, request.cache_salt, request.token_ids(0, end)
 
     def _record(self, request, new_blocks):
-        for block in new_blocks:  # fresh blocks: whatever they held before is gone
+        for block in new_blocks.blocks[0]:  # fresh blocks: whatever they held before is gone
             self.shadow.pop(block.block_id, None)
         blocks = self.manager.get_blocks(request.request_id)
         for j in range(request.num_computed_tokens // self.block_size):
@@ -65,8 +65,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def admit(self, data):
         request = data.draw(st.sampled_from(self.waiting))
         hits, num_hits, _ = self.manager.get_computed_blocks(request)
-        assert num_hits == len(hits) * self.block_size <= request.num_tokens - 1
-        for i, block in enumerate(hits):  # a hit is exactly the request's own prefix
+        assert num_hits == len(hits.blocks[0]) * self.block_size <= request.num_tokens - 1
+        for i, block in enumerate(hits.blocks[0]):  # a hit is exactly the request's own prefix
             assert self.shadow[block.block_id] == self._identity(request, i)
         chunk = data.draw(st.integers(1, request.num_tokens - num_hits))
         before = self._snapshot()

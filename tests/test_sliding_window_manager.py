@@ -89,17 +89,17 @@ def test_the_null_block_is_never_handed_out_nor_freed():
         request = Request(f"r{i}", [i % 2] * 9 + list(range(7)))  # a pool of 7 blocks for 16 tokens
         hits, n, _ = manager.get_computed_blocks(request)
         new = manager.allocate_slots(request, 2, n, hits)
-        assert new is not None and null not in new
+        assert new is not None and null not in new.blocks[0]
         request.num_computed_tokens, request.status = n + 2, RequestStatus.RUNNING
         while request.num_computed_tokens < request.num_tokens:
             step = min(2, request.num_tokens - request.num_computed_tokens)
             new = manager.allocate_slots(request, step)
-            assert null not in new
+            assert null not in new.blocks[0]
             request.num_computed_tokens += step
         for _ in range(5):
             request.append_output_token_ids(1)
             new = manager.allocate_slots(request, 1)
-            assert null not in new
+            assert null not in new.blocks[0]
             request.num_computed_tokens += 1
         manager.free(request)
         assert null.ref_cnt == 0 and null not in manager.block_pool.free_block_queue.get_all_free_blocks()
@@ -120,7 +120,8 @@ def test_a_hit_needs_the_blocks_the_window_of_the_next_token_reaches(window, nee
     blocks = [pool.get_cached_block(h) for h in manager.full_block_hashes(first)]
     # Evict block 10 - need (the block just before the run a hit at 40 tokens needs): the hit at 40 survives.
     pool.evict_blocks([blocks[9 - need].block_id])
-    hits, n, _ = manager.get_computed_blocks(Request("b", prompt + [7]))
+    result, n, _ = manager.get_computed_blocks(Request("b", prompt + [7]))
+    hits = result.blocks[0]
     assert n == 40 and [b.block_id for b in hits[10 - need:]] == [b.block_id for b in blocks[10 - need:10]]
     assert all(b.is_null for b in hits[:10 - need])
     # Evict the first block of that run too: the hit falls back to where the next full run ends.
@@ -137,7 +138,7 @@ def test_without_a_long_enough_run_the_hit_is_the_cached_run_at_the_start():
     manager.block_pool.evict_blocks([blocks[2].block_id, blocks[5].block_id])
     # runs: [0, 1], [3, 4], [6, 7]: none of four; the start's run of two is a hit of 8 tokens
     hits, n, _ = manager.get_computed_blocks(Request("b", prompt))
-    assert n == 8 and [b.block_id for b in hits] == [blocks[0].block_id, blocks[1].block_id]
+    assert n == 8 and hits.get_block_ids()[0] == [blocks[0].block_id, blocks[1].block_id]
 
 
 def test_an_admitted_hit_keeps_only_what_the_window_reaches_and_touches_only_that():
@@ -146,12 +147,12 @@ def test_an_admitted_hit_keeps_only_what_the_window_reaches_and_touches_only_tha
     run_prompt(manager, Request("a", prompt), 40)
     request = Request("b", prompt + [1, 2, 3])
     hits, n, _ = manager.get_computed_blocks(request)
-    assert n == 40 and sum(b.is_null for b in hits) == 8
-    before = [b.ref_cnt for b in hits[8:]]
+    assert n == 40 and sum(b.is_null for b in hits.blocks[0]) == 8
+    before = [b.ref_cnt for b in hits.blocks[0][8:]]
     new = manager.allocate_slots(request, 3, n, hits)
     table = manager.get_blocks("b")
     # 40 tokens hit: the next token (40) sees 33..40, so blocks ending at or before 33 are skipped: 8 of them
-    assert [b.is_null for b in table] == [True] * 8 + [False] * 3 and len(new) == 1
+    assert [b.is_null for b in table] == [True] * 8 + [False] * 3 and len(new.blocks[0]) == 1
     assert [b.ref_cnt for b in table[8:10]] == [c + 1 for c in before]
 
 

@@ -27,7 +27,7 @@ from kvlab.core.block_pool import BlockHashToBlockMap, BlockPool
 from kvlab.core.cache_stats import CachingMetrics, PrefixCacheStats
 from kvlab.core.hashing import generate_block_hash_extra_keys, hash_block_tokens, sha256, sha256_cbor
 from kvlab.core.kv_cache_manager import KVCacheManager
-from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from kvlab.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, KVCacheBlocks
 from kvlab.core.request import MultiModalFeatureSpec, PlaceholderRange, Request
 from kvlab.errors import OutOfBlocksError
 
@@ -45,7 +45,13 @@ def manager(num_blocks, block_size=16, enable_caching=True, hash_fn="sha256"):
 
 
 def ids(blocks):
-    return [b.block_id for b in blocks]
+    """The one group's block ids, of a ``KVCacheBlocks`` (what the manager returns) or of a block table."""
+    return blocks.get_block_ids()[0] if isinstance(blocks, KVCacheBlocks) else [b.block_id for b in blocks]
+
+
+def nblocks(blocks):
+    """How many blocks the one group of a ``KVCacheBlocks`` holds."""
+    return len(blocks.blocks[0])
 
 
 def free_ids(m):
@@ -66,7 +72,7 @@ def test_prefill(hash_fn):
     req0 = make_request("0", all_token_ids)
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req0)
     assert len(req0.block_hashes) == 3 and not computed_blocks and num_computed_tokens == 0
-    blocks = m.allocate_slots(req0, 55, len(computed_blocks) * 16, computed_blocks)
+    blocks = m.allocate_slots(req0, 55, nblocks(computed_blocks) * 16, computed_blocks)
     assert ids(blocks) == [1, 2, 3, 4]
     parent_block_hash = None
     none_hash = hash_fn(SEED)
@@ -81,9 +87,9 @@ def test_prefill(hash_fn):
     req1 = make_request("1", common_token_ids + [3] * 5)
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req1)
     assert len(req1.block_hashes) == 3 and ids(computed_blocks) == [1, 2, 3] and num_computed_tokens == 48
-    blocks = m.allocate_slots(req1, 53 - 48, len(computed_blocks) * 16, computed_blocks)
+    blocks = m.allocate_slots(req1, 53 - 48, nblocks(computed_blocks) * 16, computed_blocks)
     assert ids(blocks) == [5]
-    assert all(block.ref_cnt == 2 for block in computed_blocks)
+    assert all(block.ref_cnt == 2 for block in computed_blocks.blocks[0])
     assert m.block_pool.free_block_queue.num_free_blocks == 5
     m.free(req0)
     m.free(req1)
@@ -93,7 +99,7 @@ def test_prefill(hash_fn):
     req2 = make_request("2", common_token_ids + [3] * 6)
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req2)
     assert ids(computed_blocks) == [1, 2, 3] and num_computed_tokens == 48
-    blocks = m.allocate_slots(req2, 53 - 48, len(computed_blocks) * 16, computed_blocks)
+    blocks = m.allocate_slots(req2, 53 - 48, nblocks(computed_blocks) * 16, computed_blocks)
     assert ids(blocks) == [5]  # reuse partial [5]
     assert m.block_pool.free_block_queue.num_free_blocks == 6
     assert all(b.ref_cnt == 0 for b in m.block_pool.free_block_queue.get_all_free_blocks())
@@ -102,7 +108,7 @@ def test_prefill(hash_fn):
     req3 = make_request("3", [99] * (16 * 10))
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req3)
     assert not computed_blocks and num_computed_tokens == 0
-    blocks = m.allocate_slots(req3, 16 * 10, len(computed_blocks) * 16, computed_blocks)
+    blocks = m.allocate_slots(req3, 16 * 10, nblocks(computed_blocks) * 16, computed_blocks)
     assert ids(blocks) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]  # also the eviction order
     queue = m.block_pool.free_block_queue
     assert queue.num_free_blocks == 0
@@ -114,18 +120,18 @@ def test_decode():
     m = manager(11)
     req0 = make_request("0", [i for i in range(3) for _ in range(16)] + [3] * 7)
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req0)
-    assert ids(m.allocate_slots(req0, 55, len(computed_blocks) * 16, computed_blocks)) == [1, 2, 3, 4]
+    assert ids(m.allocate_slots(req0, 55, nblocks(computed_blocks) * 16, computed_blocks)) == [1, 2, 3, 4]
     req0.num_computed_tokens = 55
     for _ in range(4):
         req0.append_output_token_ids(8)
     new_blocks = m.allocate_slots(req0, 4, 0, [])
-    assert new_blocks is not None and len(new_blocks) == 0
+    assert new_blocks is not None and nblocks(new_blocks) == 0
     assert m.req_to_blocks[req0.request_id][-1].block_hash is None
     req0.num_computed_tokens = 59
     for _ in range(9 + 10):  # 9 tokens fill the previous block, 10 go into the next
         req0.append_output_token_ids(7)
     new_blocks = m.allocate_slots(req0, 19, 0, [])
-    assert new_blocks is not None and len(new_blocks) == 1
+    assert new_blocks is not None and nblocks(new_blocks) == 1
     assert m.req_to_blocks[req0.request_id][-2].block_hash is not None
     assert m.req_to_blocks[req0.request_id][-1].block_hash is None
 
@@ -134,9 +140,9 @@ def test_evict():
     m = manager(11)
     last_token_id = 5 * 16 + 7
     req0 = make_request("0", list(range(last_token_id)))
-    assert len(m.allocate_slots(req0, 5 * 16 + 7)) == 6  # 5 full + 1 partial
+    assert nblocks(m.allocate_slots(req0, 5 * 16 + 7)) == 6  # 5 full + 1 partial
     req1 = make_request("1", list(range(last_token_id, last_token_id + 3 * 16)))
-    assert len(m.allocate_slots(req1, 3 * 16)) == 3
+    assert nblocks(m.allocate_slots(req1, 3 * 16)) == 3
     assert m.block_pool.free_block_queue.num_free_blocks == 1
     m.free(req0)
     assert free_ids(m) == [6, 10, 5, 4, 3, 2, 1]  # partial blocks at the head, the rest at the tail (LRU)
@@ -145,20 +151,20 @@ def test_evict():
     req2 = make_request("2", list(range(2 * 16 + 3)))
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req2)
     assert ids(computed_blocks) == [1, 2] and num_computed_tokens == 2 * 16
-    assert ids(m.allocate_slots(req2, 3, len(computed_blocks) * 16, computed_blocks)) == [6]
+    assert ids(m.allocate_slots(req2, 3, nblocks(computed_blocks) * 16, computed_blocks)) == [6]
     assert m.block_pool.free_block_queue.num_free_blocks == 7
 
 
 def test_hash_block_correct_reuse():
     m = manager(2)
     req = make_request("0", list(range(16)))
-    assert len(m.allocate_slots(req, 16)) == 1
+    assert nblocks(m.allocate_slots(req, 16)) == 1
     m.free(req)
     req = make_request("1", list(range(15)))
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req)
     assert not computed_blocks and num_computed_tokens == 0
     blocks = m.allocate_slots(req, 15)
-    assert len(blocks) == 1 and m.block_pool.blocks[blocks[0].block_id].block_hash is None
+    assert nblocks(blocks) == 1 and m.block_pool.blocks[ids(blocks)[0]].block_hash is None
 
 
 def test_computed_blocks_not_evicted():
@@ -180,13 +186,13 @@ def test_basic_prefix_caching_disabled():
     req1 = make_request("1", list(range(10)))
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req1)
     assert not computed_blocks and num_computed_tokens == 0
-    assert len(m.allocate_slots(req1, 10)) == 3
+    assert nblocks(m.allocate_slots(req1, 10)) == 3
     m.free(req1)
     req2 = make_request("2", list(range(16)))
-    assert m.get_computed_blocks(req2)[:2] == ([], 0)
-    assert len(m.allocate_slots(req2, 16)) == 4
+    assert m.get_computed_blocks(req2)[:2] == (m.empty_kv_cache_blocks, 0)
+    assert nblocks(m.allocate_slots(req2, 16)) == 4
     req3 = make_request("3", list(range(4)))
-    assert m.get_computed_blocks(req3)[:2] == ([], 0)
+    assert m.get_computed_blocks(req3)[:2] == (m.empty_kv_cache_blocks, 0)
     assert not m.allocate_slots(req3, 4)
 
 
@@ -228,13 +234,13 @@ def test_mm_prefix_caching():
     for _ in range(5):
         req0.append_output_token_ids(8)
     new_blocks = m.allocate_slots(req0, 5, 0, [])
-    assert new_blocks is not None and len(new_blocks) == 0
+    assert new_blocks is not None and nblocks(new_blocks) == 0
     assert len(block_hashes) == 4
     assert block_hashes[3] == sha256((block_hashes[2], tuple(all_token_ids[48:] + [8] * 5), (("mm", "ccc", 0),)))
     req1 = make_request("1", common_token_ids + [999] * 7 + [200] * 5,
                         common_mm_positions + [PlaceholderRange(offset=48, length=7)], ["aaa", "bbb", "ccc"])
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req1)
-    assert len(computed_blocks) == 3 and num_computed_tokens == 48
+    assert nblocks(computed_blocks) == 3 and num_computed_tokens == 48
 
 
 def test_cache_key_salting():
@@ -252,15 +258,15 @@ def test_cache_key_salting():
     req0.num_computed_tokens = 59
     for _ in range(5):
         req0.append_output_token_ids(8)
-    assert len(m.allocate_slots(req0, 5, 0, [])) == 0
+    assert nblocks(m.allocate_slots(req0, 5, 0, [])) == 0
     assert block_hashes[3] == sha256((block_hashes[2], tuple(token_ids[48:] + [8] * 5), None))
     req1 = make_request("1", common_token_ids + [4] * 11, cache_salt="salt1")
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req1)
-    assert len(computed_blocks) == 3 and num_computed_tokens == 48
+    assert nblocks(computed_blocks) == 3 and num_computed_tokens == 48
     token_ids = common_token_ids + [4] * 11
     req2 = make_request("2", token_ids, cache_salt="salt2")
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req2)
-    assert len(computed_blocks) == 0 and num_computed_tokens == 0
+    assert nblocks(computed_blocks) == 0 and num_computed_tokens == 0
     assert req2.block_hashes[0] == sha256((NONE_HASH, tuple(token_ids[:16]), (("cache_salt", "salt2"),)))
 
 
@@ -272,7 +278,7 @@ def test_prefill_not_enough_free_blocks_with_computed_blocks():
     block_part0 = m.req_to_blocks[req0.request_id]
     req1 = make_request("1", common_token_ids * 2)
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req1)
-    assert computed_blocks == block_part0 and num_computed_tokens == 48
+    assert computed_blocks.blocks[0] == block_part0 and num_computed_tokens == 48
     m.allocate_slots(req1, 48, 48, computed_blocks)
     block_part1 = m.req_to_blocks[req1.request_id]
     m.free(req1)
@@ -283,8 +289,8 @@ def test_prefill_not_enough_free_blocks_with_computed_blocks():
     assert m.block_pool.free_block_queue.num_free_blocks == 5
     req3 = make_request("3", common_token_ids * 3)
     computed_blocks, num_computed_tokens, _ = m.get_computed_blocks(req3)
-    assert computed_blocks == block_part1 and num_computed_tokens == 6 * 16
-    assert m.allocate_slots(req3, 48, len(computed_blocks) * 16, computed_blocks) is None
+    assert computed_blocks.blocks[0] == block_part1 and num_computed_tokens == 6 * 16
+    assert m.allocate_slots(req3, 48, nblocks(computed_blocks) * 16, computed_blocks) is None
     assert {block.ref_cnt for block in block_part1[:3]} == {1}
     assert {block.ref_cnt for block in block_part1[3:]} == {0}
 
@@ -296,8 +302,8 @@ def test_reset_prefix_cache():
     assert ids(m.allocate_slots(req0, 55)) == [1, 2, 3, 4]
     req1 = make_request("1", full_block_token_ids + [4] * 7)
     computed_blocks, _, _ = m.get_computed_blocks(req1)
-    assert len(req1.block_hashes) == 3 and len(computed_blocks) == 3
-    assert ids(m.allocate_slots(req1, 7, len(computed_blocks) * 16, computed_blocks)) == [5]
+    assert len(req1.block_hashes) == 3 and nblocks(computed_blocks) == 3
+    assert ids(m.allocate_slots(req1, 7, nblocks(computed_blocks) * 16, computed_blocks)) == [5]
     assert not m.reset_prefix_cache()
     assert m.block_pool.cached_block_hash_to_block
     m.free(req0)

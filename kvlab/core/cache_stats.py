@@ -44,6 +44,13 @@ class PrefixCacheStats:
             self.queries += num_tokens
             self.hits += num_hits
 
+    def __add__(self, other: PrefixCacheStats) -> PrefixCacheStats:
+        """Both stats' counts together (the manager's since-start totals: the steps taken plus the open one)."""
+        return PrefixCacheStats(
+            self.reset or other.reset, self.requests + other.requests, self.queries + other.queries,
+            self.hits + other.hits, self.preempted_requests + other.preempted_requests,
+            self.preempted_queries + other.preempted_queries, self.preempted_hits + other.preempted_hits)
+
     @property
     def hit_rate(self) -> float:
         """hits / queries over these stats (0.0 before any query)."""

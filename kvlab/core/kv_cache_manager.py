@@ -9,8 +9,8 @@ The scheduler's calls are vLLM's: ``get_computed_blocks(request, max_cache_hit_l
 (the longest cached prefix, its tokens, and the shared-prefix boundary; never the last token,
 which the model must compute for the next token's logits), ``allocate_slots(...)`` (the new
 blocks, or None), ``take_kv_cache_block_copies()`` and ``free(request)`` (tail first). Blocks
-come back as vLLM's ``KVCacheBlocks`` (one list per group) when there are several groups, and as
-the one group's list otherwise (kvlab's shortcut, which every one-group caller relies on).
+come back as vLLM's ``KVCacheBlocks`` (one list per group, ``blocks[0]`` with one group), whatever
+the number of groups, as vLLM 0.33.0's do.
 
 **Sliding windows.** Before it counts what a running request needs, ``allocate_slots`` frees the
 blocks its window left behind (the null block takes their place), as vLLM does; a call that
@@ -117,6 +117,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         # Each request's block table in the first group (with one group: the block table).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = self.coordinator.single_type_managers[0].req_to_blocks
         self._no_hits: tuple[list[KVCacheBlock], ...] = ((),) * len(groups)  # type: ignore[assignment]
+        # vLLM's: the one empty result, shared (nested tuples keep it immutable).
+        self.empty_kv_cache_blocks = KVCacheBlocks(self._no_hits)
         self._last_lookup: tuple[Request, int, tuple[tuple[KVCacheBlock, ...], ...]] | None = None
         self.verify_hits = bool(verify_hits)
         seed = hash_seed if hash_seed is not None else os.getenv("PYTHONHASHSEED")
@@ -124,8 +126,10 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self._request_block_hasher = get_request_block_hasher(self.hash_block_size, self.caching_hash_fn,
                                                               self.none_hash)
         self._requests: dict[str, Request] = {}  # the live requests holding blocks
-        self.prefix_cache_stats = PrefixCacheStats()  # since start (or the last reset)
-        self._interval_stats = PrefixCacheStats()  # since the last make_prefix_cache_stats()
+        # One record per admission, into the open step's stats (vLLM's prefix_cache_stats); the steps taken by
+        # make_prefix_cache_stats() are added up in _taken_stats, so the since-start totals need no second record.
+        self._interval_stats = PrefixCacheStats()
+        self._taken_stats = PrefixCacheStats()
         self.num_rejected_hits = 0  # hash hits whose tokens differed (verify_hits only)
         self.num_lost_hits = 0  # evicted contents a later request asked for again (num_blocks_evicted_before_reuse)
         self._block_content: dict[int, tuple[tuple[int, ...], Any]] = {}  # verify_hits: what each block holds
@@ -165,9 +169,15 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """Evicted blocks a later request asked for again, and recomputed (kvlab's counter)."""
         return self.num_lost_hits
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The stats since start (kvlab's): the steps ``make_prefix_cache_stats`` took, plus the open one."""
+        return self._taken_stats + self._interval_stats
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The stats gathered since the previous call (then reset), as vLLM's scheduler takes them each step."""
         stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
+        self._taken_stats = self._taken_stats + stats
         return stats
 
     @checked
@@ -204,15 +214,16 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """The request's hashes at block granularity: each block is named by the hash at its last boundary."""
         return self.coordinator.single_type_managers[0].full_block_hashes(request)
 
-    def _out(self, groups: GroupBlocks) -> list[KVCacheBlock] | KVCacheBlocks:
-        return list(groups[0]) if len(groups) == 1 else KVCacheBlocks(tuple(list(g) for g in groups))
+    def _create_kv_cache_blocks(self, blocks: GroupBlocks) -> KVCacheBlocks:
+        """The blocks as a ``KVCacheBlocks``, or the shared empty one (vLLM's ``create_kv_cache_blocks``)."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     # ----------------------------------------------------------------- prefix-cache lookup
 
     @checked
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[list[KVCacheBlock] | KVCacheBlocks, int, int]:
+    ) -> tuple[KVCacheBlocks, int, int]:
         """The cached blocks of the request's longest cached prefix, their tokens, and vLLM's shared-prefix boundary.
 
         At most ``max_cache_hit_length`` tokens hit, by default ``num_tokens - 1``: a fully
@@ -225,7 +236,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         """
         self._check_request(request)  # max_cache_hit_length: an int >= 0, checked at the door
         if not self.enable_caching:
-            return self._out(self.coordinator.empty()), 0, 0
+            return self.empty_kv_cache_blocks, 0, 0
         self._ensure_block_hashes(request)
         limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         groups, hit_length, uncached = self.coordinator.find_longest_cache_hit(request.block_hashes, limit)
@@ -233,7 +244,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             groups = (self._verified(request, groups[0]),)
             hit_length = len(groups[0]) * self.block_size
         self._last_lookup = (request, self.block_pool.eviction_epoch, tuple(map(tuple, groups)))
-        return self._out(groups), hit_length, (hit_length + uncached if uncached else 0)
+        return self._create_kv_cache_blocks(groups), hit_length, (hit_length + uncached if uncached else 0)
 
     # ----------------------------------------------------------------- allocation
 
@@ -243,7 +254,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | KVCacheBlocks | None = None,
+        new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
@@ -252,7 +263,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
-    ) -> list[KVCacheBlock] | KVCacheBlocks | None:
+    ) -> KVCacheBlocks | None:
         """Give ``request`` slots for ``num_new_tokens`` tokens to compute; return the new blocks, or None.
 
         ``new_computed_blocks`` (``num_new_computed_tokens`` tokens) are the hits from
@@ -311,7 +322,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
                 self._record_admission(request, num_new_computed_tokens, len(computed[0]))
         if self.enable_caching and not delay_cache_blocks:
             self._cache_blocks(request, min(total_computed_tokens + num_new_tokens, num_tokens))
-        return new_blocks[0] if len(new_blocks) == 1 else self._out(new_blocks)
+        return self._create_kv_cache_blocks(new_blocks)
 
     def _ensure_block_hashes(self, request: Request) -> None:
         """Hash the request's full blocks the first time this manager sees it, and hook its hasher in."""
@@ -362,7 +373,6 @@ class KVCacheManager(ForkMixin, AllocationChecks):
     def _record_admission(self, request: Request, num_hits: int, num_hit_blocks: int) -> None:
         """Count the request's lookup once, when it is admitted (vLLM counts at admission too)."""
         preempted = request.num_preemptions > 0
-        self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted)
         self._interval_stats.record(request.num_tokens, num_hits, preempted)
         self.caching_metrics._observe_request(request.num_tokens, num_hits, preempted)
         evicted = self.block_pool.evicted_hashes
@@ -400,5 +410,5 @@ class KVCacheManager(ForkMixin, AllocationChecks):
             return False
         self._block_content.clear()
         self.caching_metrics.reset()
-        self.prefix_cache_stats.reset = self._interval_stats.reset = True
+        self._taken_stats.reset = self._interval_stats.reset = True
         return True

@@ -76,21 +76,39 @@ class KVCacheBlock:
 class KVCacheBlocks:
     """Blocks of one request, one list per KV cache group (vLLM's ``KVCacheBlocks``, from ``kv_cache_manager.py``).
 
-    ``blocks[i][j]`` is block ``j`` of group ``i``. ``KVCacheManager`` returns this only when it
-    manages several groups; with one group it returns the group's list itself (kvlab's shortcut).
+    ``blocks[i][j]`` is block ``j`` of group ``i``. ``KVCacheManager.get_computed_blocks`` and
+    ``allocate_slots`` always return this, whatever the number of groups, as vLLM 0.33.0's do.
     """
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
 
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        """Each group's block ids: one block table per group (the null block is id 0)."""
-        return tuple([block.block_id for block in group] for group in self.blocks)
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        """The two results' blocks, group by group (this one's first)."""
+        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)))
+
+    def get_block_ids(self, allow_none: bool = False, *,
+                      group_ids: Sequence[int] | None = None) -> tuple[list[int], ...] | None:
+        """Each group's block ids: one block table per group (the null block is id 0).
+
+        ``group_ids`` picks groups (all by default); ``allow_none`` gives None when every picked group is empty.
+        """
+        groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        if allow_none and all(len(group) == 0 for group in groups):
+            return None
+        return tuple([block.block_id for block in group] for group in groups)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """The ids of the blocks not cached yet (no hash), in the one group."""
+        assert len(self.blocks) == 1, "Only one group is supported"
+        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
+
+    def new_empty(self) -> KVCacheBlocks:
+        """A result with as many groups and no blocks."""
+        return KVCacheBlocks(tuple(() for _ in range(len(self.blocks))))
 
     def __bool__(self) -> bool:
+        """True when some group holds a block (kvlab's: vLLM's result is always true, callers compare with None)."""
         return any(self.blocks)
-
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)))
 
 
 class KVCacheBlockCopy(NamedTuple):

@@ -193,8 +193,7 @@ class Twin:
         pair = self.pairs[rid]
         k_hits, k_n, k_b = self.k.get_computed_blocks(pair.k, max_cache_hit_length)
         v_hits, v_n, v_b = self.v.get_computed_blocks(pair.v, max_cache_hit_length)
-        k_ids = k_hits.get_block_ids() if self.keyed else ([b.block_id for b in k_hits],)
-        self._same("hit blocks", k_ids, v_hits.get_block_ids())
+        self._same("hit blocks", k_hits.get_block_ids(), v_hits.get_block_ids())
         self._same("hit tokens", (k_n, k_b), (v_n, v_b))
         return k_hits, v_hits, k_n
 
@@ -295,8 +294,8 @@ class Twin:
         self.v.block_pool.free_blocks(v_retained)
 
     def _same_allocation(self, k_new, v_new) -> None:
-        k_ids = None if k_new is None else k_new.get_block_ids() if self.keyed else ([b.block_id for b in k_new],)
-        self._same("allocation", k_ids, None if v_new is None else v_new.get_block_ids())
+        self._same("allocation", None if k_new is None else k_new.get_block_ids(),
+                   None if v_new is None else v_new.get_block_ids())
 
     def _done(self, what: str) -> None:
         self.ops += 1

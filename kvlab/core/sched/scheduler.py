@@ -47,6 +47,7 @@ from typing import Any
 
 from kvlab._validate import checked
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_utils import KVCacheBlocks
 from kvlab.core.request import RequestStatus
 from kvlab.core.sched.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -203,7 +204,8 @@ class Scheduler:
                 partial_tail = num_hit_tokens % self.block_size  # a partial tail only by loading strictly more
                 num_external_tokens = self.connector.get_num_new_matched_tokens(request, num_hit_tokens - partial_tail)
                 if partial_tail and num_external_tokens > partial_tail:
-                    hit_blocks, num_hit_tokens = hit_blocks[:-1], num_hit_tokens - partial_tail
+                    hit_blocks = KVCacheBlocks(tuple(group[:-1] for group in hit_blocks.blocks))
+                    num_hit_tokens -= partial_tail
                 elif partial_tail:
                     num_external_tokens = 0
             num_computed_tokens = num_hit_tokens + num_external_tokens
