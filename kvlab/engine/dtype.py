@@ -12,8 +12,9 @@ cast is logged ("Upcasting ...", "Downcasting ...", "Casting ...").
 kvlab differs twice. vLLM downcasts a float32 checkpoint under ``"auto"`` to the platform's first
 dtype (bf16); kvlab keeps float32, so its tiny float32 checkpoints compare with transformers'
 float32 load token for token. And under Triton's interpreter (a CPU engine with
-``attention_backend="triton"``), which has no bf16 or fp16 arithmetic, ``"auto"`` is float32 (said
-in a start-up line) and an explicit half dtype is refused.
+``attention_backend="triton"``, or serving MLA, whose kernels are Triton's under either backend),
+which has no bf16 or fp16 arithmetic, ``"auto"`` is float32 (said in a start-up line) and an
+explicit half dtype is refused. On a CPU's torch backend a bf16 checkpoint runs in bf16, as in vLLM.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def resolve_dtype(dtype: object, config_dtype: torch.dtype, device: torch.device
         raise KvlabValueError(f"dtype must be 'auto' or one of {', '.join(map(repr, STR_DTYPE_TO_TORCH_DTYPE))}, "
                               f"got {dtype!r}")
     if interpreter and chosen != torch.float32:
-        raise KvlabValueError(f"dtype={dtype!r}: Triton's interpreter (attention_backend='triton' on a CPU) has no "
-                              "bf16 or fp16 arithmetic; use dtype='float32', or attention_backend='torch'")
+        raise KvlabValueError(f"dtype={dtype!r}: Triton's interpreter (attention_backend='triton' or MLA on a CPU) "
+                              "has no bf16 or fp16 arithmetic; use dtype='float32' (or attention_backend='torch')")
     return chosen, _cast_line(config_dtype, chosen, interpreter)
 
 

@@ -36,6 +36,7 @@ import torch
 from kvlab import kernels
 from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
 from kvlab.core.sched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
+from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.dtype import checkpoint_dtype, resolve_dtype
 from kvlab.engine.registry import ModelConfig, read_model_config
 from kvlab.errors import KvlabValueError, UnknownNameError
@@ -159,7 +160,9 @@ class EngineConfig:
         set_ = object.__setattr__  # frozen: the checks store what they resolved, as vLLM's configs do
         set_(self, "device", engine_device(self.device))
         set_(self, "model_config", read_model_config(self.model_dir))
-        interpreter = self.attention_backend == "triton" and kernels.backend() == kernels.TRITON_INTERPRETER
+        # MLA layers call kvlab's Triton kernels whatever attention_backend says (it names the K/V kernels only)
+        triton = self.attention_backend == "triton" or isinstance(self.model_config, DeepseekConfig)
+        interpreter = triton and kernels.backend() == kernels.TRITON_INTERPRETER
         dtype, line = resolve_dtype(self.dtype, checkpoint_dtype(self.model_dir), self.device, interpreter)
         set_(self, "dtype", dtype)
         set_(self, "dtype_log", line)

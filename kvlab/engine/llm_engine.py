@@ -67,6 +67,8 @@ class LLMEngine:
     the GPU where the kernels run natively, else the CPU (``kernels.default_device()``); a CPU
     engine plans with this machine's RAM in place of GPU memory. ``attention_backend``: the attention
     kernels, ``"triton"`` or ``"torch"`` (gather + SDPA), by default chosen by hardware (``EngineConfig``).
+    ``dtype``: the weights' and activations' dtype, vLLM's ``--dtype`` ("auto": the checkpoint's, except float32
+    under Triton's interpreter and for a float32 checkpoint; ``kvlab.engine.dtype``).
 
     ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.core.kv_offload``;
     vLLM sizes its tier in GiB with ``kv_offloading_size``): blocks the pool evicts are copied

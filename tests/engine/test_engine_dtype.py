@@ -79,3 +79,13 @@ def test_under_the_interpreter_auto_is_float32_and_the_start_up_log_says_so():
     eng = LLMEngine(TINY_MODEL_DIR, num_gpu_blocks=16, attention_backend="triton", device="cpu")
     assert eng.engine_config.dtype == torch.float32
     assert eng.startup_log()[-1].startswith("Upcasting torch.bfloat16 to torch.float32.")
+
+
+def test_an_mla_engine_on_a_cpu_runs_the_interpreter_so_half_dtypes_are_refused_under_either_backend(
+        tiny_deepseek_dir):
+    from kvlab import kernels
+
+    if kernels.backend() != kernels.TRITON_INTERPRETER:
+        pytest.skip("the MLA kernels compile natively here")
+    with pytest.raises(KvlabValueError, match="dtype='bfloat16': Triton's interpreter"):
+        LLMEngine(tiny_deepseek_dir, num_gpu_blocks=16, attention_backend="torch", dtype="bfloat16", device="cpu")
