@@ -38,7 +38,8 @@ def test_the_workload_mixes_output_lengths_behind_one_system_prompt(tokenizer):
 def test_every_system_serves_exactly_the_tokens_asked_for(tokenizer, hf_trained):
     w = text_workload(tokenizer, 3, output_lens=(1, 4))                    # 1 + 4 + 1 tokens
     with torch_threads(1):
-        runs = [run_kvlab(TINY_MODEL_DIR, w, 2), run_hf_static(hf_trained, w, 2), run_hf_serial(hf_trained, w)]
+        runs = [run_kvlab(TINY_MODEL_DIR, w, 2, dtype="float32"), run_hf_static(hf_trained, w, 2),
+                run_hf_serial(hf_trained, w)]
     assert torch.get_num_threads() >= 1
     assert [r["tokens"] for r in runs] == [6, 6, 6]
     kvlab, static = runs[0], runs[1]

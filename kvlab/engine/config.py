@@ -6,7 +6,9 @@ supports are data, not code: biases on q/k/v (Qwen2) are read from the weights w
 per-head q/k RMSNorm (Qwen3) is switched on by ``model_type``, the rotary frequencies follow
 ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (older files), and
 sliding-window layers follow ``sliding_window`` with ``layer_types`` (Ministral alternates them
-with full attention; Mistral slides in every layer). Everything else is refused with a message
+with full attention; Mistral slides in every layer; Qwen2/Qwen3 slide where ``use_sliding_window``
+is true, in ``layer_types``' sliding layers or else in layers ``max_window_layers`` and up, as
+transformers' ``Qwen3Config`` reads them). Everything else is refused with a message
 that says why, and so is a value the forward could not use: a size that is not a positive
 integer (a string "64" included), an ``rms_norm_eps`` or ``rope_theta`` that is not a positive
 number (with either at or below 0 the forward would produce NaN, which would then be sampled
@@ -31,8 +33,10 @@ ConfigT = TypeVar("ConfigT")
 
 #: ``model_type`` values whose decoder is the one ``kvlab.engine.model`` implements.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
-#: ``model_type`` values whose ``sliding_window`` kvlab serves (Qwen's windows follow other rules: refused).
-SLIDING_WINDOW_MODEL_TYPES = ("mistral", "ministral")
+#: ``model_type`` values whose ``sliding_window`` kvlab serves (Qwen's only where ``use_sliding_window`` is true).
+SLIDING_WINDOW_MODEL_TYPES = ("mistral", "ministral", "qwen2", "qwen3")
+#: Families whose ``sliding_window`` counts only with ``use_sliding_window`` (transformers sets it to None otherwise).
+USE_SLIDING_WINDOW_MODEL_TYPES = ("qwen2", "qwen3")
 #: Rotary variants kvlab computes exactly as transformers does.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -110,6 +114,9 @@ class DecoderConfig:
             return positive_int(key, cfg[key])
 
         sizes = {key: need(key) for key in ("vocab_size", "hidden_size", "intermediate_size")}  # before the spec
+        if model_type in USE_SLIDING_WINDOW_MODEL_TYPES and not _uses_sliding_window(cfg):
+            # transformers' Qwen2/Qwen3Config: sliding_window = None unless use_sliding_window, so no layer slides
+            cfg = {**cfg, "sliding_window": None, "layer_types": None}
         spec = ModelSpec.from_hf_config(cfg, name=name)
         max_len = cfg.get("max_position_embeddings")
         eps, tie = (cfg.get(key) for key in ("rms_norm_eps", "tie_word_embeddings"))  # absent or null: the default
@@ -172,7 +179,7 @@ def eos_token_ids(eos: object) -> tuple[int, ...]:
 
 
 def _uses_sliding_window(cfg: Mapping[str, Any]) -> bool:
-    if cfg.get("model_type") in ("qwen2", "qwen3"):  # these files carry a window but switch it off
+    if cfg.get("model_type") in USE_SLIDING_WINDOW_MODEL_TYPES:  # these files carry a window but switch it off
         return bool(cfg.get("use_sliding_window", False))
     return cfg.get("sliding_window") is not None
 

@@ -18,6 +18,10 @@ a CPU always ``CPU_ATTN``, ignoring any other request. kvlab mirrors the choice 
 ``"triton"`` (kvlab's Triton kernels, ``TRITON_ATTN``'s role) by default where they compile
 natively, ``"torch"`` (gather + SDPA, in ``CPU_ATTN``'s role but not its C++ kernel) by default on
 a CPU; unlike vLLM, kvlab lets a CPU engine ask for ``"triton"``, which runs through the interpreter.
+
+``dtype`` plays vLLM's ``--dtype`` (``ModelConfig.dtype``), resolved as ``kvlab.engine.dtype`` says:
+``"auto"`` is the checkpoint's dtype where the device computes it, except that a float32 checkpoint
+stays float32 (vLLM downcasts it to bf16) and Triton's interpreter computes in float32 only.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 from kvlab import kernels
 from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
 from kvlab.core.sched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
+from kvlab.engine.deepseek_config import DeepseekConfig
+from kvlab.engine.dtype import checkpoint_dtype, resolve_dtype
 from kvlab.engine.registry import ModelConfig, read_model_config
 from kvlab.errors import KvlabValueError, UnknownNameError
 
@@ -113,8 +119,9 @@ class EngineConfig:
 
     Give ``num_gpu_blocks`` or ``kv_cache_memory_gib``, not both; with neither the pool holds
     ``max_num_seqs`` requests of ``max_model_len`` tokens, capped by memory (``LLMEngine``).
-    After validation ``device`` is a ``torch.device``, ``max_model_len`` an int, ``attention_backend`` a name, and
-    ``model_config`` / ``scheduler_config`` hold the checkpoint's and the scheduler's configs.
+    After validation ``device`` is a ``torch.device``, ``max_model_len`` an int, ``attention_backend`` a name,
+    ``dtype`` a ``torch.dtype`` (``dtype_log``: vLLM's line for a cast, or None), and ``model_config`` /
+    ``scheduler_config`` hold the checkpoint's and the scheduler's configs.
     """
 
     model_dir: Path                                 # ModelConfig.model
@@ -134,6 +141,8 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False   # SchedulerConfig.disable_hybrid_kv_cache_manager
     device: Any = None                              # DeviceConfig.device: "cpu", "cuda", or where the kernels run
     attention_backend: str | None = None            # AttentionConfig.backend: "triton", "torch", None: by hardware
+    dtype: Any = "auto"                             # ModelConfig.dtype: "auto", "float32", "bfloat16", "float16"
+    dtype_log: str | None = dataclasses.field(init=False, repr=False)
     model_config: ModelConfig = dataclasses.field(init=False, repr=False)
     scheduler_config: SchedulerConfig = dataclasses.field(init=False, repr=False)
 
@@ -151,6 +160,12 @@ class EngineConfig:
         set_ = object.__setattr__  # frozen: the checks store what they resolved, as vLLM's configs do
         set_(self, "device", engine_device(self.device))
         set_(self, "model_config", read_model_config(self.model_dir))
+        # MLA layers call kvlab's Triton kernels whatever attention_backend says (it names the K/V kernels only)
+        triton = self.attention_backend == "triton" or isinstance(self.model_config, DeepseekConfig)
+        interpreter = triton and kernels.backend() == kernels.TRITON_INTERPRETER
+        dtype, line = resolve_dtype(self.dtype, checkpoint_dtype(self.model_dir), self.device, interpreter)
+        set_(self, "dtype", dtype)
+        set_(self, "dtype_log", line)
         set_(self, "max_model_len", verify_max_model_len(self.max_model_len, self.model_config))
         set_(self, "scheduler_config", SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                                        self.max_model_len, self.preemption_mode))

@@ -67,6 +67,8 @@ class LLMEngine:
     the GPU where the kernels run natively, else the CPU (``kernels.default_device()``); a CPU
     engine plans with this machine's RAM in place of GPU memory. ``attention_backend``: the attention
     kernels, ``"triton"`` or ``"torch"`` (gather + SDPA), by default chosen by hardware (``EngineConfig``).
+    ``dtype``: the weights' and activations' dtype, vLLM's ``--dtype`` ("auto": the checkpoint's, except float32
+    under Triton's interpreter and for a float32 checkpoint; ``kvlab.engine.dtype``).
 
     ``cpu_offload_blocks`` adds a CPU tier of that many blocks under the pool (``kvlab.core.kv_offload``;
     vLLM sizes its tier in GiB with ``kv_offloading_size``): blocks the pool evicts are copied
@@ -87,7 +89,7 @@ class LLMEngine:
         self.device = config.device
         # 3. Weights: the checkpoint's tensors, checked against config.json, onto the device.
         started = time.perf_counter()
-        self.model = load_model(config.model_dir, config=config.model_config).to(self.device)
+        self.model = load_model(config.model_dir, config.dtype, config=config.model_config).to(self.device)
         self.load_seconds = time.perf_counter() - started
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or next(self.model.parameters()).dtype
@@ -145,9 +147,10 @@ class LLMEngine:
         return kv_cache_bytes(self.kv_caches)
 
     def startup_log(self) -> list[str]:
-        """The start-up lines a vLLM user reads: weights, KV cache size, maximum concurrency."""
+        """The start-up lines a vLLM user reads: weights, KV cache size, maximum concurrency; then a dtype cast, if
+        any (vLLM logs that one first, while building its config; kvlab keeps the KV cache line second)."""
         return [f"Model loading took {format_gib(self.weights_bytes)} GiB memory and {self.load_seconds:.6f} seconds",
-                *self.plan.startup_log()]
+                *self.plan.startup_log(), *([self.engine_config.dtype_log] if self.engine_config.dtype_log else [])]
 
     # ----------------------------------------------------------------- requests
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvlab._validate import positive_int, positive_number
+from kvlab.errors import UnknownNameError
 
 #: The tiny model's shape: 2 layers of GQA (4 query heads, 2 KV heads, head size 16).
 TINY_LLAMA = dict(
@@ -83,6 +84,38 @@ def save_tiny_ministral(
                              layer_types=types, bos_token_id=1, eos_token_id=2)
     gains = positive_number("attention_gain", attention_gain), positive_number("logit_gain", logit_gain)
     return save_seeded(MinistralForCausalLM, config, path, seed, lambda model: sharpen(model, *gains))
+
+
+def save_tiny_qwen(
+    path: str | os.PathLike,
+    *,
+    model_type: str = "qwen3",
+    seed: int = 0,
+    sliding_window: int = 8,
+    max_window_layers: int = 2,
+    layer_types: tuple[str, ...] | None = None,
+    num_hidden_layers: int = 4,
+    attention_gain: float = 8.0,
+    logit_gain: float = 20.0,
+) -> Path:
+    """Write a seeded tiny Qwen3 (q/k norms) or Qwen2 (q/k/v biases) with ``use_sliding_window`` on.
+
+    Without ``layer_types`` transformers' own rule picks the sliding layers: those from
+    ``max_window_layers`` on (the first ``max_window_layers`` attend fully); ``TINY_LLAMA``'s other
+    shapes, sharpened as ``save_tiny_llama`` does, so the window matters to the tokens.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    if model_type not in classes:
+        raise UnknownNameError("model_type", model_type, classes)
+    config_class, model_class = classes[model_type]
+    gains = positive_number("attention_gain", attention_gain), positive_number("logit_gain", logit_gain)
+    config = config_class(**{**TINY_LLAMA, "num_hidden_layers": positive_int("num_hidden_layers", num_hidden_layers)},
+                          use_sliding_window=True, sliding_window=positive_int("sliding_window", sliding_window),
+                          max_window_layers=max_window_layers, layer_types=list(layer_types) if layer_types else None,
+                          bos_token_id=1, eos_token_id=2)
+    return save_seeded(model_class, config, path, seed, lambda model: sharpen(model, *gains))
 
 
 def save_seeded(model_class: Any, config: Any, path: str | os.PathLike, seed: int,

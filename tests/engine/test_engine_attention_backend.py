@@ -69,7 +69,8 @@ def test_both_backends_give_identical_tokens_on_the_trained_model_with_text():
     prompts = [chat_prompt('What does the documentation say about the "for" statement?'),
                chat_prompt("Tell me about the import statement.")]
     assert TINY_MODEL_SYSTEM_PROMPT in prompts[0]
-    runs = {b: serve(TINY_MODEL_DIR, b, prompts, 8, num_gpu_blocks=16, max_model_len=512)[1]
+    # float32 on both: "auto" would serve this bf16 checkpoint in bf16 on torch, in float32 under the interpreter
+    runs = {b: serve(TINY_MODEL_DIR, b, prompts, 8, num_gpu_blocks=16, max_model_len=512, dtype="float32")[1]
             for b in ATTENTION_BACKENDS}
     assert runs["triton"] == runs["torch"]
     assert all(len(t) == 8 for t in runs["torch"])
