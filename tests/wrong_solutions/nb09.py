@@ -83,3 +83,15 @@ WRONG = {
         (heads_divided_past_one, "each rank keeps a whole copy of one KV head"),
     ],
 }
+
+
+def head_dim_from_hidden_size(config, tp, kv_dtype):
+    """Always takes a head's size as hidden_size // num_attention_heads, ignoring the config's head_dim."""
+    b = _BYTES[kv_dtype]
+    if config.get("kv_lora_rank"):
+        return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b
+    heads = max(config["num_key_value_heads"] // tp, 1)
+    return 2 * config["num_hidden_layers"] * heads * (config["hidden_size"] // config["num_attention_heads"]) * b
+
+
+WRONG["09.kv_per_gpu"].append((head_dim_from_hidden_size, "this config gives head_dim = 256"))

@@ -1,0 +1,37 @@
+"""Reference solutions as plain lines: what ``show_solution`` prints where the checked reference calls into kvlab.
+
+Each function here has the name and signature of its exercise's stub and passes that exercise's check
+(``tests/test_exercises.py``); it reads the inputs the way a learner would, with no kvlab helper beyond
+the tables the task names.
+"""
+
+from __future__ import annotations
+
+from kvlab.capacity.sizing import KV_DTYPE_BYTES
+
+
+def bytes_per_token(config: dict, kv_dtype: str = "bf16") -> int:
+    """f x L x Hkv x D x b, read straight from the config."""
+    b, layers = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):  # MLA: one latent per layer and token, no separate V
+        return int(1 * layers * 1 * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b)
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return int(2 * layers * kv_heads * head_dim * b)
+
+
+def request_bytes(config: dict, tokens: int, kv_dtype: str = "bf16") -> int:
+    """Which layers slide, how many tokens each keeps, times one token's bytes in one layer."""
+    layers, window = config["num_hidden_layers"], config.get("sliding_window")
+    if config.get("layer_types"):  # the config says, layer by layer
+        sliding = [kind == "sliding_attention" for kind in config["layer_types"]]
+    elif not window or config.get("use_sliding_window") is False:  # no window, or one switched off (Qwen2.5)
+        sliding = [False] * layers
+    elif config.get("model_type") == "gemma2":  # Gemma 2: even layers slide, odd layers see everything
+        sliding = [i % 2 == 0 for i in range(layers)]
+    elif config.get("model_type") in ("qwen2", "qwen3"):  # Qwen: from max_window_layers on
+        sliding = [i >= config.get("max_window_layers", layers) for i in range(layers)]
+    else:  # Mistral-style: every layer
+        sliding = [True] * layers
+    held = sum(min(tokens, window) if slides else tokens for slides in sliding)
+    return bytes_per_token(config, kv_dtype) // layers * held
