@@ -26,7 +26,7 @@ from kvlab.exercises.records import (
 )
 from kvlab.exercises.state import STATE
 
-__all__ = ["CheckResult", "cases_for", "copies", "failure_lines", "grade", "judge", "limit_for", "named_mistake",
+__all__ = ["CheckResult", "cases_for", "copies", "failure_lines", "grade", "judge", "limit_for", "named_mistakes",
            "not_attempted", "state_note"]
 
 
@@ -133,20 +133,20 @@ def _agrees(exercise: Exercise, wanted: Any, value: Any) -> bool:
         return False
 
 
-def named_mistake(exercise: Exercise, passed: list[tuple[Case, Any]], case: Case, actual: Any) -> Mistake | None:
-    """The first known mistake that reproduces the learner's outputs: ``actual`` on the failing ``case`` and the
-    expected value on every case passed before it. None when no mistake does (then none is named)."""
+def named_mistakes(exercise: Exercise, passed: list[tuple[Case, Any]], case: Case, actual: Any) -> list[Mistake]:
+    """The known mistakes that reproduce the learner's outputs: ``actual`` on the failing ``case`` and the expected
+    value on every case passed before it. Empty when none does (then none is named)."""
+    found = []
     for mistake in exercise.mistakes:
         fn = exercise.prepare(mistake.fn) if exercise.prepare else mistake.fn
         try:
             with STATE.own_values():
-                if not _agrees(exercise, actual, fn(*copies(case)[0], **copies(case)[1])):
-                    continue
-                if all(_agrees(exercise, wanted, fn(*copies(c)[0], **copies(c)[1])) for c, wanted in passed):
-                    return mistake
-        except Exception:  # a mistake that raises on this case is not the learner's
+                if _agrees(exercise, actual, fn(*copies(case)[0], **copies(case)[1])) and all(
+                        _agrees(exercise, wanted, fn(*copies(c)[0], **copies(c)[1])) for c, wanted in passed):
+                    found.append(mistake)
+        except Exception:  # a mistake that raises on these cases is not the learner's
             continue
-    return None
+    return found
 
 
 def state_note(during: list[tuple[str, str]]) -> list[str]:
@@ -216,9 +216,9 @@ def grade(exercise: Exercise, cases: list[Case], seed: int, limit: float, run_ca
         verdict = judge(exercise, case, expected, outcome, limit)
         passed.append((case, expected))
         if verdict.got is not None:
-            mistake = named_mistake(exercise, passed[:-1], case, verdict.actual) if verdict.actual is not None else None
-            if mistake is not None:  # what the outputs match beats what explain guesses
-                verdict.likely = mistake.words(case)
+            found = named_mistakes(exercise, passed[:-1], case, verdict.actual) if verdict.actual is not None else []
+            if found:  # what the outputs match beats what explain guesses; several that match are all named
+                verdict.likely = "\n            or: ".join(m.words(case) for m in found)
             lines, actual = failure_lines(exercise, number, cases, seed, expected, verdict)
             return CheckResult(exercise.id, "fail", number, "\n".join(lines + notes()), case, expected, actual, seed)
     return CheckResult(exercise.id, "pass", len(cases), "\n".join([
