@@ -35,3 +35,22 @@ def request_bytes(config: dict, tokens: int, kv_dtype: str = "bf16") -> int:
         sliding = [True] * layers
     held = sum(min(tokens, window) if slides else tokens for slides in sliding)
     return bytes_per_token(config, kv_dtype) // layers * held
+
+
+def hybrid_hit(num_prompt_tokens: int, sliding_window: int, block_size: int, evicted_sliding: list,
+               evicted_full: list, *, window_blocks: int | None = None) -> int:
+    """Each group answers at the length the other offered, until both agree (vLLM's hybrid coordinator)."""
+    need = window_blocks or -(-(sliding_window - 1) // block_size)  # blocks a window of W reaches: cdiv(W - 1, bs)
+    length = num_prompt_tokens // block_size  # B's length minus one, in whole blocks
+    while True:
+        full = min([length, *evicted_full])  # full attention: every block before the end
+        window, run = None, 0  # the window: `need` cached blocks in a row, found from the right
+        for i in range(full - 1, -1, -1):
+            run = 0 if i in evicted_sliding else run + 1
+            if run == need:
+                window = i + need
+                break
+        window = run if window is None else window  # none found: the cached blocks from the start
+        if window == length:
+            return length * block_size
+        length = window
