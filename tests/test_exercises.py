@@ -168,3 +168,18 @@ def test_a_known_mistake_is_named_only_when_it_reproduces_every_output_so_far():
     result = grade(exercise, cases, 0, 1.0, lambda n, c: Outcome(value=learner(*c.args)),
                    lambda c: c.args[0] ** 2, list)
     assert "likely:   3 late" in result.message and "doubled" not in result.message
+
+
+def _naive_without_v(query_len, context_len, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Counts naive's K but forgets its V: a mistake no diagnosis knows."""
+    naive = (query_len + context_len) * (qk_nope_head_dim + qk_rope_head_dim)
+    return "naive" if naive <= 2 * query_len * kv_lora_rank else "absorbed"
+
+
+@pytest.mark.parametrize("learner", [_naive_without_v, lambda *args: "naive", lambda *args: "absorbed"])
+def test_an_answer_that_matches_no_known_mistake_is_not_blamed_on_one(learner):
+    # Such an answer agrees with "fewer FLOPs" or "one query token absorbs" on the failing case by chance
+    # only; the cases it passed before are where those mistakes would have differed. (Before, forgetting V was
+    # called "the query length alone does not decide".)
+    result = ex.check("09.fewer_bytes", learner, seed=99)
+    assert result.status == "fail" and "likely:" not in result.message, result.message

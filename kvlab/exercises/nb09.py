@@ -180,15 +180,21 @@ def fewer_bytes_read(query_len: int, context_len: int, num_heads: int, kv_lora_r
 
 
 def _explain_bytes(case: Case, expected: Any, actual: Any) -> str | None:
-    if actual not in ("naive", "absorbed"):
-        return 'return "naive" or "absorbed"'
-    sq, ctx, heads, rank, nope, rope, v = case.args
-    if actual == mla_attention_cost(MLADims(heads, rank, nope, rope, v), sq, ctx).fewer_flops:
-        return "that is the path with fewer FLOPs; count the bytes each path reads instead"
-    if actual == ("absorbed" if sq == 1 else "naive"):
-        return ("the query length alone does not decide: what naive reads back grows with every cached latent "
-                "(K and V of all heads), what absorbed adds grows with the query tokens only")
-    return None
+    return None if actual in ("naive", "absorbed") else 'return "naive" or "absorbed"'
+
+
+def _by_flops(sq: int, ctx: int, heads: int, rank: int, nope: int, rope: int, v: int) -> str:
+    return mla_attention_cost(MLADims(heads, rank, nope, rope, v), sq, ctx).fewer_flops
+
+
+BYTES_MISTAKES = (
+    Mistake(lambda sq, ctx, heads, rank, nope, rope, v: "naive" if (sq + ctx) * (nope + rope + v) < 2 * sq * rank
+            else "absorbed", 'a tie goes to "naive": absorbed must read strictly fewer bytes'),
+    Mistake(_by_flops, "that is the path with fewer FLOPs; count the bytes each path reads instead"),
+    Mistake(lambda sq, *rest: "absorbed" if sq == 1 else "naive",
+            "the query length alone does not decide: what naive reads back grows with every cached latent "
+            "(K and V of all heads), what absorbed adds grows with the query tokens only"),
+)
 
 
 def _random_bytes_case(rng: random.Random) -> Case:
@@ -220,9 +226,11 @@ register(Exercise(
         Case((64, 140, 128, 512, 128, 64, 128), probes="just below the balance: 204 x 320 < 2 x 512 x 64"),
         Case((64, 141, 128, 512, 128, 64, 128), probes="just past it: 205 x 320 > 2 x 512 x 64"),
         Case((1, 0, 16, 512, 128, 64, 128), probes="a first token with nothing cached: one latent, one query"),
+        Case((5, 11, 128, 512, 128, 64, 128), probes="a tie: 16 x 320 = 2 x 512 x 5 per head, and a tie is naive"),
     ],
     random_case=_random_bytes_case,
     explain=_explain_bytes,
+    mistakes=BYTES_MISTAKES,
     hints=[
         "Both paths read every cached latent once and the same W_UK and W_UV: those cancel. Compare only what each "
         "path writes and then reads back.",

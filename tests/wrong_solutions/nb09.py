@@ -44,6 +44,13 @@ def by_query_length(query_len, context_len, num_heads, kv_lora_rank, qk_nope_hea
     return "absorbed" if query_len == 1 else "naive"
 
 
+def tie_to_absorbed(query_len, context_len, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                    v_head_dim):
+    """Counts both paths right but lets absorbed win a tie."""
+    naive = (query_len + context_len) * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)
+    return "naive" if naive < 2 * query_len * kv_lora_rank else "absorbed"
+
+
 def _head_dim(config):
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
@@ -77,6 +84,7 @@ WRONG = {
     "09.fewer_bytes": [
         (by_flops, "the path with fewer FLOPs"),
         (by_query_length, "the query length alone does not decide"),
+        (tie_to_absorbed, 'a tie goes to "naive"'),
     ],
     "09.kv_per_gpu": [
         (latent_split_by_tp, "cannot be split across ranks"),
