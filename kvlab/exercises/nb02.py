@@ -10,6 +10,7 @@ from kvlab.capacity.budget import PRESETS, max_concurrency, num_gpu_blocks, plan
 from kvlab.capacity.budget import max_model_len_for as _max_model_len_for
 from kvlab.capacity.models import ModelSpec, get_model, list_models, weights_bytes
 from kvlab.capacity.sizing import kv_bytes_per_token
+from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.sim.fragmentation import simulate
 from kvlab.sim.workloads import sharegpt_like
@@ -61,6 +62,7 @@ register(Exercise(
     signature=("def num_blocks_and_concurrency(available_bytes: int, bytes_per_token: int, block_size: int, "
                "max_model_len: int) -> tuple[int, int]:"),
     reference=num_blocks_and_concurrency,
+    shown=plain.num_blocks_and_concurrency,
     edge_cases=[
         Case((_A.available_bytes, _A.kv_bytes_per_token, 64, 8192),
              probes="preset A: 20 MiB blocks, 128 of them per 8K request"),
@@ -111,6 +113,7 @@ register(Exercise(
     ),
     signature="def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int:",
     reference=max_model_len_for,
+    shown=plain.max_model_len_for,
     edge_cases=[
         Case((880, 64, 6), probes="preset A: 879 usable blocks shared by 6 requests"),
         Case((4096, 16, 16), probes="the 8 GiB example: the null block costs the 16 requests one block"),

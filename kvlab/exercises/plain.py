@@ -54,3 +54,19 @@ def hybrid_hit(num_prompt_tokens: int, sliding_window: int, block_size: int, evi
         if window == length:
             return length * block_size
         length = window
+
+
+def num_blocks_and_concurrency(available_bytes: int, bytes_per_token: int, block_size: int,
+                               max_model_len: int) -> tuple[int, int]:
+    """The pool in whole blocks; a request of max_model_len tokens in whole blocks; how many such requests fit."""
+    block_bytes = bytes_per_token * block_size  # one block: block_size tokens of KV
+    num_blocks = max(available_bytes, 0) // block_bytes  # nothing left: no blocks (never a negative count)
+    blocks_per_request = -(-max_model_len // block_size)  # ceil: the last block is partly filled
+    return num_blocks, num_blocks // blocks_per_request  # the null block counted, as vLLM's log counts it
+
+
+def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int:
+    """Share the usable blocks among the requests, in whole blocks, and turn each share back into tokens."""
+    usable = max(num_blocks - 1, 0)  # block 0 is the null block: it never holds KV
+    blocks_each = usable // concurrency  # whole blocks per request
+    return blocks_each * block_size  # a multiple of block_size
