@@ -139,3 +139,47 @@ def test_every_notebook_with_exercises_has_a_self_test_whose_answers_compute():
         answers = quiz.answers()
         assert len(answers) >= 2 and all(a.strip() for a in answers.values())
         assert "Self-test" in repr(quiz)
+
+
+@pytest.mark.parametrize("exercise_id", [i for i in IDS if ex.get_exercise(i).shown is not None])
+def test_the_solution_shown_is_plain_lines_that_pass_their_own_check(exercise_id):
+    shown = ex.get_exercise(exercise_id).shown
+    assert ex.check(exercise_id, shown, seed=1234).passed
+    source = str(ex.show_solution(exercise_id))
+    assert f"def {ex.get_exercise(exercise_id).function_name}(" in source
+    assert "kvlab" not in source.split("```python", 1)[1], "the algorithm itself, not a call into kvlab"
+    assert 3 <= source.count("\n") - 4 <= 20, source
+
+
+def test_a_known_mistake_is_named_only_when_it_reproduces_every_output_so_far():
+    # Doubling is what the learner did on the failing case only by chance: the earlier cases, which the learner
+    # passed, are where doubling would have differed, so it is not named; the one that matches throughout is.
+    cases = [ex.Case((1,), probes="one"), ex.Case((0,), probes="zero"), ex.Case((3,), probes="three")]
+    exercise = ex.Exercise(id="99.square", title="square", task="x squared", signature="def square(x: int) -> int:",
+                           reference=lambda x: x * x, edge_cases=cases, hints=["multiply"], num_random=0,
+                           mistakes=[ex.Mistake(lambda x: 2 * x, "doubled"),
+                                     ex.Mistake(lambda x: x if x < 2 else 2 * x, lambda case: f"{case.args[0]} late")])
+    from kvlab.exercises.grading import grade
+    from kvlab.exercises.limits import Outcome
+
+    def learner(x):
+        return x if x < 2 else 2 * x
+
+    result = grade(exercise, cases, 0, 1.0, lambda n, c: Outcome(value=learner(*c.args)),
+                   lambda c: c.args[0] ** 2, list)
+    assert "likely:   3 late" in result.message and "doubled" not in result.message
+
+
+def _naive_without_v(query_len, context_len, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Counts naive's K but forgets its V: a mistake no diagnosis knows."""
+    naive = (query_len + context_len) * (qk_nope_head_dim + qk_rope_head_dim)
+    return "naive" if naive <= 2 * query_len * kv_lora_rank else "absorbed"
+
+
+@pytest.mark.parametrize("learner", [_naive_without_v, lambda *args: "naive", lambda *args: "absorbed"])
+def test_an_answer_that_matches_no_known_mistake_is_not_blamed_on_one(learner):
+    # Such an answer agrees with "fewer FLOPs" or "one query token absorbs" on the failing case by chance
+    # only; the cases it passed before are where those mistakes would have differed. (Before, forgetting V was
+    # called "the query length alone does not decide".)
+    result = ex.check("09.fewer_bytes", learner, seed=99)
+    assert result.status == "fail" and "likely:" not in result.message, result.message

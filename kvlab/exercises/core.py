@@ -50,14 +50,15 @@ from kvlab.exercises.records import (
     Case,
     CheckResult,
     Exercise,
+    Mistake,
     Question,
 )
 from kvlab.exercises.state import STATE, code_changes
 from kvlab.exercises.transfer import NotSendable, dumps_function
 
 __all__ = ["DEFAULT_TIME_LIMIT_S", "EXERCISES", "PREPARED_TIME_LIMIT_S", "QUESTIONS", "Case", "CheckResult",
-           "Exercise", "Question", "ask", "check", "describe", "get_exercise", "hint", "judge", "list_exercises",
-           "register", "register_question", "self_test", "show_solution", "solution"]
+           "Exercise", "Mistake", "Question", "ask", "check", "describe", "get_exercise", "hint", "judge",
+           "list_exercises", "register", "register_question", "self_test", "show_solution", "solution"]
 
 
 def check(exercise_id: str, learner_fn: Callable[..., Any], *, seed: int | None = None,
@@ -179,9 +180,10 @@ def solution(exercise_id: str) -> Callable[..., Any]:
 
 
 def show_solution(exercise_id: str) -> Note:
-    """The reference solution's source, for when you have tried and want to compare."""
+    """The reference solution's source, for when you have tried and want to compare: the algorithm in plain
+    lines (``Exercise.shown``) where the reference itself calls into kvlab."""
     exercise = get_exercise(exercise_id)
-    source = textwrap.dedent(inspect.getsource(exercise.reference))
+    source = textwrap.dedent(inspect.getsource(exercise.shown or exercise.reference))
     return Note(f"Reference solution for `{exercise_id}`:\n\n```python\n{source}```")
 
 

@@ -22,11 +22,12 @@ from kvlab.exercises.records import (
     Case,
     CheckResult,
     Exercise,
+    Mistake,
 )
 from kvlab.exercises.state import STATE
 
-__all__ = ["CheckResult", "cases_for", "copies", "failure_lines", "grade", "judge", "limit_for", "not_attempted",
-           "state_note"]
+__all__ = ["CheckResult", "cases_for", "copies", "failure_lines", "grade", "judge", "limit_for", "named_mistakes",
+           "not_attempted", "state_note"]
 
 
 class ReportedError(Exception):  # noqa: N818  (the learner's exception, as its process reported it)
@@ -121,6 +122,33 @@ def judge(exercise: Exercise, case: Case, expected: Any, outcome: Outcome, limit
     return verdict
 
 
+def _agrees(exercise: Exercise, wanted: Any, value: Any) -> bool:
+    """Whether ``value`` (a known mistake's result, kvlab's own code) compares equal to ``wanted``."""
+    try:
+        value = value if _is_exercise_output(wanted, value) else canonical(value, keep_tensors=_is_tensor(wanted))
+        if exercise.compare is not None:
+            return bool(exercise.compare(wanted, value))
+        return difference(wanted, value) is None
+    except Exception:  # a mistake that cannot be compared reproduces nothing
+        return False
+
+
+def named_mistakes(exercise: Exercise, passed: list[tuple[Case, Any]], case: Case, actual: Any) -> list[Mistake]:
+    """The known mistakes that reproduce the learner's outputs: ``actual`` on the failing ``case`` and the expected
+    value on every case passed before it. Empty when none does (then none is named)."""
+    found = []
+    for mistake in exercise.mistakes:
+        fn = exercise.prepare(mistake.fn) if exercise.prepare else mistake.fn
+        try:
+            with STATE.own_values():
+                if _agrees(exercise, actual, fn(*copies(case)[0], **copies(case)[1])) and all(
+                        _agrees(exercise, wanted, fn(*copies(c)[0], **copies(c)[1])) for c, wanted in passed):
+                    found.append(mistake)
+        except Exception:  # a mistake that raises on these cases is not the learner's
+            continue
+    return found
+
+
 def state_note(during: list[tuple[str, str]]) -> list[str]:
     """Lines saying that kvlab's module data differs from its own, and whether the learner's function did it."""
     now = STATE.changes()
@@ -179,13 +207,18 @@ def grade(exercise: Exercise, cases: list[Case], seed: int, limit: float, run_ca
           expected_for: Callable[[Case], Any], notes: Callable[[], list[str]]) -> CheckResult:
     """Run the cases in order (``run_case`` calls the learner's function, ``expected_for`` the reference) and
     stop at the first that disagrees; ``notes`` adds the lines about kvlab's state to the message."""
+    passed: list[tuple[Case, Any]] = []
     for number, case in enumerate(cases, start=1):
         outcome = run_case(number, case)
         if number == 1 and _not_attempted(outcome.error):
             return not_attempted(exercise)
         expected = expected_for(case)
         verdict = judge(exercise, case, expected, outcome, limit)
+        passed.append((case, expected))
         if verdict.got is not None:
+            found = named_mistakes(exercise, passed[:-1], case, verdict.actual) if verdict.actual is not None else []
+            if found:  # what the outputs match beats what explain guesses; several that match are all named
+                verdict.likely = "\n            or: ".join(m.words(case) for m in found)
             lines, actual = failure_lines(exercise, number, cases, seed, expected, verdict)
             return CheckResult(exercise.id, "fail", number, "\n".join(lines + notes()), case, expected, actual, seed)
     return CheckResult(exercise.id, "pass", len(cases), "\n".join([

@@ -7,7 +7,8 @@ from typing import Any
 
 from kvlab.capacity.models import ModelSpec, get_model
 from kvlab.capacity.sizing import KV_DTYPE_BYTES, blocks_for_tokens, kv_bytes, kv_bytes_per_token, tail_waste
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises import plain
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.units import KiB, format_bytes
 
 
@@ -87,6 +88,7 @@ register(Exercise(
     ),
     signature="def bytes_per_token(config: dict, kv_dtype: str = 'bf16') -> int:",
     reference=bytes_per_token,
+    shown=plain.bytes_per_token,
     edge_cases=[
         Case((_preset_config("llama-2-7b"), "bf16"), probes="MHA written out: f x L x Hkv x D x b"),
         Case((_preset_config("llama-3-70b"), "fp8"), probes="GQA: the KV heads, not the query heads"),
@@ -124,12 +126,48 @@ def request_bytes(config: dict, tokens: int, kv_dtype: str = "bf16") -> int:
     return kv_bytes(ModelSpec.from_hf_config(config), tokens, kv_dtype)
 
 
-def _explain_request(case: Case, expected: Any, actual: Any) -> str | None:
-    config, tokens = case.args[0], case.args[1]
-    full = kv_bytes_per_token(ModelSpec.from_hf_config(config), case.args[2]) * tokens
-    if config.get("sliding_window") and actual == full != expected:
-        return "sliding-window layers keep only the last sliding_window tokens"
-    return None
+def _request_with(config: dict, tokens: int, kv_dtype: str, *, sliding: list[bool] | None = None,
+                  keep: int = 0) -> int:
+    """request_bytes with one step taken the wrong way: the layers that slide forced, or ``keep`` more tokens kept."""
+    spec = ModelSpec.from_hf_config(config)
+    kinds = spec.layer_types if sliding is None else ["sliding_attention" if s else "full_attention" for s in sliding]
+    window = config.get("sliding_window") or 0
+    held = sum(min(tokens, window + keep) if k == "sliding_attention" else tokens for k in kinds)
+    return kv_bytes_per_token(spec, kv_dtype) // spec.num_layers * held
+
+
+def _every_layer_slides(config: dict, tokens: int, kv_dtype: str = "bf16") -> int:
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    sliding = ([k == "sliding_attention" for k in types] if types else [bool(config.get("sliding_window"))] * layers)
+    return _request_with(config, tokens, kv_dtype, sliding=sliding)
+
+
+def _family_rule_missed(case: Case) -> str:
+    config = case.args[0]
+    if config.get("use_sliding_window") is False:
+        return ("this config carries a sliding_window but sets use_sliding_window: false (as Qwen2.5's files do): "
+                "the window is switched off and every layer keeps all the tokens")
+    if config.get("model_type") == "gemma2":
+        return ("Gemma 2's config has no layer_types, and its window is not in every layer: model_type 'gemma2' "
+                "alternates, the even layers slide and the odd ones keep every token")
+    return "without layer_types, which layers slide follows the model family's rule (see the task)"
+
+
+REQUEST_MISTAKES = (
+    Mistake(lambda config, tokens, kv_dtype="bf16": _request_with(
+        config, tokens, kv_dtype, sliding=[False] * config["num_hidden_layers"]),
+        "sliding-window layers keep only the last sliding_window tokens"),
+    Mistake(lambda config, tokens, kv_dtype="bf16": _request_with(
+        config, tokens, kv_dtype, sliding=[bool(config.get("sliding_window"))] * config["num_hidden_layers"]),
+        "layer_types lists which layers slide: only those marked 'sliding_attention' keep the last sliding_window "
+        "tokens, the 'full_attention' ones keep them all"),
+    Mistake(_every_layer_slides, _family_rule_missed),
+    Mistake(lambda config, tokens, kv_dtype="bf16": _request_with(config, tokens, kv_dtype, keep=1),
+            "a window off by one: a sliding layer keeps min(tokens, sliding_window) tokens, not sliding_window + 1"),
+    Mistake(lambda config, tokens, kv_dtype="bf16": _request_with(config, tokens, kv_dtype, keep=-1),
+            "a window off by one: a sliding layer keeps min(tokens, sliding_window) tokens, not sliding_window - 1"),
+)
 
 
 register(Exercise(
@@ -154,10 +192,17 @@ register(Exercise(
         Case((_preset_config("gpt-oss-20b"), 131072, "bf16"),
              probes="half the layers slide (window 128), half keep everything"),
         Case((_preset_config("deepseek-v3"), 32768, "bf16"), probes="MLA at 32K tokens"),
+        Case((_preset_config("mistral-7b-v0.1"), 4097, "bf16"),
+             probes="one token past the window: a sliding layer keeps exactly sliding_window tokens"),
+        Case((_preset_config("gemma-2-9b"), 200_000, "bf16"),
+             probes="Gemma 2 without layer_types: even layers slide (window 4096), odd layers keep all 200K"),
+        Case((_preset_config("qwen2.5-32b-instruct"), 200_000, "bf16"),
+             probes="Qwen2.5 carries a sliding_window but use_sliding_window: false, so no layer slides"),
     ],
     random_case=lambda rng: Case((_random_config(rng, sliding=True), rng.randint(1, 20000),
                                   rng.choice(["bf16", "fp8", "fp32"])), probes="a random config with a window"),
-    explain=_explain_request,
+    mistakes=REQUEST_MISTAKES,
+    shown=plain.request_bytes,
     hints=[
         "Count, layer by layer, how many tokens the layer keeps; then multiply by the bytes one "
         "token takes in one layer.",

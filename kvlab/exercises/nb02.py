@@ -10,7 +10,8 @@ from kvlab.capacity.budget import PRESETS, max_concurrency, num_gpu_blocks, plan
 from kvlab.capacity.budget import max_model_len_for as _max_model_len_for
 from kvlab.capacity.models import ModelSpec, get_model, list_models, weights_bytes
 from kvlab.capacity.sizing import kv_bytes_per_token
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises import plain
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.sim.fragmentation import simulate
 from kvlab.sim.workloads import sharegpt_like
 from kvlab.units import GiB, KiB, cdiv, format_bytes
@@ -61,6 +62,7 @@ register(Exercise(
     signature=("def num_blocks_and_concurrency(available_bytes: int, bytes_per_token: int, block_size: int, "
                "max_model_len: int) -> tuple[int, int]:"),
     reference=num_blocks_and_concurrency,
+    shown=plain.num_blocks_and_concurrency,
     edge_cases=[
         Case((_A.available_bytes, _A.kv_bytes_per_token, 64, 8192),
              probes="preset A: 20 MiB blocks, 128 of them per 8K request"),
@@ -111,6 +113,7 @@ register(Exercise(
     ),
     signature="def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int:",
     reference=max_model_len_for,
+    shown=plain.max_model_len_for,
     edge_cases=[
         Case((880, 64, 6), probes="preset A: 879 usable blocks shared by 6 requests"),
         Case((4096, 16, 16), probes="the 8 GiB example: the null block costs the 16 requests one block"),
@@ -144,11 +147,30 @@ def tp_concurrency(config: dict, gpu_memory_gib: float, weights_gib: float, tp: 
     return plan.concurrency
 
 
-def _concurrency_with(case: Case, per_token: int, weights_gib: float) -> int:
-    """The same arithmetic with one input taken the wrong way (for the diagnoses)."""
+def _concurrency_with(case: Case, per_token: int, weights_gib: float, *, unit: int = GiB,
+                      floor_blocks: bool = False) -> int:
+    """The same arithmetic with one input taken the wrong way (for the diagnoses): ``unit`` bytes per "GiB",
+    or the blocks one request needs rounded down."""
     _, gpu_memory_gib, _, _, _, block_size, max_model_len = case.args
-    available = math.ceil(gpu_memory_gib * GiB * UTILIZATION) - round(weights_gib * GiB)
-    return num_gpu_blocks.__wrapped__(available, per_token * block_size) // cdiv(max_model_len, block_size)
+    available = math.ceil(gpu_memory_gib * unit * UTILIZATION) - round(weights_gib * unit)
+    per_request = max_model_len // block_size if floor_blocks else cdiv(max_model_len, block_size)
+    return num_gpu_blocks.__wrapped__(available, per_token * block_size) // per_request
+
+
+def _tp_mistake(case: Case, *, unit: int = GiB, floor_blocks: bool = False) -> int:
+    config, _, weights_gib, tp, kv_dtype, _, _ = case.args
+    per_gpu = kv_bytes_per_token(ModelSpec.from_hf_config(config), kv_dtype, tp)
+    return _concurrency_with(case, per_gpu, weights_gib / tp, unit=unit, floor_blocks=floor_blocks)
+
+
+TP_MISTAKES = (
+    Mistake(lambda *args: _tp_mistake(Case(args), unit=10**9),
+            lambda case: (f"GB for GiB: gpu_memory_gib and weights_gib count GiB, 2**30 = 1,073,741,824 bytes each, "
+                          f"not 10**9 (a {case.args[1]:g} GiB GPU holds {case.args[1] * GiB / 10**9:.1f} GB)")),
+    Mistake(lambda *args: _tp_mistake(Case(args), floor_blocks=True),
+            "floor for ceil: a request of max_model_len tokens takes ceil(max_model_len / block_size) blocks, its "
+            "last one partly filled, not max_model_len // block_size"),
+)
 
 
 def _explain_tp(case: Case, expected: Any, actual: Any) -> str | None:
@@ -203,6 +225,8 @@ register(Exercise(
              probes="section 5's deployment: MLA on 8 GPUs, each with an eighth of the weights and the whole latent"),
         Case((_config("llama-3-70b"), 80, 130, 4, "bf16", 16, 8192),
              probes="GQA at TP=4: each GPU holds 2 of the 8 KV heads and a quarter of the weights"),
+        Case((_config("llama-3-70b"), 80, 130, 4, "bf16", 16, 8200),
+             probes="max_model_len 8,200 is not a multiple of 16: a request's last block is partly filled"),
         Case((_config("llama-3-70b"), 24, 130, 16, "fp8", 16, 8192),
              probes="16 small GPUs for 8 KV heads: each head is stored twice"),
         Case((_config("qwen2.5-32b-instruct"), 48, 61, 2, "fp8", 16, 32768),
@@ -215,6 +239,7 @@ register(Exercise(
     random_case=_random_tp_case,
     num_random=15,
     explain=_explain_tp,
+    mistakes=TP_MISTAKES,
     transfer=True,
     hints=[
         "Everything here is per GPU. Start with the budget of one GPU and subtract that GPU's share of the weights.",

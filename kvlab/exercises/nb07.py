@@ -13,7 +13,7 @@ from kvlab.capacity.playbook import Deployment, Workload, rank_levers
 from kvlab.capacity.source_deployments import reproduce
 from kvlab.core.kv_cache_metrics import STEPS_BUCKETS, Histogram, nearest_rank
 from kvlab.core.kv_cache_metrics import pool_too_small as _pool_too_small
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.sim.serving_sim import ChatWorkload, simulate_chat
 from kvlab.units import GiB
 
@@ -102,22 +102,37 @@ _MODELS: dict[str, Callable[[], CostModel]] = {
 
 
 def _explain_swap(case: Case, expected: Any, actual: Any) -> str | None:
-    model, computed, hits = case.args
-    if actual not in ("swap", "recompute"):
-        return 'return the string "swap" or "recompute"'
-    if actual == "swap" and model.swap_seconds(computed, hits) == model.recompute_seconds(computed, hits):
-        return "a tie goes to recompute, vLLM V1's way: swap only when it is strictly cheaper"
-    one_way = model.copy_seconds(computed)
-    if actual == ("swap" if one_way < model.recompute_seconds(computed, hits) else "recompute"):
-        return "swap pays twice: every block goes out to the CPU, then the blocks not cached on the GPU come back"
-    no_context = model.prefill_seconds(computed - hits)
-    if actual == ("swap" if model.swap_seconds(computed, hits) < no_context else "recompute"):
-        return ("the recomputed tokens attend to the cached ones too: pass hit_tokens as num_cached_tokens to "
-                "prefill_seconds")
-    if actual == ("swap" if model.copy_seconds(computed) * 2 < model.recompute_seconds(computed, hits) else
-                  "recompute"):
-        return "blocks still cached on the GPU need not be copied back: only computed_tokens - hit_tokens return"
-    return None
+    return None if actual in ("swap", "recompute") else 'return the string "swap" or "recompute"'
+
+
+def _swap_rule(swap: Callable[[CostModel, int, int], float], recompute: Callable[[CostModel, int, int], float],
+               tie: str = "recompute") -> Callable[[CostModel, int, int], str]:
+    """A decision from two prices (a known mistake when either is priced wrong, or the tie goes to swap)."""
+    def decide(model: CostModel, computed: int, hits: int) -> str:
+        a, b = swap(model, computed, hits), recompute(model, computed, hits)
+        return "swap" if a < b or (a == b and tie == "swap") else "recompute"
+    return decide
+
+
+def _recompute(model: CostModel, computed: int, hits: int) -> float:
+    return model.recompute_seconds(computed, hits)
+
+
+def _swap(model: CostModel, computed: int, hits: int) -> float:
+    return model.swap_seconds(computed, hits)
+
+
+SWAP_MISTAKES = (
+    Mistake(_swap_rule(_swap, _recompute, tie="swap"),
+            "a tie goes to recompute, vLLM V1's way: swap only when it is strictly cheaper"),
+    Mistake(_swap_rule(lambda m, c, h: m.copy_seconds(c), _recompute),
+            "swap pays twice: every block goes out to the CPU, then the blocks not cached on the GPU come back"),
+    Mistake(_swap_rule(lambda m, c, h: 2 * m.copy_seconds(c), _recompute),
+            "blocks still cached on the GPU need not be copied back: only computed_tokens - hit_tokens return"),
+    Mistake(_swap_rule(_swap, lambda m, c, h: m.prefill_seconds(c - h)),
+            "the recomputed tokens attend to the cached ones too: pass hit_tokens as num_cached_tokens to "
+            "prefill_seconds"),
+)
 
 
 def _random_swap_case(rng: random.Random) -> Case:
@@ -156,6 +171,7 @@ register(Exercise(
     random_case=_random_swap_case,
     num_random=15,
     explain=_explain_swap,
+    mistakes=SWAP_MISTAKES,
     hints=[
         "Price each way separately, in modelled seconds, then compare.",
         "Recompute prefills the tokens the GPU no longer holds, and those tokens attend to the cached ones: "

@@ -8,7 +8,8 @@ from typing import Any
 from kvlab.capacity.hybrid import plan_hybrid_kv_cache
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises import plain
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvlab.sim.hybrid_hits import hit_walkthrough
 from kvlab.units import cdiv
@@ -109,6 +110,19 @@ def _explain_hybrid_hit(case: Case, expected: Any, actual: Any) -> str | None:
     return None
 
 
+def _window_of_w_blocks(case: Case) -> str:
+    window, block_size = case.args[1], case.args[2]
+    return (f"a window of {window} tokens reaches cdiv(W - 1, block_size) = {-(-(window - 1) // block_size)} blocks "
+            f"before the hit's end, not cdiv(W, block_size) = {-(-window // block_size)}: the newest token is one "
+            "of the W it attends to")
+
+
+HIT_MISTAKES = (
+    Mistake(lambda n, w, bs, es, ef: plain.hybrid_hit(n, w, bs, es, ef, window_blocks=-(-w // bs)),
+            _window_of_w_blocks),
+)
+
+
 def _random_hit_case(rng: random.Random) -> Case:
     block_size = rng.choice([2, 4])
     tokens = rng.randint(3, 16) * block_size + rng.choice([0, 1])
@@ -143,6 +157,8 @@ register(Exercise(
     ],
     random_case=_random_hit_case,
     explain=_explain_hybrid_hit,
+    mistakes=HIT_MISTAKES,
+    shown=plain.hybrid_hit,
     hints=[
         "Each kind has its own rule: full attention needs every block before the hit's end; a window of W needs only "
         "the cdiv(W - 1, block_size) blocks just before it (or every block, when the hit is shorter than that).",

@@ -15,7 +15,7 @@ from kvlab.capacity.mla import MLADims, absorb_crossover, mla_attention_cost, ml
 from kvlab.capacity.models import ModelSpec, get_model
 from kvlab.capacity.parallel import plan_parallel
 from kvlab.capacity.sizing import KV_DTYPE_BYTES, kv_bytes_per_token, kv_heads_per_rank, mha_ratio
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.units import KiB, format_bytes
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
@@ -180,15 +180,21 @@ def fewer_bytes_read(query_len: int, context_len: int, num_heads: int, kv_lora_r
 
 
 def _explain_bytes(case: Case, expected: Any, actual: Any) -> str | None:
-    if actual not in ("naive", "absorbed"):
-        return 'return "naive" or "absorbed"'
-    sq, ctx, heads, rank, nope, rope, v = case.args
-    if actual == mla_attention_cost(MLADims(heads, rank, nope, rope, v), sq, ctx).fewer_flops:
-        return "that is the path with fewer FLOPs; count the bytes each path reads instead"
-    if actual == ("absorbed" if sq == 1 else "naive"):
-        return ("the query length alone does not decide: what naive reads back grows with every cached latent "
-                "(K and V of all heads), what absorbed adds grows with the query tokens only")
-    return None
+    return None if actual in ("naive", "absorbed") else 'return "naive" or "absorbed"'
+
+
+def _by_flops(sq: int, ctx: int, heads: int, rank: int, nope: int, rope: int, v: int) -> str:
+    return mla_attention_cost(MLADims(heads, rank, nope, rope, v), sq, ctx).fewer_flops
+
+
+BYTES_MISTAKES = (
+    Mistake(lambda sq, ctx, heads, rank, nope, rope, v: "naive" if (sq + ctx) * (nope + rope + v) < 2 * sq * rank
+            else "absorbed", 'a tie goes to "naive": absorbed must read strictly fewer bytes'),
+    Mistake(_by_flops, "that is the path with fewer FLOPs; count the bytes each path reads instead"),
+    Mistake(lambda sq, *rest: "absorbed" if sq == 1 else "naive",
+            "the query length alone does not decide: what naive reads back grows with every cached latent "
+            "(K and V of all heads), what absorbed adds grows with the query tokens only"),
+)
 
 
 def _random_bytes_case(rng: random.Random) -> Case:
@@ -220,9 +226,11 @@ register(Exercise(
         Case((64, 140, 128, 512, 128, 64, 128), probes="just below the balance: 204 x 320 < 2 x 512 x 64"),
         Case((64, 141, 128, 512, 128, 64, 128), probes="just past it: 205 x 320 > 2 x 512 x 64"),
         Case((1, 0, 16, 512, 128, 64, 128), probes="a first token with nothing cached: one latent, one query"),
+        Case((5, 11, 128, 512, 128, 64, 128), probes="a tie: 16 x 320 = 2 x 512 x 5 per head, and a tie is naive"),
     ],
     random_case=_random_bytes_case,
     explain=_explain_bytes,
+    mistakes=BYTES_MISTAKES,
     hints=[
         "Both paths read every cached latent once and the same W_UK and W_UV: those cancel. Compare only what each "
         "path writes and then reads back.",
@@ -242,32 +250,59 @@ def kv_bytes_per_gpu(config: dict, tp: int, kv_dtype: str) -> int:
     return kv_bytes_per_token(ModelSpec.from_hf_config(config), kv_dtype, tp)
 
 
-def _gqa_config(rng: random.Random, kv_heads: int | None = None) -> dict[str, Any]:
+def _gqa_config(rng: random.Random, kv_heads: int | None = None, own_head_dim: bool = False) -> dict[str, Any]:
+    """A GQA or MQA config; with ``own_head_dim``, half the time a head_dim of its own, not hidden_size / heads
+    (as Qwen3's and Gemma's are)."""
     heads = rng.choice([32, 64])
-    return {"model_type": "llama", "num_hidden_layers": rng.choice([16, 32, 80]), "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads or rng.choice([1, 2, 4, 8]), "hidden_size": heads * 128, "head_dim": 128}
+    config = {"model_type": "llama", "num_hidden_layers": rng.choice([16, 32, 80]), "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads or rng.choice([1, 2, 4, 8]), "hidden_size": heads * 128, "head_dim": 128}
+    if own_head_dim and rng.random() < 0.5:
+        config.update(hidden_size=rng.choice([2880, 3584, 5120]), head_dim=rng.choice([64, 128, 256]))
+    return config
+
+
+def _per_gpu_with(config: dict, tp: int, kv_dtype: str, *, implied_head_dim: bool = False,
+                  split_latent: bool = False, fractional_heads: bool = False) -> int:
+    """kv_bytes_per_gpu with one step taken the wrong way (a known mistake, for naming it)."""
+    spec = ModelSpec.from_hf_config(config)
+    b, layers = KV_DTYPE_BYTES[kv_dtype], spec.num_layers
+    if spec.attention == "mla":
+        return kv_bytes_per_token(spec, kv_dtype) // (tp if split_latent else 1)
+    head_dim = config["hidden_size"] // config["num_attention_heads"] if implied_head_dim else spec.head_dim
+    heads = spec.num_kv_heads / tp if fractional_heads else kv_heads_per_rank(spec, tp)
+    return int(2 * layers * heads * head_dim * b)
+
+
+def _implied_head_dim_says(case: Case) -> str:
+    config = case.args[0]
+    return (f"this config gives head_dim = {config['head_dim']}, which is not hidden_size // num_attention_heads = "
+            f"{config['hidden_size'] // config['num_attention_heads']}: when head_dim is there, use it")
+
+
+def _replica_says(case: Case) -> str:
+    config, tp = case.args[0], case.args[1]
+    return (f"with more ranks ({tp}) than KV heads ({config['num_key_value_heads']}) a head cannot be cut: each rank "
+            "keeps a whole copy of one KV head")
+
+
+TP_MISTAKES = (
+    Mistake(lambda c, tp, d: _per_gpu_with(c, tp, d, split_latent=True),
+            "MLA's latent cannot be split across ranks (max_tp_shards = 1): every GPU stores the whole of it, "
+            "so TP leaves its bytes per token unchanged"),
+    Mistake(lambda c, tp, d: _per_gpu_with(c, tp, d, fractional_heads=True), _replica_says),
+    Mistake(lambda c, tp, d: _per_gpu_with(c, tp, d, implied_head_dim=True), _implied_head_dim_says),
+)
 
 
 def _random_tp_case(rng: random.Random) -> Case:
-    config = _mla_config(rng) if rng.random() < 0.4 else _gqa_config(rng)
+    config = _mla_config(rng) if rng.random() < 0.4 else _gqa_config(rng, own_head_dim=True)
     kv_heads = 1 if config.get("kv_lora_rank") else config["num_key_value_heads"]
     tp = rng.choice([t for t in (1, 2, 4, 8, 16) if t % kv_heads == 0 or kv_heads % t == 0])
     return Case((config, tp, rng.choice(DTYPES)), probes="a random model and TP size")
 
 
 def _explain_tp(case: Case, expected: Any, actual: Any) -> str | None:
-    config, tp, kv_dtype = case.args
-    if type(actual) is not int:
-        return "return a whole number of bytes (an int)"
-    whole = kv_bytes_per_token(ModelSpec.from_hf_config(config), kv_dtype)
-    if config.get("kv_lora_rank") and actual * tp == whole:
-        return ("MLA's latent cannot be split across ranks (max_tp_shards = 1): every GPU stores the whole of it, "
-                "so TP leaves its bytes per token unchanged")
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    if not config.get("kv_lora_rank") and tp > kv_heads and actual < expected:
-        return (f"with more ranks ({tp}) than KV heads ({kv_heads}) a head cannot be cut: each rank keeps a whole "
-                "copy of one KV head")
-    return None
+    return "return a whole number of bytes (an int)" if type(actual) is not int else None
 
 
 register(Exercise(
@@ -290,9 +325,14 @@ register(Exercise(
              probes="16 GPUs for 8 KV heads: each head is kept by two ranks"),
         Case((_gqa_config(random.Random(1), kv_heads=1), 4, "fp8"), probes="MQA: its one KV head on every GPU"),
         Case((_gqa_config(random.Random(2), kv_heads=8), 1, "fp32"), probes="TP=1: the whole model on one GPU"),
+        Case(({k: v for k, v in get_model("gemma-2-9b").config.items() if not k.startswith("_")}, 4, "bf16"),
+             probes="Gemma-2-9B: head_dim 256, while hidden_size // num_attention_heads = 224"),
+        Case(({k: v for k, v in get_model("gpt-oss-20b").config.items() if not k.startswith("_")}, 8, "fp8"),
+             probes="gpt-oss-20b at TP=8: head_dim 64, while hidden_size // num_attention_heads = 45"),
     ],
     random_case=_random_tp_case,
     explain=_explain_tp,
+    mistakes=TP_MISTAKES,
     transfer=True,
     hints=[
         "Start from bytes per token on one GPU: f x L x Hkv x D x b, where only Hkv can change with TP.",

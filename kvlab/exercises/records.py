@@ -28,13 +28,33 @@ class Case:
 
 
 @dataclasses.dataclass(frozen=True)
+class Mistake:
+    """A known wrong answer as a small function with the learner's signature, and what to say when it is the one.
+
+    ``says`` is the diagnosis, or a function of the failing case that words it. The grader names a
+    mistake only when it reproduces the learner's outputs on every case run so far (the failing one
+    and the ones passed before it), never on a guess.
+    """
+
+    fn: Callable[..., Any]
+    says: str | Callable[[Case], str]
+
+    def words(self, case: Case) -> str:
+        """The diagnosis for ``case``."""
+        return self.says if isinstance(self.says, str) else self.says(case)
+
+
+@dataclasses.dataclass(frozen=True)
 class Exercise:
     """A task with its signature, hints, reference solution and cases.
 
     ``random_case(rng)`` draws a fresh case; ``compare(expected, actual)`` decides agreement
     on canonical values (default: exact types, ``canonical.difference``); ``explain(case,
     expected, actual)`` may return a sharper diagnosis than "the results differ" for a known
-    mistake. ``prepare(fn)``, if set, turns the learner's function and the reference into what
+    mistake; ``mistakes`` lists known wrong answers the grader runs on a failing case to name
+    the one that reproduces the learner's outputs (tried before ``explain``). ``shown``, if set, is
+    the reference written as plain lines, what ``show_solution`` prints (it must pass the check
+    too). ``prepare(fn)``, if set, turns the learner's function and the reference into what
     the cases call (notebook 05: a Triton kernel launch that calls the learner's
     ``@triton.jit`` helper). A ``transfer`` exercise asks for the idea on a case the notebook
     did not work through (another model, layout or failure). ``time_limit_s`` bounds each call
@@ -54,6 +74,8 @@ class Exercise:
     explain: Callable[[Case, Any, Any], str | None] | None = None
     prepare: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
     transfer: bool = False
+    mistakes: Sequence[Mistake] = ()
+    shown: Callable[..., Any] | None = None
     time_limit_s: float | None = None  # None: DEFAULT_TIME_LIMIT_S, or PREPARED_TIME_LIMIT_S with `prepare`
 
     @property

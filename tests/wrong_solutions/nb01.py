@@ -91,3 +91,33 @@ WRONG = {
         (one_gpu_only, "that is what one GPU holds"),
     ],
 }
+
+
+def _layers_that_slide_by_the_letter(config):
+    """Reads the task's first sentences only: layer_types if given, else a sliding_window means every layer."""
+    if config.get("layer_types"):
+        return [kind == "sliding_attention" for kind in config["layer_types"]]
+    return [bool(config.get("sliding_window"))] * config["num_hidden_layers"]
+
+
+def window_in_every_layer_without_layer_types(config, tokens, kv_dtype="bf16"):
+    """Gemma-2-9B at 200K tokens: 1.41 GB, where kvlab says 35.1 GB (the family's alternation missed)."""
+    per_layer = _right_per_token(config, kv_dtype) // config["num_hidden_layers"]
+    window = config.get("sliding_window")
+    return per_layer * sum(min(tokens, window) if s else tokens for s in _layers_that_slide_by_the_letter(config))
+
+
+def window_plus_one(config, tokens, kv_dtype="bf16"):
+    """Keeps the window and the token that just left it: min(tokens, sliding_window + 1)."""
+    from kvlab.capacity.models import ModelSpec
+
+    spec = ModelSpec.from_hf_config(config)
+    per_layer = _right_per_token(config, kv_dtype) // config["num_hidden_layers"]
+    return per_layer * sum(min(tokens, spec.sliding_window + 1) if kind == "sliding_attention" else tokens
+                           for kind in spec.layer_types)
+
+
+WRONG["01.request_bytes"] += [
+    (window_in_every_layer_without_layer_types, "model_type 'gemma2' alternates"),
+    (window_plus_one, "a window off by one"),
+]

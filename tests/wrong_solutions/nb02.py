@@ -56,6 +56,20 @@ def splits_the_latent(config, gpu_memory_gib, weights_gib, tp, kv_dtype, block_s
     return _logged(gpu_memory_gib, weights_gib / tp, per_token, block_size, max_model_len)
 
 
+def in_gigabytes(config, gpu_memory_gib, weights_gib, tp, kv_dtype, block_size, max_model_len):
+    """Reads gpu_memory_gib and weights_gib as GB (10**9 bytes), not GiB."""
+    available = math.ceil(gpu_memory_gib * 10**9 * 0.92) - round(weights_gib / tp * 10**9)
+    blocks = max(available, 0) // (_per_gpu_token_bytes(config, kv_dtype, tp) * block_size)
+    return blocks // _ceil_div(max_model_len, block_size)
+
+
+def floor_blocks_per_request(config, gpu_memory_gib, weights_gib, tp, kv_dtype, block_size, max_model_len):
+    """Takes max_model_len // block_size blocks per request, dropping the partly filled last one."""
+    available = math.ceil(gpu_memory_gib * 2**30 * 0.92) - round(weights_gib / tp * 2**30)
+    blocks = max(available, 0) // (_per_gpu_token_bytes(config, kv_dtype, tp) * block_size)
+    return blocks // (max_model_len // block_size)
+
+
 WRONG = {
     "02.num_blocks": [
         (minus_null_block, "count the null block"),
@@ -68,5 +82,7 @@ WRONG = {
     "02.tp_concurrency": [
         (whole_weights_on_every_gpu, "each GPU holds 1/tp of the weights"),
         (splits_the_latent, "MLA's latent is not split"),
+        (in_gigabytes, "GB for GiB"),
+        (floor_blocks_per_request, "floor for ceil"),
     ],
 }

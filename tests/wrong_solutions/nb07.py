@@ -78,6 +78,12 @@ def counts_per_bucket(bounds, reuse_gap_counts, idle_counts):
     return _bucket_rule(bounds, cumulate(reuse_gap_counts), cumulate(idle_counts))
 
 
+def copies_everything_back(model, computed_tokens, hit_tokens):
+    """Swap priced as copying all the KV out and all of it back, blocks still cached on the GPU included."""
+    swap = 2 * model.copy_seconds(computed_tokens)
+    return "swap" if swap < model.recompute_seconds(computed_tokens, hit_tokens) else "recompute"
+
+
 WRONG = {
     "07.pool_too_small": [
         (compares_means, "not means"),
@@ -92,5 +98,6 @@ WRONG = {
         (one_way_swap, "swap pays twice"),
         (recompute_without_context, "attend to the cached ones"),
         (ties_to_swap, "a tie goes to recompute"),
+        (copies_everything_back, "only computed_tokens - hit_tokens return"),
     ],
 }

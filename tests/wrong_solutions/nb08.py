@@ -58,12 +58,31 @@ def keeps_the_last_chunk(num_computed_tokens, attention_chunk_size, block_size):
     return list(range(skipped // block_size))
 
 
+def window_of_cdiv_w_blocks(num_prompt_tokens, sliding_window, block_size, evicted_sliding, evicted_full):
+    """The agreement rounds right, but a window taken to need cdiv(W, block_size) blocks, not cdiv(W - 1, ...)."""
+    need = -(-sliding_window // block_size)
+    length = num_prompt_tokens // block_size
+    while True:
+        full = min([length, *evicted_full])
+        run, window = 0, None
+        for i in reversed(range(full)):
+            run = 0 if i in evicted_sliding else run + 1
+            if run == need:
+                window = i + need
+                break
+        window = run if window is None else window
+        if window == length:
+            return length * block_size
+        length = window
+
+
 WRONG = {
     "08.freed_blocks": [
         (window_without_the_query, "the window includes the query itself"),
         (frees_partly_visible_blocks, "a block is freed only when every token in it is outside the window"),
     ],
     "08.hybrid_hit": [
+        (window_of_cdiv_w_blocks, "not cdiv(W, block_size)"),
         (smaller_of_the_two, "not always a hit"),
         (window_as_full_attention, "needs only the blocks its window reaches"),
     ],

@@ -44,6 +44,13 @@ def by_query_length(query_len, context_len, num_heads, kv_lora_rank, qk_nope_hea
     return "absorbed" if query_len == 1 else "naive"
 
 
+def tie_to_absorbed(query_len, context_len, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+                    v_head_dim):
+    """Counts both paths right but lets absorbed win a tie."""
+    naive = (query_len + context_len) * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)
+    return "naive" if naive < 2 * query_len * kv_lora_rank else "absorbed"
+
+
 def _head_dim(config):
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
@@ -77,9 +84,22 @@ WRONG = {
     "09.fewer_bytes": [
         (by_flops, "the path with fewer FLOPs"),
         (by_query_length, "the query length alone does not decide"),
+        (tie_to_absorbed, 'a tie goes to "naive"'),
     ],
     "09.kv_per_gpu": [
         (latent_split_by_tp, "cannot be split across ranks"),
         (heads_divided_past_one, "each rank keeps a whole copy of one KV head"),
     ],
 }
+
+
+def head_dim_from_hidden_size(config, tp, kv_dtype):
+    """Always takes a head's size as hidden_size // num_attention_heads, ignoring the config's head_dim."""
+    b = _BYTES[kv_dtype]
+    if config.get("kv_lora_rank"):
+        return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b
+    heads = max(config["num_key_value_heads"] // tp, 1)
+    return 2 * config["num_hidden_layers"] * heads * (config["hidden_size"] // config["num_attention_heads"]) * b
+
+
+WRONG["09.kv_per_gpu"].append((head_dim_from_hidden_size, "this config gives head_dim = 256"))
