@@ -493,9 +493,13 @@ PROMPTS_JS = "() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod
              ".map(p => p.textContent.trim())"
 
 
-def open_in_lab(page: Any, server: Server, path: str, timeout_s: float = 120) -> str:
-    """Open the notebook at ``path`` (relative to the server root); return its kernel id once it is idle."""
-    page.goto(server.url(f"lab/tree/{path}"), timeout=timeout_s * 1000)
+def open_in_lab(page: Any, server: Server, path: str, timeout_s: float = 120, workspace: str | None = None) -> str:
+    """Open the notebook at ``path`` (relative to the server root); return its kernel id once it is idle.
+
+    With ``workspace``, in a JupyterLab workspace of that name, which restores no tab another page opened.
+    """
+    prefix = f"lab/workspaces/{workspace}" if workspace else "lab"
+    page.goto(server.url(f"{prefix}/tree/{path}"), timeout=timeout_s * 1000)
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=timeout_s * 1000)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -155,7 +155,9 @@ def problems_in_lab(browser: Any, lab: ui.Server, path: str, want: dict[str, Any
     """
     page = browser.new_page()
     try:
-        ui.open_in_lab(page, lab, path)
+        # A workspace of its own: the default one would reopen every notebook rendered before in this server
+        # (each heavy with its widgets) before this one.
+        ui.open_in_lab(page, lab, path, workspace="render-" + Path(path).stem.replace("_", "-"))
         root = ".jp-NotebookPanel:not(.lm-mod-hidden)"
         for _attempt in range(RELOADS + 1):
             report = ui.wait_for_render(page, root, want["views"], want["plots"])
