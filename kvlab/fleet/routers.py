@@ -51,7 +51,8 @@ class Router:
 
     def __init__(self, num_replicas: int) -> None:
         self.num_replicas = positive_int("num_replicas", num_replicas)
-        self.loads = [0] * num_replicas  # requests queued or running, per replica (vllm:num_requests_*)
+        # requests queued or running, per replica (vllm:num_requests_running + vllm:num_requests_waiting)
+        self.loads = [0] * num_replicas
         self.kv_usage = [0.0] * num_replicas  # vllm:kv_cache_usage_perc, per replica
         self.alive = [True] * num_replicas
         # the prompt tokens the router expected the chosen replica to hold, set by route() (None: no guess)
