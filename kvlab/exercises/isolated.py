@@ -333,6 +333,11 @@ def serve() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:  # the judge and the learner's process run side by side on exercise-sized tensors:
         torch.set_num_threads(1)  # one thread each (two spinning thread pools made a check 80x slower)
+    # This process imported kvlab afresh and never runs a learner's code: its module data is kvlab's own.
+    # A judge's `STATE.own_values()` reads it here (without this, it started a whole new checker per failing
+    # check, ~2 s each, to name a known mistake).
+    STATE.fetch = module_data
+    STATE.changes()
     gc.freeze()  # what kvlab imported stays out of the collector's way: fewer pages copied in each fork
     code, warm = (0, kvlab_code()), set()
     _send(reply_fd, ("ready", code))
@@ -355,6 +360,7 @@ def serve() -> None:
             with contextlib.suppress(Exception):  # kvlab's door checks compile on first use: once, here
                 cases_for(get_exercise(request["exercise_id"]), 0)
             warm.add(request["exercise_id"])
+            STATE.changes()  # kvlab's own values of the modules just imported, read once for every judge
             gc.freeze()
             code = (code[0] + 1, kvlab_code()) if missing else code
             _retire(spare)
