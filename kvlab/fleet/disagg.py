@@ -67,7 +67,10 @@ class DisaggProxy:
     def add_request(self, prompt: Sequence[int], max_tokens: int = 16, request_id: str | None = None) -> str:
         """Send a prompt to the prefill engine; the decode engine gets it once the prefill is done."""
         positive_int("max_tokens", max_tokens)
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        while request_id is None or request_id in self.prefill.outputs or request_id in self.decode.outputs:
+            request_id = f"pd-{next(self._ids)}"  # an id neither engine has seen (they may serve other proxies too)
+            if request_id in self.requests:
+                request_id = None
         if request_id in self.requests:
             raise RequestStateError(f"request id {request_id!r} was used already")
         prompt = self.prefill.encode(prompt)

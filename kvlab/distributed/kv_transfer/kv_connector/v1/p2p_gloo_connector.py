@@ -242,6 +242,7 @@ class P2pConnectorWorker:
         self._load_errors: set[int] = set()
         self.num_blocks_sent = self.num_blocks_received = self.num_bytes_received = 0
         self.pull_seconds: dict[str, float] = {}  # request id -> seconds its pull took (kvlab's, to measure)
+        self.pulled: dict[str, list[int]] = {}  # request id -> the local blocks a pull filled (kvlab's, to inspect)
         self.errors: list[BaseException] = []  # what went wrong in the threads, newest last (kvlab's, to inspect)
 
     # ----------------------------------------------------------------- start and stop
@@ -410,6 +411,8 @@ class P2pConnectorWorker:
             except Exception as error:  # noqa: BLE001 - a pull that cannot complete is a failed load, reported so
                 self.errors.append(error)
                 ok = False
+            if not recv.local_block_ids:
+                continue  # a release (an abort, a full local hit): no request waits for it, nothing to report
             with self._lock:
                 if not ok:
                     self._failed_blocks[request_id] = list(recv.local_block_ids)
@@ -477,4 +480,5 @@ class P2pConnectorWorker:
             tensor.index_copy_(0, index.to(tensor.device), buffer.view(tensor.dtype).to(tensor.device))
             self.num_bytes_received += buffer.numel()
         self.num_blocks_received += len(local)
+        self.pulled[request_id] = list(local)
         return True
