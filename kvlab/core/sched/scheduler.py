@@ -615,12 +615,11 @@ class Scheduler:
             self.finished_recving_kv_req_ids.discard(request.request_id)
             self.failed_recving_kv_req_ids.discard(request.request_id)
         request.status = status
-        kv_transfer_params = self._free_request(request, delay_free)
+        self._free_request(request, delay_free)  # its kv_transfer_params are dropped, as vLLM's finish_requests does
         n, pending = request.sampling_params.n, request.num_pending_forks
         request.num_pending_forks = 0
         ids = [request.request_id, *(child_request_id(request.request_id, k) for k in range(n - pending, n))]
-        return [RequestOutput(i, (), True, request.get_finished_reason(), error,
-                              kv_transfer_params if i == request.request_id else None) for i in ids]
+        return [RequestOutput(i, (), True, request.get_finished_reason(), error) for i in ids]
 
     def _check_stop(self, request: GenerationRequest) -> bool:
         """vLLM's ``check_stop``: an end-of-sequence token, else ``max_tokens`` or ``max_model_len``."""
