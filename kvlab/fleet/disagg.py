@@ -164,3 +164,56 @@ class DisaggProxy:
         ids = [self.add_request(p, max_tokens) for p in prompts]
         self.run()
         return [self.requests[i].output_token_ids for i in ids]
+
+
+class MeasuredEngine:
+    """A real ``LLMEngine`` as a ``kvlab.sim.disaggregation.Stepper``: each step's seconds are its CPU time here.
+
+    On a prefill engine (``kv_role`` producer) a request goes in with ``do_remote_decode``, and a step in which
+    one finished is followed by an idle step, so its worker learns at once which blocks to hold for the pull.
+    On a decode engine a ``remote`` request goes in with the ``kv_transfer_params`` its ``peer`` returned; when
+    nothing but pulls is left to do, the engine waits for them and counts each pull's measured seconds (the
+    gloo copy on this machine) instead of idling step after step. The clock counts CPU seconds of the whole
+    process during a step (torch's threads included), so other work on a shared machine does not inflate it.
+    """
+
+    def __init__(self, engine: Any, peer: Any = None) -> None:
+        self.engine, self.peer = engine, peer
+        kvt = engine.engine_config.kv_transfer_config
+        self.is_producer = kvt is not None and kvt.is_kv_producer and peer is None
+        self.clock = 0.0
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, remote: bool = False) -> None:
+        params = ({"do_remote_decode": True, "do_remote_prefill": False} if self.is_producer
+                  else self.peer.kv_transfer_params[request_id] if remote else None)
+        self.engine.add_request(prompt, max_tokens=max_tokens, request_id=request_id, ignore_eos=True,
+                                kv_transfer_params=params)
+
+    def has_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> tuple[list[Any], float]:
+        import time
+
+        waited = self._wait_for_pulls()
+        started = time.process_time()
+        outputs = self.engine.step()
+        if self.is_producer and any(o.finished for o in outputs):
+            self.engine.step()  # hand the worker the blocks to hold before the decode side asks for them
+        return outputs, time.process_time() - started + waited
+
+    def _wait_for_pulls(self) -> float:
+        """If only pulls are left, wait until one ends; return its measured seconds (0 otherwise)."""
+        import time
+
+        scheduler, worker = self.engine.scheduler, self.engine.kv_connector_worker
+        if worker is None or scheduler.running or scheduler.waiting or scheduler.finished_recving_kv_req_ids:
+            return 0.0
+        pulls = getattr(getattr(worker, "connector_worker", None), "pull_seconds", None)
+        if pulls is None or not scheduler.kv_holding_waiting:
+            return 0.0
+        before = set(pulls)
+        deadline = time.perf_counter() + 30
+        while set(pulls) == before and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        return sum(pulls[r] for r in set(pulls) - before)
