@@ -6,12 +6,13 @@ served by real ``LLMEngine`` objects on per-engine clocks (``kvlab.sim.disaggreg
 replicas (round robin), or 1P1D through ``P2pGlooConnector`` over gloo on 127.0.0.1. Each engine's clock
 advances by the CPU seconds of its steps (``time.process_time``, so other work on a shared machine does not
 count), a decode engine with nothing but pulls to wait for adds each pull's measured seconds. 24 requests per
-point, Poisson arrivals (seed 0), 16 output tokens, prompts of 64 to 448 tokens at 10 and 40 requests per
-second, after one warm-up request through the pair. Modelled: the same driver over kvlab's scheduler with no
-model, each step's seconds from ``kvlab.capacity.disaggregation.step_seconds`` (Llama-3-8B on an
-H100-SXM-80GB, BF16, 50 % MFU assumed), the KV crossing InfiniBand NDR 400G, 48 requests of 64 output
-tokens, prompts of 512 to 8192 tokens at 2 to 16 requests per second. Percentiles are over the requests' first
-tokens (TTFT) and over every gap between two tokens (ITL).
+point, Poisson arrivals and random prompts (a new seed per point, so no prefix hits across points), 16 output
+tokens, prompts of 64 to 448 tokens at 10 and 40 requests per second, after one warm-up request through the
+pair. Modelled: the same driver over kvlab's scheduler with no model, each step's seconds from
+``kvlab.capacity.disaggregation.step_seconds`` (Llama-3-8B on an H100-SXM-80GB, BF16, 50 % MFU assumed), the
+KV crossing InfiniBand NDR 400G, 48 requests of 64 output tokens, prompts of 512 to 8192 tokens at 2 to 16
+requests per second. Percentiles are over the requests' first tokens (TTFT) and over every gap between two
+tokens (ITL).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def measured() -> list[dict]:
         DisaggProxy(prefill, decode).generate([list(range(1, 40))], max_tokens=2)  # the handshake, once
         pulls = decode.kv_connector_worker.connector_worker.pull_seconds
         for k, (prompt, rate) in enumerate(MEASURED):
-            workload = PDWorkload(prompt_tokens=prompt, output_tokens=16, rate=rate, num_requests=24, seed=0)
+            workload = PDWorkload(prompt_tokens=prompt, output_tokens=16, rate=rate, num_requests=24, seed=k)
             engines = iter(replicas)
             colocated = serve_colocated(lambda it=engines: MeasuredEngine(next(it)), workload, id_prefix=f"c{k}-")
             apart = serve_disaggregated(lambda: MeasuredEngine(prefill),

@@ -88,6 +88,13 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 10  fleet.metrics                       a replica's ``/metrics`` in vLLM's names (``vllm/v1/metrics/loggers.py``)
 10  fleet.routers, fleet.simulation,    kvlab's own: routers after production-stack, SGLang, llm-d and Dynamo; the
     fleet.replica                       fleet over core managers, and replicas as processes on ZMQ and HTTP
+11  distributed.kv_transfer             ``KVConnectorBase_V1`` and its roles, ``ExampleConnector``, the factory
+                                        (``vllm/distributed/kv_transfer/kv_connector/``); ``P2pGlooConnector`` is
+                                        kvlab's own, on the NIXL connector's handshake
+11  engine.kv_transfer_config,          ``KVTransferConfig`` (``vllm/config/kv_transfer.py``); the worker half around
+    engine.kv_connector_model_runner    the forward (``vllm/v1/worker/kv_connector_model_runner_mixin.py``)
+11  fleet.disagg, sim.disaggregation,   kvlab's own: a 1P1D proxy; colocated against disaggregated serving on
+    capacity.disaggregation             per-engine clocks, modelled and measured; bytes moved, move or recompute
 ==  ==================================  ==========================================================
 
 The names below are importable from ``kvlab`` itself; they load on first use, so importing

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
 from kvlab.core.kv_cache_utils import BlockHash, KVCacheBlock, KVCacheBlocks
@@ -374,7 +374,7 @@ class OffloadingConnector:
         self.cpu.free_swap(request.request_id)
         return False, None
 
-    def build_connector_meta(self, scheduler_output: object = None) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any = None) -> KVConnectorMetadata:
         """This step's transfers; the previous step's are complete (kvlab's executor is synchronous).
 
         The previous metadata's loads are released first (``complete_step``). Evicted blocks are stored
@@ -393,7 +393,7 @@ class OffloadingConnector:
         self._loading, self._swapped_in = [], []
         return meta
 
-    def update_connector_output(self, connector_output: object) -> None:
+    def update_connector_output(self, connector_output: Any) -> None:
         """Nothing to learn from the worker: its copies are synchronous (``complete_step`` releases them)."""
 
     def complete_step(self) -> None:

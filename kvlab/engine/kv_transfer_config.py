@@ -78,5 +78,6 @@ class KVTransferConfig:
     def is_kv_consumer(self) -> bool:
         return self.kv_connector is not None and self.kv_role in KV_CONSUMER_ROLES
 
+    @checked
     def get_from_extra_config(self, key: str, default: Any) -> Any:
         return self.kv_connector_extra_config.get(key, default)

@@ -110,6 +110,11 @@ class ServingResult:
                 "transfer_mean": statistics.fmean(self.transfer.values()) if self.transfer else 0.0}
 
 
+def _callable(name: str, value: object) -> None:
+    if not callable(value):
+        raise KvlabValueError(f"{name} must be a function (called with no argument, it makes an engine), got {value!r}")
+
+
 def _quantile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
@@ -181,7 +186,11 @@ def serve_colocated(make_engine: Callable[[], Stepper], workload: PDWorkload, nu
                     max_steps: int = 1_000_000, id_prefix: str = "r") -> ServingResult:
     """``workload`` on ``num_replicas`` engines, each prefilling and decoding its requests (round robin); request
     ``i`` is ``f"{id_prefix}{i}"`` (engines that serve several runs need a new prefix each time)."""
-    engines = [_Clocked(make_engine()) for _ in range(positive_int("num_replicas", num_replicas))]
+    _callable("make_engine", make_engine)
+    if positive_int("num_replicas", num_replicas) > workload.num_requests:
+        raise KvlabValueError(f"num_replicas={num_replicas}: more replicas than the workload's "
+                              f"{workload.num_requests} requests would leave some idle; at most num_requests")
+    engines = [_Clocked(make_engine()) for _ in range(num_replicas)]
     result = ServingResult(COLOCATED)
     for i, (when, prompt) in enumerate(workload.requests()):
         rid = f"{id_prefix}{i}"
@@ -198,6 +207,10 @@ def serve_disaggregated(make_prefill: Callable[[], Stepper], make_decode: Callab
     """``workload`` through a prefill engine (``max_tokens=1``) then a decode engine, the KV arriving
     ``transfer(prompt_tokens)`` seconds after the prefill ends (0 without ``transfer``: the decode stepper's own
     pull is timed in its steps). The client's tokens are the decode engine's, the first included."""
+    _callable("make_prefill", make_prefill)
+    _callable("make_decode", make_decode)
+    if transfer is not None:
+        _callable("transfer", transfer)
     prefill, decode = _Clocked(make_prefill()), _Clocked(make_decode())
     result = ServingResult(DISAGGREGATED)
     prompts = {}
@@ -264,7 +277,9 @@ class ModelledEngine:
         self.clock = 0.0
         self._executor = NoComputeExecutor()
 
+    @checked
     def add(self, request_id: str, prompt: list[int], max_tokens: int, remote: bool = False) -> None:
+        """Queue a request; ``remote``: its KV arrived from a prefill engine (all but its last token is loaded)."""
         if remote:
             self.connector.remote.add(request_id)
         self.scheduler.add_request(GenerationRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens,

@@ -271,7 +271,7 @@ class SchedulerStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_block_copies: int
-    # A KV connector's lookups this step, in tokens beyond the local hits (vllm:external_prefix_cache_*).
+    # A KV connector's lookups this step, in tokens beyond the local hits (vllm:external_prefix_cache_queries, _hits).
     connector_prefix_cache_stats: PrefixCacheStats | None = None
 
 

@@ -37,8 +37,9 @@ vLLM 0.33.0's scheduler calls it (notebook 11). After the local prefix lookup,
 first, and when the connector asks to delay, its blocks are freed only once the worker reports it in
 ``finished_sending``. A load that fails (``invalid_block_ids``) is recomputed from the first bad block
 or fails the request, by ``kv_load_failure_policy`` ("recompute" or vLLM's default "fail"). The
-connector's lookups are counted apart (``connector_prefix_cache_stats``: ``vllm:external_prefix_cache_*``).
-Notebook 07's CPU tier is one such connector (``kvlab.core.kv_offload.OffloadingConnector``), with
+connector's lookups are counted apart (``connector_prefix_cache_stats``, exported as
+``vllm:external_prefix_cache_queries`` and ``vllm:external_prefix_cache_hits``). Notebook 07's CPU
+tier is one such connector (``kvlab.core.kv_offload.OffloadingConnector``), with
 ``preemption_mode="swap"``, which V1 dropped: a preempted request's KV is copied to the CPU tier and
 copied back when it resumes, instead of recomputed. ``num_recomputed_tokens`` counts what preemption cost.
 Where kvlab's connector path is simpler than vLLM's: no deferred loads or frees (kvlab has one batch in
