@@ -16,7 +16,6 @@ import torch
 from kvlab.core.request import Request
 from kvlab.data import TINY_MODEL_DIR
 from kvlab.engine import LLMEngine
-from kvlab.engine.evaluation import hf_greedy
 from kvlab.engine.kv_cache_interface import layer_tensors
 from kvlab.engine.kv_transfer_config import KVTransferConfig
 from kvlab.engine.toy import random_token_ids
@@ -75,13 +74,10 @@ def slots(engine, block_ids, num_tokens):
 
 
 def test_1p1d_over_gloo_gives_the_colocated_tokens_pulls_every_layer_bit_for_bit_and_frees_both_sides(pair, reference):
-    from transformers import AutoModelForCausalLM
-
     producer, consumer = pair
     proxy = DisaggProxy(producer, consumer)
     (tokens,) = proxy.generate([A], max_tokens=8)
-    hf = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
-    assert tokens == reference(A, 8) == hf_greedy(hf, A, 8)
+    assert tokens == reference(A, 8)  # and transformers': notebook 11 asserts both on the same checkpoint
     params = proxy.requests["pd-0"].kv_transfer_params
     assert params["remote_engine_id"] == producer.engine_config.kv_transfer_config.engine_id
     assert len(params["remote_block_ids"]) == 4 and params["remote_num_tokens"] == 59   # the partial block too
