@@ -77,7 +77,8 @@ def fp8_error_sweep(magnitudes: Sequence[float], *, num_seqs: int = 8, seq_len: 
     ``device`` defaults to the GPU when the kernels run natively.
     """
     from kvlab.kernels import TRITON_CUDA, backend, paged_attention, reshape_and_cache
-    from kvlab.kernels.checks import cdiv
+
+    from kvlab.units import cdiv
 
     device = device or ("cuda" if backend() == TRITON_CUDA else "cpu")
 

@@ -10,7 +10,8 @@ the rules written in ``pyproject.toml``, ``[tool.kvlab.layers]``):
 * ``capacity/``: arithmetic on model configs and GPUs, no torch;
 * ``core/``: the allocator and the scheduler, bookkeeping only, mirroring ``vllm/v1/core/``;
 * ``sim/``: seeded workloads and the simulations the notebooks run on ``core`` and ``capacity``;
-* ``kernels/`` (``kvlab.kernels``): the Triton kernels, which import nothing of kvlab but ``errors``;
+* ``kernels/`` (``kvlab.kernels``): the Triton kernels, which import nothing of kvlab but ``errors``
+  and ``units`` (``cdiv``);
 * ``engine/``: a real model serving through ``core`` and ``kernels``;
 * ``viz/`` (figures and panels) and ``exercises/`` (the grader) on top.
 
