@@ -248,10 +248,17 @@ def _container_checker(base: Any, args: tuple[Any, ...], signed: bool) -> tuple[
 
 
 def _resolve(func: Callable[..., Any]) -> dict[str, Any]:
-    """The function's annotations as objects; one that names what only type checkers import is skipped."""
-    namespace = getattr(func, "__globals__", {})
+    """The parameters' annotations as objects, read in the function's own module (``functools`` wrappers unwrapped).
+
+    An annotation that does not resolve there (a name only type checkers import) is left unchecked: kvlab's
+    modules import at load every class a checked parameter names (no import cycle needs hiding, the layout
+    test holds that), so no other module's names are searched.
+    """
+    namespace = getattr(inspect.unwrap(func), "__globals__", {})
     out: dict[str, Any] = {}
     for name, annotation in getattr(func, "__annotations__", {}).items():
+        if name == "return":  # only the arguments are checked
+            continue
         resolved = _evaluate(annotation, namespace)
         if resolved is not _UNRESOLVED:
             out[name] = resolved
@@ -262,33 +269,13 @@ _UNRESOLVED = object()
 
 
 def _evaluate(annotation: Any, namespace: Mapping[str, Any]) -> Any:
-    """An annotation as an object: from its module's names, else from kvlab's classes; ``_UNRESOLVED`` if neither."""
+    """An annotation as an object, from its module's names; ``_UNRESOLVED`` if it names what the module lacks."""
     if not isinstance(annotation, str):
         return annotation
     try:
         return eval(annotation, dict(namespace))  # noqa: S307 - the module's own annotation text
-    except NameError:  # a class only imported under TYPE_CHECKING: kvlab's loaded classes stand in
-        try:
-            return eval(annotation, {**_kvlab_classes(), **namespace})  # noqa: S307
-        except Exception:  # noqa: BLE001
-            return _UNRESOLVED
     except Exception:  # noqa: BLE001
         return _UNRESOLVED
-
-
-def _kvlab_classes() -> dict[str, type]:
-    """kvlab's loaded classes by name, for annotations that name a class only imported for type checkers.
-
-    A name two modules define is left out (ambiguous), so only a unique kvlab class can stand in.
-    """
-    found: dict[str, type | None] = {}
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("kvlab.") or module is None:
-            continue
-        for name, value in list(vars(module).items()):
-            if inspect.isclass(value) and value.__module__ == module_name and not name.startswith("_"):
-                found[name] = value if found.get(name, value) is value else None
-    return {name: value for name, value in found.items() if value is not None}
 
 
 class _Names(str):

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvlab._validate import checked, positive_int
+from kvlab.core.block_pool import BlockPool
 from kvlab.core.hashing import generate_block_hash_extra_keys
+from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlocks
 from kvlab.core.request import FINISHED, Request
 from kvlab.errors import KvlabValueError, RequestStateError
 from kvlab.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 from kvlab.units import cdiv
-
-if TYPE_CHECKING:
-    from kvlab.core.block_pool import BlockPool
-    from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 
 
 @checked

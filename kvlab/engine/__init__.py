@@ -25,7 +25,7 @@ _WHERE = {
     "FullAttentionSpec": "kvlab.engine.kv_cache_interface",
     "MLAAttentionSpec": "kvlab.engine.kv_cache_interface",
     "LLMEngine": "kvlab.engine.llm_engine",
-    "load_model": "kvlab.engine.loader",
+    "load_model": "kvlab.engine.registry",
     "MLAAttention": "kvlab.engine.mla",
     "allocate_mla_kv_caches": "kvlab.engine.mla",
     "LlamaForCausalLM": "kvlab.engine.model",

@@ -6,7 +6,8 @@ same three facts per family in one ``ModelFamily``, keyed by ``model_type`` (the
 dispatches on): a Llama-family checkpoint gets ``DecoderConfig``, ``LlamaForCausalLM`` and a
 ``FullAttentionSpec`` per layer; a DeepSeek-V3 one gets ``DeepseekConfig``, ``DeepseekV2ForCausalLM``
 and an ``MLAAttentionSpec`` per layer. ``LLMEngine`` asks this module and nothing else, so adding an
-architecture is one more entry here.
+architecture is one more entry here. ``load_model`` dispatches here too: the loaders
+(``kvlab.engine.loader``, ``kvlab.engine.deepseek``) are leaves the registry calls, and never import it back.
 """
 
 from __future__ import annotations
@@ -99,3 +100,16 @@ def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     """
     family = model_family(config.model_type)
     return [family.layer_spec(config, layer, block_size, dtype) for layer in range(config.num_hidden_layers)]
+
+
+def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               config: ModelConfig | None = None) -> torch.nn.Module:
+    """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
+
+    The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
+    loads into ``LlamaForCausalLM`` (``load_llama``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM``
+    (``load_deepseek``). ``config`` is the checkpoint's config if the caller read it already
+    (``EngineConfig`` does). On CPU keep ``float32``: the Triton interpreter has no bf16 arithmetic.
+    """
+    config = config or read_model_config(model_dir)
+    return model_family(config.model_type).load(model_dir, dtype, config)
