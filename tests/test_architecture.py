@@ -193,3 +193,48 @@ def test_the_manager_hands_blocks_back_in_one_type_as_vllm_does():
     request = Request("r", [1, 2, 3])
     hits, _, _ = manager.get_computed_blocks(request)
     assert type(hits) is KVCacheBlocks and type(manager.allocate_slots(request, 3, 0, hits)) is KVCacheBlocks
+
+
+#: The classes of vLLM 0.33.0's ``vllm/v1/kv_cache_interface.py`` a spec hierarchy is made of
+#: (``tests/vllm/test_hybrid_planning.py`` checks each is still a class there).
+VLLM_SPEC_CLASSES = (
+    "KVCacheSpec", "AttentionSpec", "FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec",
+    "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec", "MambaSpec", "EncoderOnlyAttentionSpec",
+    "CrossAttentionSpec", "SinkFullAttentionSpec", "UniformTypeKVCacheSpecs", "KVCacheTensor", "KVCacheGroupSpec",
+    "KVCacheConfig",
+)
+
+
+def _class_homes() -> dict[str, list[str]]:
+    """Class name -> the modules that define a class of that name (anywhere in the module: nested ones too)."""
+    homes: dict[str, list[str]] = {}
+    for module, path in check_layers.iter_modules(check_layers.SOURCE_DIRS):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                homes.setdefault(node.name, []).append(module)
+    return homes
+
+
+def test_one_spec_hierarchy_in_one_home():
+    """Each of vLLM's spec classes kvlab has is defined once, in kvlab.kv_cache_interface (planning, the manager
+    and the engine's tensors share it): no second ``FullAttentionSpec`` beside the first."""
+    homes = _class_homes()
+    kvlab_has = {name: homes[name] for name in VLLM_SPEC_CLASSES if name in homes}
+    assert {name: where for name, where in kvlab_has.items() if where != ["kvlab.kv_cache_interface"]} == {}
+    assert {"KVCacheSpec", "AttentionSpec", "FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec"} <= set(
+        kvlab_has)
+
+
+def test_the_engine_allocates_from_the_same_spec_classes():
+    """``page_size_bytes`` is a property of the spec, and the engine's tensors hold exactly that many bytes."""
+    import torch
+
+    from kvlab.engine.kv_cache_interface import allocate_kv_cache, layer_tensors
+    from kvlab.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    assert isinstance(AttentionSpec.page_size_bytes, property)
+    for spec in (FullAttentionSpec(16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16),
+                 SlidingWindowSpec(16, num_kv_heads=2, head_size=8, dtype="fp8", sliding_window=32),
+                 MLAAttentionSpec(block_size=16, head_size=24, dtype="fp32")):
+        tensors = layer_tensors(allocate_kv_cache(spec, 3, device="meta"))
+        assert sum(t.numel() * t.element_size() for t in tensors) == 3 * spec.page_size_bytes

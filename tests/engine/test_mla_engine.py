@@ -17,10 +17,10 @@ from kvlab.engine import LLMEngine, load_model, mla
 from kvlab.engine.deepseek import DeepseekV2ForCausalLM
 from kvlab.engine.evaluation import hf_greedy
 from kvlab.engine.hard_paths import MLA_HARD_PATH_CONFIG, compare_hard_paths
-from kvlab.engine.kv_cache_interface import MLAAttentionSpec
 from kvlab.engine.registry import supported_model_types
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import CheckpointError, KvlabValueError
+from kvlab.kv_cache_interface import MLAAttentionSpec
 from kvlab.units import cdiv
 
 
@@ -51,7 +51,7 @@ def test_the_pool_holds_one_latent_per_token_and_layer_exactly_as_planned(tiny_d
 def test_for_either_family_the_allocated_pool_is_the_planned_pool(family, tiny_llama_dir, tiny_deepseek_dir):
     eng = LLMEngine(tiny_llama_dir if family == "llama" else tiny_deepseek_dir, kv_cache_memory_gib=0.001)
     assert eng.kv_cache_bytes == eng.plan.kv_pool_bytes == eng.num_gpu_blocks * eng.plan.bytes_per_block
-    assert eng.plan.kv_bytes_per_token == sum(s.bytes_per_token for s in eng.kv_cache_specs)
+    assert eng.plan.kv_bytes_per_token * eng.block_size == sum(s.page_size_bytes for s in eng.kv_cache_specs)
 
 
 def test_an_fp8_latent_cache_is_a_quarter_of_float32_and_still_serves(tiny_deepseek_dir, hf_deepseek):
