@@ -151,22 +151,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-# Cycles left when this test was written (an entry leaves once it is gone; the last test below holds that):
-# kvlab.kernels.fp8's measuring function, which imports the package's facade inside the function.
-KNOWN_CYCLES = [
-    {"kvlab.kernels", "kvlab.kernels.verify", "kvlab.kernels.cache_write", "kvlab.kernels.mla_reference",
-     "kvlab.kernels.fp8", "kvlab.kernels.torch_attention", "kvlab.kernels.mla_cache_write", "kvlab.kernels.reference"},
-]
-
-
 def test_no_module_imports_itself_back_not_even_under_type_checking():
-    cycles = [c for c in _cycles(_import_graph()) if c not in KNOWN_CYCLES]
-    assert not cycles, f"import cycles: {cycles}"
-
-
-def test_every_known_cycle_is_still_there():
-    found = _cycles(_import_graph())
-    assert [c for c in KNOWN_CYCLES if c not in found] == []
+    """No import cycle anywhere in kvlab or its kernels, counting imports inside functions and under TYPE_CHECKING:
+    shared types live in a leaf module, and a dispatcher sits above what it dispatches to (``load_model`` in
+    the engine's registry, the FP8 sweep above the kernels' facade). So ``@checked`` resolves every annotation
+    in the function's own module."""
+    assert _cycles(_import_graph()) == []
 
 
 def test_the_cycle_finder_finds_a_cycle_made_through_type_checking():
