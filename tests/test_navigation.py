@@ -105,7 +105,7 @@ OPTIONAL = {
     "02_budget_simulator.ipynb": ["4.-The-source-table,-row-by-row"],
     "03_block_table.ipynb": ["9.-Performance-aside:-O(1)-per-block"],
     "04_prefix_cache.ipynb": ["5.-The-seed-of-every-chain:-NONE_HASH", "6.-What-hashing-costs,-and-what-a-hit-saves",
-                              "7.-When-two-blocks-share-a-hash"],
+                              "7.-When-two-blocks-share-a-hash", "Checking-the-articles"],
 }
 
 
