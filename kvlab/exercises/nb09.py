@@ -97,7 +97,7 @@ register(Exercise(
 
 
 def absorbed_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """Reference: one head's ``q_nope [T, P]`` taken into latent space by its ``W_UK [L, P]``: ``[T, L]``."""
+    """Reference: one head's ``q_nope [T, P]`` taken into latent space by its ``W_UK [Lkv, P]``: ``[T, Lkv]``."""
     return q_nope @ w_uk.T
 
 
@@ -152,8 +152,8 @@ register(Exercise(
     signature="def absorbed_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:",
     reference=absorbed_query,
     edge_cases=[
-        _query_case(random.Random(1), 1, 32, 16, probes="one decode token of the tiny model's head (L 32, P 16)"),
-        _query_case(random.Random(2), 5, 512, 128, probes="DeepSeek-V3's sizes (L 512, P 128), five query tokens"),
+        _query_case(random.Random(1), 1, 32, 16, probes="one decode token of the tiny model's head (Lkv 32, P 16)"),
+        _query_case(random.Random(2), 5, 512, 128, probes="DeepSeek-V3's sizes (Lkv 512, P 128), five query tokens"),
         _query_case(random.Random(3), 3, 24, 24, probes="a latent as wide as the nope part: the shapes do not tell"),
         _query_case(random.Random(4), 2, 40, 8, loud=30.0, probes="large queries: nothing to normalise"),
     ],
