@@ -108,7 +108,7 @@ def test_names_are_checked_at_the_door(tmp_path):
 
 def test_an_answer_is_compared_case_by_case_with_the_vllm_built_reference(monkeypatch):
     # The comparison itself, with kvlab's own answer standing in for vLLM's reference (no vLLM here).
-    monkeypatch.setitem(side.VLLM_REFERENCES, "03.free_queue_order", (free_queue_order, FREE_BLOCKS))
+    monkeypatch.setitem(side.REFERENCES_ON_VLLM, "03.free_queue_order", (free_queue_order, FREE_BLOCKS))
     monkeypatch.setattr(side, "find_vllm", lambda venv=None: side.VllmInstall(Path("vllm"), "0.33.0", None))
     passed = side.against_vllm("03.free_queue_order", free_queue_order, seed=3)
     assert passed.passed and "vLLM 0.33.0's own BlockPool.free_blocks" in passed.message

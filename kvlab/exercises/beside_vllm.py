@@ -39,7 +39,7 @@ from kvlab.exercises.limits import call_with_time_limit
 from kvlab.exercises.records import CheckResult
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-VLLM_VENV = REPOSITORY / ".venv-vllm"
+VENV_WITH_VLLM = REPOSITORY / ".venv-vllm"
 HOW_TO_GET_IT = (f"vLLM {VLLM_VERSION} is not installed here. `make test-vllm` builds it beside the workbook, in "
                  f".venv-vllm (vllm=={VLLM_VERSION} without its dependencies, and a few small packages), and this cell "
                  f"then shows vLLM's code; or `pip install vllm=={VLLM_VERSION}` into this environment.")
@@ -68,7 +68,7 @@ def find_vllm(venv: Path | None = None) -> VllmInstall | None:
     if spec is not None and spec.origin and spec.origin.endswith("__init__.py"):  # a package, not a folder of tests
         package = Path(spec.origin).parent
         return VllmInstall(package, _version(package), None)
-    venv = VLLM_VENV if venv is None else venv
+    venv = VENV_WITH_VLLM if venv is None else venv
     for package in sorted(venv.glob("lib/python*/site-packages/vllm")):
         python = venv / "bin" / "python"
         if (package / "__init__.py").exists() and python.exists():
@@ -176,14 +176,14 @@ def _vllm_free_queue_order(queue: list[int], table: list[int], cached: set[int])
     return [b.block_id - 1 for b in pool.free_block_queue.get_all_free_blocks()]
 
 
-VLLM_REFERENCES: dict[str, tuple[Callable[..., Any], str]] = {
+REFERENCES_ON_VLLM: dict[str, tuple[Callable[..., Any], str]] = {
     "03.free_queue_order": (_vllm_free_queue_order, "vllm/v1/core/block_pool.py:BlockPool.free_blocks"),
 }
 
 
 def run_against_vllm(exercise_id: str, function: Callable[..., Any], seed: int, num_random: int) -> dict[str, Any]:
     """Run ``function`` and the vLLM-built reference on the exercise's cases (here; vLLM must import)."""
-    reference, _ = VLLM_REFERENCES[exercise_id]
+    reference, _ = REFERENCES_ON_VLLM[exercise_id]
     exercise = get_exercise(exercise_id)
     cases = cases_for(exercise, seed)[:len(exercise.edge_cases) + num_random]
     for number, case in enumerate(cases, start=1):
@@ -221,11 +221,11 @@ def against_vllm(exercise_id: str, function: Callable[..., Any], *, seed: int | 
                  num_random: int = 20, venv: Path | None = None) -> CheckResult:
     """Run ``function``, an answer to ``exercise_id``, on the exercise's cases against a reference built on vLLM
     0.33.0's own classes; "not attempted" for the stub as shipped; without vLLM, how to get it."""
-    if exercise_id not in VLLM_REFERENCES:
-        raise UnknownNameError("exercise_id", exercise_id, VLLM_REFERENCES)
+    if exercise_id not in REFERENCES_ON_VLLM:
+        raise UnknownNameError("exercise_id", exercise_id, REFERENCES_ON_VLLM)
     from kvlab.exercises.core import _only_raises_not_implemented
 
-    where = VLLM_REFERENCES[exercise_id][1]
+    where = REFERENCES_ON_VLLM[exercise_id][1]
     if _only_raises_not_implemented(function):
         return CheckResult(exercise_id, "not attempted", 0, f"… {exercise_id}: write your answer above first; this "
                                                             f"cell then runs it against vLLM's own {where}.")

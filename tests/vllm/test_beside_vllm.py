@@ -40,7 +40,7 @@ def test_beside_shows_both_sources_with_no_note():
 
 
 def test_the_vllm_built_reference_agrees_with_kvlab_s_on_many_cases():
-    exercise, reference = ex.get_exercise("03.free_queue_order"), side.VLLM_REFERENCES["03.free_queue_order"][0]
+    exercise, reference = ex.get_exercise("03.free_queue_order"), side.REFERENCES_ON_VLLM["03.free_queue_order"][0]
     rng = random.Random(0)
     for case in [*exercise.edge_cases, *(exercise.random_case(rng) for _ in range(300))]:
         assert reference(*case.args) == exercise.reference(*case.args), case
