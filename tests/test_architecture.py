@@ -214,17 +214,3 @@ def test_one_spec_hierarchy_in_one_home():
     assert {"KVCacheSpec", "AttentionSpec", "FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec"} <= set(
         kvlab_has)
 
-
-def test_the_engine_allocates_from_the_same_spec_classes():
-    """``page_size_bytes`` is a property of the spec, and the engine's tensors hold exactly that many bytes."""
-    import torch
-
-    from kvlab.engine.kv_cache_interface import allocate_kv_cache, layer_tensors
-    from kvlab.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-
-    assert isinstance(AttentionSpec.page_size_bytes, property)
-    for spec in (FullAttentionSpec(16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16),
-                 SlidingWindowSpec(16, num_kv_heads=2, head_size=8, dtype="fp8", sliding_window=32),
-                 MLAAttentionSpec(block_size=16, head_size=24, dtype="fp32")):
-        tensors = layer_tensors(allocate_kv_cache(spec, 3, device="meta"))
-        assert sum(t.numel() * t.element_size() for t in tensors) == 3 * spec.page_size_bytes

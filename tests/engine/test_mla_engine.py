@@ -208,3 +208,16 @@ def test_the_throughput_measurement_times_the_mla_kernels(tiny_deepseek_dir):
     assert speed["mla_kernel_seconds"] == speed["kernel_seconds"] > 0
     # per layer: a latent write every step, a decode launch every step but the prefill
     assert speed["kernel_calls"] == 2 * speed["steps"] + 2 * (speed["steps"] - 1)
+
+
+def test_the_engine_allocates_from_the_same_spec_classes():
+    """``page_size_bytes`` is a property of the spec, and the engine's tensors hold exactly that many bytes."""
+    from kvlab.engine.kv_cache_interface import allocate_kv_cache, layer_tensors
+    from kvlab.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    assert isinstance(AttentionSpec.page_size_bytes, property)
+    for spec in (FullAttentionSpec(16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16),
+                 SlidingWindowSpec(16, num_kv_heads=2, head_size=8, dtype="fp8", sliding_window=32),
+                 MLAAttentionSpec(block_size=16, head_size=24, dtype="fp32")):
+        tensors = layer_tensors(allocate_kv_cache(spec, 3, device="meta"))
+        assert sum(t.numel() * t.element_size() for t in tensors) == 3 * spec.page_size_bytes
