@@ -30,16 +30,14 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import BlockHash, KVCacheBlock, KVCacheBlocks
+from kvlab.core.request import Request
 from kvlab.errors import BlockStateError, KvlabValueError
 from kvlab.units import cdiv
-
-if TYPE_CHECKING:
-    from kvlab.core.kv_cache_manager import KVCacheManager
-    from kvlab.core.request import Request
 
 BlockTransfer = tuple[int, int]  # (source block id, destination block id)
 
@@ -310,7 +308,7 @@ class OffloadingConnector:
         limit = (request.num_tokens - 1) // self.block_size
         return self.cpu.lookup(request.block_hashes[first:limit]) * self.block_size, False
 
-    @checked(skip=("blocks",))
+    @checked
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The scheduler gave ``request`` its ``blocks``, ``num_external_tokens`` of whose tokens this tier loads.
 
