@@ -4,7 +4,8 @@ vLLM maps a checkpoint's ``architectures`` entry to a model class (``vllm/model_
 registry.py``), and each attention layer of that class answers ``get_kv_cache_spec``. kvlab keeps the
 same three facts per family in one ``ModelFamily``, keyed by ``model_type`` (the field transformers
 dispatches on): a Llama-family checkpoint gets ``DecoderConfig``, ``LlamaForCausalLM`` and a
-``FullAttentionSpec`` per layer; a DeepSeek-V3 one gets ``DeepseekConfig``, ``DeepseekV2ForCausalLM``
+``FullAttentionSpec`` per layer; a Gemma 3 text checkpoint (``gemma3_text``) the same config class and
+spec with vLLM's ``Gemma3ForCausalLM``; a DeepSeek-V3 one gets ``DeepseekConfig``, ``DeepseekV2ForCausalLM``
 and an ``MLAAttentionSpec`` per layer. ``LLMEngine`` asks this module and nothing else, so adding an
 architecture is one more entry here.
 """
@@ -18,8 +19,13 @@ from typing import Any
 
 import torch
 
-from kvlab.engine.config import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
-from kvlab.engine.config import DecoderConfig, config_from_pretrained
+from kvlab.engine.config import (
+    GEMMA3_MODEL_TYPES,
+    LLAMA_MODEL_TYPES,
+    DecoderConfig,
+    config_from_pretrained,
+    refuse_multimodal,
+)
 from kvlab.engine.deepseek_config import SUPPORTED_MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
@@ -45,6 +51,12 @@ def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: Decode
     return load_llama(model_dir, dtype, config)
 
 
+def _load_gemma3(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig) -> torch.nn.Module:
+    from kvlab.engine.loader import load_gemma3
+
+    return load_gemma3(model_dir, dtype, config)
+
+
 def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: DeepseekConfig) -> torch.nn.Module:
     from kvlab.engine.deepseek import load_deepseek
 
@@ -62,6 +74,7 @@ def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.
 
 MODEL_FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("LlamaForCausalLM", LLAMA_MODEL_TYPES, DecoderConfig, _load_llama, _full_attention_spec),
+    ModelFamily("Gemma3ForCausalLM", GEMMA3_MODEL_TYPES, DecoderConfig, _load_gemma3, _full_attention_spec),
     ModelFamily("DeepseekV2ForCausalLM", DEEPSEEK_MODEL_TYPES, DeepseekConfig, _load_deepseek, _mla_spec),
 )
 
@@ -72,7 +85,9 @@ def supported_model_types() -> list[str]:
 
 
 def model_family(model_type: object) -> ModelFamily:
-    """The family serving ``model_type``; an unknown one raises listing every supported type."""
+    """The family serving ``model_type``; an unknown one raises listing every supported type (a multimodal
+    wrapper, ``gemma3``, naming the text-only type to use)."""
+    refuse_multimodal(model_type)
     for family in MODEL_FAMILIES:
         if model_type in family.model_types:
             return family
