@@ -150,8 +150,9 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
     The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
     loads into ``LlamaForCausalLM`` (``load_llama``), a Gemma 3 text one into ``Gemma3ForCausalLM``
-    (``load_gemma3``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM`` (``load_deepseek``). ``config`` is the checkpoint's config if the caller read it already
-    (``EngineConfig`` does). On CPU keep ``float32``: the Triton interpreter has no bf16 arithmetic.
+    (``load_gemma3``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM`` (``load_deepseek``). ``config``
+    is the checkpoint's config if the caller read it already (``EngineConfig`` does). On CPU keep
+    ``float32``: the Triton interpreter has no bf16 arithmetic.
     """
     config = config or read_model_config(model_dir)
     return model_family(config.model_type).load(model_dir, dtype, config)
