@@ -123,8 +123,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             nn.Embedding(config.vocab_size, config.hidden_size)  # only .weight is used
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden_size] -> [n, vocab_size]`` in float32, soft-capped to ``(-c, c)`` where ``c`` is set."""
-        logits = super().compute_logits(hidden_states)  # [n, vocab_size]
+        """``[n, hidden_size] -> [n, vocab_size]``, soft-capped to ``(-c, c)`` where ``c`` is set, in the model's
+        dtype as vLLM's ``LogitsProcessor`` and transformers cap them; then float32."""
+        logits = hidden_states @ self.lm_head.weight.T  # [n, vocab_size]
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.to(torch.float32)
 
