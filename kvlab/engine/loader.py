@@ -26,7 +26,6 @@ from safetensors import SafetensorError, safe_open
 from kvlab.engine.config import DecoderConfig, read_json
 from kvlab.engine.gemma3 import Gemma3ForCausalLM
 from kvlab.engine.model import LlamaForCausalLM, check_layer_count
-from kvlab.engine.registry import ModelConfig, model_family, read_model_config
 from kvlab.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -142,20 +141,6 @@ def check_before_loading(model_dir: str | os.PathLike, config: Any, build: Calla
     with torch.device("meta"):
         model = build()
     model.check_weights(header, sources={name: str(path) for name, path in sources.items()}, config_file=config_file)
-
-
-def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: ModelConfig | None = None) -> torch.nn.Module:
-    """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
-
-    The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
-    loads into ``LlamaForCausalLM`` (``load_llama``), a Gemma 3 text one into ``Gemma3ForCausalLM``
-    (``load_gemma3``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM`` (``load_deepseek``). ``config``
-    is the checkpoint's config if the caller read it already (``EngineConfig`` does). On CPU keep
-    ``float32``: the Triton interpreter has no bf16 arithmetic.
-    """
-    config = config or read_model_config(model_dir)
-    return model_family(config.model_type).load(model_dir, dtype, config)
 
 
 def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
