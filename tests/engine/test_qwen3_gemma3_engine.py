@@ -8,7 +8,9 @@ run in the three pool settings of notebook 08: roomy, preempting and chunked.
 Gemma 3 (``gemma3_text``) slides as ``Gemma3TextConfig`` says: ``layer_types``, or else every layer but each
 ``sliding_window_pattern``-th. Its tiny checkpoint has six layers (two sliding, one full, twice: three KV cache
 groups), a scale from ``query_pre_attn_scalar``, a rotary base per layer type and norms offset from 1; it runs
-in the same three pools, and its logits, soft-capped, equal transformers' to float32 rounding.
+in the same three pools on the torch backend, and its logits, soft-capped, equal transformers' to float32
+rounding. (The Triton kernels take the same scale and window as arguments; run through the interpreter they
+match too, at several seconds a pool, so they are left to the kernel tests.)
 """
 
 from __future__ import annotations
@@ -193,14 +195,6 @@ def test_gemma3_matches_transformers_in_every_pool_setting(gemma3, pool):
         assert eng.metrics.num_preemptions > 0, "the pool was meant to preempt"
     if pool == "chunked":
         assert max(h.num_scheduled_tokens for h in eng.history) == 6
-
-
-def test_gemma3_on_the_triton_kernels_matches_transformers(gemma3):
-    """The Triton kernels take Gemma's scale and window too (interpreted on a CPU: one prompt, three tokens)."""
-    path, hf = gemma3
-    prompt = gemma3_prompts()[0]
-    eng = LLMEngine(path, block_size=4, attention_backend="triton", num_gpu_blocks=32, max_num_batched_tokens=256)
-    assert eng.generate([prompt], max_tokens=3) == [hf_greedy(hf, prompt, 3)]
 
 
 def test_gemma3_logits_soft_capped_equal_transformers(gemma3, tmp_path):
