@@ -246,6 +246,7 @@ def _overrides() -> dict[str, Any]:
         "kvlab.capacity.parallel.weights_bytes_per_gpu": lambda: {"model": get_model("deepseek-v3"), "layout": "tp",
                                                                   "num_gpus": 8},
         "kvlab.capacity.models.count_parameters": lambda: {"cfg": dict(get_model("llama-3-8b").config)},
+        "kvlab.capacity.models.with_family_defaults": lambda: {"cfg": {"model_type": "gemma3_text"}},
         "kvlab.capacity.playbook.Workload": lambda: {"mean_prompt_tokens": 1000, "mean_output_tokens": 200},
         "kvlab.capacity.source_deployments.reproduce": lambda: {"key": "a"},
         "kvlab.capacity.startup_log.parse_startup_log": lambda: {"lines": _startup_lines()},

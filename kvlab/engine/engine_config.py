@@ -165,7 +165,8 @@ class EngineConfig:
         # MLA layers call kvlab's Triton kernels whatever attention_backend says (it names the K/V kernels only)
         triton = self.attention_backend == "triton" or isinstance(self.model_config, DeepseekConfig)
         interpreter = triton and kernels.backend() == kernels.TRITON_INTERPRETER
-        dtype, line = resolve_dtype(self.dtype, checkpoint_dtype(self.model_dir), self.device, interpreter)
+        dtype, line = resolve_dtype(self.dtype, checkpoint_dtype(self.model_dir), self.device, interpreter,
+                                    self.model_config.model_type)
         set_(self, "dtype", dtype)
         set_(self, "dtype_log", line)
         set_(self, "max_model_len", verify_max_model_len(self.max_model_len, self.model_config))

@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvlab.engine.config import DecoderConfig, read_json
+from kvlab.engine.gemma3 import Gemma3ForCausalLM
 from kvlab.engine.model import LlamaForCausalLM, check_layer_count
 from kvlab.errors import CheckpointError
 
@@ -161,6 +162,12 @@ def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
             mlp_bias="model.layers.0.mlp.gate_proj.bias" in names,
         )
 
+    return load_checked(model_dir, dtype, config, build)
+
+
+def load_checked(model_dir: str | os.PathLike, dtype: torch.dtype, config: Any,
+                 build: Callable[[], LlamaForCausalLM]) -> LlamaForCausalLM:
+    """``build()``'s model filled from the checkpoint, after ``check_before_loading`` on the meta device."""
     check_before_loading(model_dir, config, build)
     weights, sources = read_weights(model_dir)
     model = build()
@@ -168,3 +175,12 @@ def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model.load_weights(weights, sources={name: str(path) for name, path in sources.items()},
                        config_file=str(Path(model_dir) / "config.json"))
     return model.eval()
+
+
+def load_gemma3(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                config: DecoderConfig | None = None) -> Gemma3ForCausalLM:
+    """A ``gemma3_text`` checkpoint in ``Gemma3ForCausalLM``. Its biases follow ``attention_bias``, as in
+    transformers: a bias tensor the config does not ask for is refused as unused, not silently read."""
+    config = config or DecoderConfig.from_pretrained(model_dir)
+    bias = bool(config.spec.config.get("attention_bias"))
+    return load_checked(model_dir, dtype, config, lambda: Gemma3ForCausalLM(config, attention_bias=bias))
