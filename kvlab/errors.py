@@ -110,3 +110,19 @@ class ReplicaDiedError(KvlabError):
     def __init__(self, replica: int, reason: str) -> None:
         self.replica = replica
         super().__init__(f"replica {replica}: {reason}")
+
+
+class RankFailedError(KvlabError):
+    """A tensor-parallel rank raised, exited or stopped answering; every rank was stopped and the engine with them.
+
+    ``rank`` is the rank that failed first, ``reason`` what it reported (or how it ended); ``reports`` holds
+    every rank's report, first failure first.
+    """
+
+    def __init__(self, rank: int | None, reason: str, reports: dict[int, str] | None = None) -> None:
+        self.rank, self.reason = rank, reason
+        self.reports = dict(reports or {})
+        who = "a rank" if rank is None else f"rank {rank}"
+        others = "; ".join(f"rank {r}: {text}" for r, text in self.reports.items() if r != rank)
+        super().__init__(f"{who} failed: {reason}" + (f" (then {others})" if others else "")
+                         + ". Every rank was stopped: build a new engine to go on")

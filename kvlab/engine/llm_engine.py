@@ -50,6 +50,7 @@ from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, kv_cache_gr
 from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.multiproc_executor import start_rank_executor
 from kvlab.engine.registry import kv_cache_specs
 from kvlab.errors import CheckpointError, KvlabValueError, RequestStateError
 
@@ -87,12 +88,20 @@ class LLMEngine:
         self.block_size, self.kv_cache_dtype = config.block_size, config.kv_cache_dtype
         # 2. Device: where the kernels run (chosen and checked in step 1).
         self.device = config.device
-        # 3. Weights: the checkpoint's tensors, checked against config.json, onto the device.
+        # 3. Weights: the checkpoint's tensors, checked against config.json, onto the device. Under tensor
+        #    parallelism the ranks start now, each loading its shard (kvlab.engine.worker); the engine keeps none.
+        self.tensor_parallel_size = config.tensor_parallel_size
         started = time.perf_counter()
-        self.model = load_model(config.model_dir, config.dtype, config=config.model_config).to(self.device)
+        self.model: Any = None
+        self.rank_executor: Any = None
+        if config.tensor_parallel_size == 1:
+            self.model = load_model(config.model_dir, config.dtype, config=config.model_config).to(self.device)
+            self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        else:
+            self.rank_executor = start_rank_executor(config)
+            self.weights_bytes = max(r["weights_bytes"] for r in self.rank_executor.load_reports)  # per rank
         self.load_seconds = time.perf_counter() - started
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or next(self.model.parameters()).dtype
+        self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype
         # 4. Pool plan: the KV cache groups (sliding-window layers apart), and how many blocks, from a count,
         #    a memory budget, or the default.
         self.kv_cache_groups = kv_cache_groups(config, self.cache_dtype)
@@ -102,8 +111,13 @@ class LLMEngine:
         # 5. Tensors: per layer what its spec says: K and V [num_blocks, block_size, num_kv_heads, head_size],
         #    or MLA's latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (with several
         #    groups, layer j of every group shares one cache).
-        self.kv_cache_specs = kv_cache_specs(config.model_config, config.block_size, self.cache_dtype)
-        self.kv_caches = allocate_kv_caches(config, self.num_gpu_blocks, self.cache_dtype, self.kv_cache_groups)
+        #    Each rank allocates its own, the same block count (its shapes: kv_cache_reports).
+        self.kv_cache_specs = kv_cache_specs(config.model_config, config.block_size, self.cache_dtype,
+                                             config.tensor_parallel_size)
+        self.kv_caches = [] if self.rank_executor else \
+            allocate_kv_caches(config, self.num_gpu_blocks, self.cache_dtype, self.kv_cache_groups)
+        self.kv_cache_reports = (self.rank_executor.initialize_kv_cache(self.num_gpu_blocks, self.kv_cache_groups)
+                                 if self.rank_executor else [])
         # 6. Manager: the block pool and prefix cache (a manager per group), and vLLM's --kv-cache-metrics.
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, config.block_size,
                                                enable_caching=config.enable_prefix_caching,
@@ -120,12 +134,17 @@ class LLMEngine:
         # 8. Scheduler: the token budget, queues and preemption over the manager.
         self.scheduler = Scheduler(self.kv_cache_manager, **dataclasses.asdict(config.scheduler_config),
                                    connector=self.connector)
-        # 9. Executor: the model runner, behind the CPU tier's copies when there is one.
-        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits,
-                                        layer_groups=layer_groups(self.kv_cache_groups)[0],
-                                        attention_backend=config.attention_backend)
-        self.executor = (self.model_runner if self.connector is None else
-                         OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
+        # 9. Executor: the model runner, behind the CPU tier's copies when there is one; or the ranks.
+        self.model_runner: ModelRunner | None = None
+        if self.rank_executor is not None:
+            self.executor = self.rank_executor
+        else:
+            self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size,
+                                            keep_logits=config.keep_logits,
+                                            layer_groups=layer_groups(self.kv_cache_groups)[0],
+                                            attention_backend=config.attention_backend)
+            self.executor = (self.model_runner if self.connector is None else
+                             OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
         # What the engine has served: metrics, per-step history, and each request's tokens and end.
         self.metrics = EngineMetrics()
         self.latency = LatencyMetrics()  # vLLM's time-to-first-token, inter-token and end-to-end histograms
@@ -144,7 +163,20 @@ class LLMEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of every cache tensor, K and V or latent (what ``kv_cache_dtype`` halves or quarters; shared
         tensors count once)."""
-        return kv_cache_bytes(self.kv_caches)
+        return kv_cache_bytes(self.kv_caches) if self.rank_executor is None else \
+            sum(r["kv_cache_bytes"] for r in self.kv_cache_reports)
+
+    def shutdown(self) -> None:
+        """Stop the ranks of a tensor-parallel engine (each exits; nothing is left running). A one-rank engine
+        has nothing to stop. Also run by ``with LLMEngine(...) as engine:`` and when the executor is collected."""
+        if self.rank_executor is not None:
+            self.rank_executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def startup_log(self) -> list[str]:
         """The start-up lines a vLLM user reads: weights, KV cache size, maximum concurrency; then a dtype cast, if
@@ -278,11 +310,14 @@ class LLMEngine:
         sampler's draws with it, and is raised again with nothing recorded.
         """
         started = time.perf_counter()
-        draws = self.model_runner.sampler.get_state()
+        # the sampler's draws, to undo with the step (under TP they live in the ranks, which an undone step may
+        # have advanced: a seeded request then draws on from there)
+        draws = None if self.model_runner is None else self.model_runner.sampler.get_state()
         try:
             self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
         except BaseException:  # the step was undone (kvlab.core.sched.loop.step): so are its draws
-            self.model_runner.sampler.set_state(draws)
+            if self.model_runner is not None:
+                self.model_runner.sampler.set_state(draws)
             raise
         now = time.perf_counter()
         self.step_seconds.append(now - started)

@@ -144,20 +144,21 @@ def check_before_loading(model_dir: str | os.PathLike, config: Any, build: Calla
 
 
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: ModelConfig | None = None) -> torch.nn.Module:
+               config: ModelConfig | None = None, tp_group: Any = None) -> torch.nn.Module:
     """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
 
     The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
     loads into ``LlamaForCausalLM`` (``load_llama``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM``
     (``load_deepseek``). ``config`` is the checkpoint's config if the caller read it already
     (``EngineConfig`` does). On CPU keep ``float32``: the Triton interpreter has no bf16 arithmetic.
+    ``tp_group`` (a ``GroupCoordinator``): build and load only this tensor-parallel rank's shard.
     """
     config = config or read_model_config(model_dir)
-    return model_family(config.model_type).load(model_dir, dtype, config)
+    return model_family(config.model_type).load(model_dir, dtype, config, tp_group=tp_group)
 
 
 def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: DecoderConfig | None = None) -> LlamaForCausalLM:
+               config: DecoderConfig | None = None, tp_group: Any = None) -> LlamaForCausalLM:
     """A Llama-family checkpoint in kvlab's ``LlamaForCausalLM``.
 
     Biases are switched on where the checkpoint has them (Qwen2's q/k/v biases, Llama's
@@ -173,6 +174,7 @@ def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
             qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
             o_bias="model.layers.0.self_attn.o_proj.bias" in names,
             mlp_bias="model.layers.0.mlp.gate_proj.bias" in names,
+            tp_group=tp_group,
         )
 
     check_before_loading(model_dir, config, build)

@@ -35,29 +35,33 @@ class ModelFamily:
     architecture: str                 # the vLLM class that serves these checkpoints
     model_types: tuple[str, ...]      # config.json's model_type values
     config_class: type                # from_dict / from_pretrained
-    load: Callable[..., torch.nn.Module]                               # (model_dir, dtype, config) -> model
-    layer_spec: Callable[[Any, int, int, torch.dtype], FullAttentionSpec]  # (config, layer, block_size, dtype)
+    load: Callable[..., torch.nn.Module]                  # (model_dir, dtype, config, tp_group) -> model
+    layer_spec: Callable[[Any, int, int, torch.dtype, int], FullAttentionSpec]  # (config, layer, block_size, dtype, tp)
 
 
-def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig) -> torch.nn.Module:
+def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig,
+                tp_group: Any = None) -> torch.nn.Module:
     from kvlab.engine.loader import load_llama
 
-    return load_llama(model_dir, dtype, config)
+    return load_llama(model_dir, dtype, config, tp_group=tp_group)
 
 
-def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: DeepseekConfig) -> torch.nn.Module:
+def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: DeepseekConfig,
+                   tp_group: Any = None) -> torch.nn.Module:
     from kvlab.engine.deepseek import load_deepseek
 
-    return load_deepseek(model_dir, dtype, config)
+    return load_deepseek(model_dir, dtype, config, tp_group=tp_group)
 
 
-def _full_attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=config.num_key_value_heads,
+def _full_attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype,
+                         tp: int = 1) -> FullAttentionSpec:
+    # one rank's KV heads: vLLM's ModelConfig.get_num_kv_heads, max(1, total // tp) (fewer heads than ranks: a replica)
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=max(1, config.num_key_value_heads // tp),
                              head_size=config.head_dim, dtype=dtype)
 
 
-def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
-    return MLAAttentionSpec(block_size=block_size, head_size=config.mla.latent_size, dtype=dtype)
+def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.dtype, tp: int = 1) -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=block_size, head_size=config.mla.latent_size, dtype=dtype)  # whole on every rank
 
 
 MODEL_FAMILIES: tuple[ModelFamily, ...] = (
@@ -91,11 +95,12 @@ def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     return config_from_pretrained(model_config_from_dict, model_dir)
 
 
-def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[FullAttentionSpec]:
-    """One KV cache spec per layer (vLLM's ``get_kv_cache_spec``), layer 0 first.
+def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> list[FullAttentionSpec]:
+    """One KV cache spec per layer (vLLM's ``get_kv_cache_spec``), layer 0 first, as one of ``tp`` ranks holds it.
 
     A family's ``layer_spec`` is asked layer by layer, so a model whose layers differ (a sliding
-    window in some of them) can answer each one with its own kind of spec.
+    window in some of them) can answer each one with its own kind of spec. Under tensor parallelism a
+    Llama-family layer keeps ``max(1, num_kv_heads // tp)`` heads per rank; MLA's latent is whole on each.
     """
     family = model_family(config.model_type)
-    return [family.layer_spec(config, layer, block_size, dtype) for layer in range(config.num_hidden_layers)]
+    return [family.layer_spec(config, layer, block_size, dtype, tp) for layer in range(config.num_hidden_layers)]
