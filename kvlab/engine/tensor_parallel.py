@@ -69,7 +69,8 @@ def rank_bytes_per_token(engine: Any) -> list[float]:
     A one-rank engine's own tensors count as rank 0's. (A hybrid model's groups share tensors, so its figure is
     per token slot of the pool, not per token of a sequence.)
     """
-    reports = engine.kv_cache_reports or [{"kv_cache_bytes": engine.kv_cache_bytes, "num_blocks": engine.num_gpu_blocks}]
+    reports = engine.kv_cache_reports or [{"kv_cache_bytes": engine.kv_cache_bytes,
+                                           "num_blocks": engine.num_gpu_blocks}]
     return [r["kv_cache_bytes"] / (r["num_blocks"] * engine.block_size) for r in reports]
 
 
