@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlab._validate import checked, non_negative_number, positive_int
+from kvlab._validate import checked, non_negative_number, one_of, positive_int
 from kvlab.capacity.hardware import LinkSpec, get_link
 from kvlab.capacity.models import ModelSpec, resolve_model
-from kvlab.capacity.sizing import canonical_kv_dtype, dtype_bytes
+from kvlab.capacity.sizing import dtype_bytes
 from kvlab.errors import KvlabValueError
 
 #: vLLM pads the vocabulary to a multiple of this before splitting it (``DEFAULT_VOCAB_PADDING_SIZE``).
 VOCAB_PADDING = 64
+#: The dtypes activations travel in between ranks.
+ACTIVATION_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,7 @@ def tp_step_collectives(model: ModelSpec | str, tp: int, num_seqs: int, num_toke
     if not isinstance(hidden, int) or not isinstance(vocab, int):
         raise KvlabValueError(f"model {spec.name!r}: its config needs hidden_size and vocab_size to count the "
                               "collectives' bytes")
-    b = dtype_bytes(canonical_kv_dtype(activation_dtype))
+    b = dtype_bytes(one_of("activation_dtype", activation_dtype, ACTIVATION_DTYPES))
     padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING if tp > 1 else vocab
     all_reduces = 2 * spec.num_layers + 1 if tp > 1 else 0
     all_gathers = 1 if tp > 1 else 0

@@ -119,7 +119,7 @@ def verify_max_model_len(max_model_len: int | None, model_config: ModelConfig) -
     return max_model_len
 
 
-def verify_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
+def _verify_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
     """Refuse a model whose heads, MLP or vocabulary do not split over ``tp`` ranks as vLLM splits them.
 
     The error names the config field and ``tensor_parallel_size`` (``qkv_partition`` for the heads).
@@ -213,7 +213,7 @@ class EngineConfig:
                                                        self.max_model_len, self.preemption_mode))
         if self.scheduler_config.needs_cpu_tier and not self.cpu_offload_blocks:
             raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: set cpu_offload_blocks")
-        verify_tensor_parallel(self.model_config, self.tensor_parallel_size)
+        _verify_tensor_parallel(self.model_config, self.tensor_parallel_size)
         if self.tensor_parallel_size > 1:
             if self.device.type == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
                 raise KvlabValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs; torch "

@@ -117,7 +117,8 @@ class MultiprocExecutor:
         """Run ``Worker.<method>(*args)`` on every rank; rank 0's answer (every rank's for gathered methods)."""
         if self.is_failed:
             assert self.failure is not None
-            raise RankFailedError(self.failure.rank, self.failure.reason, self.failure.reports)
+            f = self.failure
+            raise RankFailedError(f.rank, f.reason, f.reports, f.tracebacks, f.exit_codes)
         if self._closed:
             raise RankFailedError(None, "the executor was shut down")
         seq = next(self._seq)
@@ -191,6 +192,7 @@ class MultiprocExecutor:
         a cause, never an effect; otherwise the earliest report (the others' are their collectives noticing).
         """
         reports = {m[1]: (m[2], m[3]) for m in messages if m[0] == "failed"}
+        tracebacks = {m[1]: m[4] for m in messages if m[0] == "failed"}
         deadline = time.monotonic() + FAILURE_GRACE_S
         while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
             for conn in self.conns:
@@ -199,6 +201,7 @@ class MultiprocExecutor:
                         m = conn.recv()
                         if m[0] == "failed":
                             reports.setdefault(m[1], (m[2], m[3]))
+                            tracebacks.setdefault(m[1], m[4])
             time.sleep(0.05)
         for conn in self.conns:  # what the last ones to exit wrote
             with contextlib.suppress(EOFError, OSError):
@@ -206,6 +209,7 @@ class MultiprocExecutor:
                     m = conn.recv()
                     if m[0] == "failed":
                         reports.setdefault(m[1], (m[2], m[3]))
+                        tracebacks.setdefault(m[1], m[4])
         crashed = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0) and r not in reports]
         hung = [r for r, p in enumerate(self.procs) if p.is_alive() and r not in reports]
         for p in self.procs:
@@ -223,8 +227,7 @@ class MultiprocExecutor:
             rank, why = ordered[0][0], ordered[0][1][1]
         else:
             rank, why = None, reason
-        self.failure = RankFailedError(rank, why, {r: text for r, (_, text) in ordered})
-        self.failure.exit_codes = exits  # type: ignore[attr-defined]
+        self.failure = RankFailedError(rank, why, {r: text for r, (_, text) in ordered}, tracebacks, exits)
         self.is_failed = True
         self._finalizer()
         self._closed = True

@@ -243,12 +243,15 @@ def _exit_cleanly(worker: Worker, world: GroupCoordinator, engine: Connection | 
 
 
 def _report_and_exit(rank: int, error: BaseException, engine: Connection | None) -> None:
-    """Tell the engine (if any) what stopped this rank, with when, print the traceback, and exit non-zero."""
+    """Tell the engine what stopped this rank, when, and the traceback (with no engine, torchrun's case, print it
+    where torchrun collects it), then exit non-zero. A rank started by an engine prints nothing: in a notebook
+    its output would land in whatever cell runs, and the engine's ``RankFailedError`` carries it instead."""
     text = "".join(traceback.format_exception(error))
-    print(f"[kvlab rank {rank}] stopped by {type(error).__name__}: {error}\n{text}", file=sys.stderr, flush=True)
-    if engine is not None:
+    if engine is None:
+        print(f"[kvlab rank {rank}] stopped by {type(error).__name__}: {error}\n{text}", file=sys.stderr, flush=True)
+    else:
         try:
-            engine.send(("failed", rank, time.time(), f"{type(error).__name__}: {error}"))
+            engine.send(("failed", rank, time.time(), f"{type(error).__name__}: {error}", text))
             engine.close()
         except (OSError, ValueError):
             pass
