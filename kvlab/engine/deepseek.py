@@ -219,7 +219,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
 
 def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                  config: DeepseekConfig | None = None, tp_group: Any = None) -> DeepseekV2ForCausalLM:
+                  config: DeepseekConfig | None = None, tp_group: Any = None, *, check: bool = True,
+                  load: bool = True) -> DeepseekV2ForCausalLM | None:
     """Build the decoder ``config.json`` describes and fill it from the checkpoint's safetensors.
 
     ``config`` is the checkpoint's ``DeepseekConfig`` if the caller read it already. The routers stay
@@ -227,7 +228,10 @@ def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float
     correction bias in float32 too). On CPU keep ``float32``: the Triton interpreter has no bf16.
     """
     config = config or DeepseekConfig.from_pretrained(model_dir)
-    check_before_loading(model_dir, config, lambda: DeepseekV2ForCausalLM(config, tp_group))
+    if check:
+        check_before_loading(model_dir, config, lambda: DeepseekV2ForCausalLM(config, tp_group))
+    if not load:
+        return None
     model = DeepseekV2ForCausalLM(config, tp_group)
     model.to(dtype)
     for module in model.modules():

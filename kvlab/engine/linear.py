@@ -25,7 +25,6 @@ rank's shard (vLLM's ``weight_loader`` attribute).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
@@ -97,12 +96,13 @@ def load_weight(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 def _shard_param(param: nn.Parameter, full_shape: tuple[int, ...], dim: int, shard: int) -> nn.Parameter:
-    """Mark ``param`` as shard ``shard`` along ``dim`` of a checkpoint tensor shaped ``full_shape``; initialise it
-    as ``nn.Linear`` would the whole (a model used before any checkpoint is loaded stays finite)."""
+    """Mark ``param`` as shard ``shard`` along ``dim`` of a checkpoint tensor shaped ``full_shape``.
+
+    Left uninitialised, as vLLM's layers are (``torch.empty``): the checkpoint fills every parameter, and a
+    random init would cost time for nothing (on the meta device, where the loader first builds the model to
+    check the checkpoint, it even imports torch's reference ops).
+    """
     size = param.shape[dim]
-    bound = 1 / math.sqrt(full_shape[-1]) if len(full_shape) > 1 else 1 / math.sqrt(full_shape[0])
-    with torch.no_grad():
-        param.uniform_(-bound, bound)  # nn.Linear's kaiming_uniform(a=sqrt(5)) bound, fan_in = in_features
 
     def weight_loader(p: torch.Tensor, loaded: torch.Tensor) -> None:
         p.data.copy_(loaded.narrow(dim, shard * size, size).to(p.dtype))
@@ -158,7 +158,7 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.weight = _shard_param(nn.Parameter(torch.empty(output_size, self.input_size_per_partition)),
                                    (output_size, input_size), 1, self.tp_rank)
-        self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in / tp] -> [num_tokens, output_size]
         bias = self.bias if self.tp_rank == 0 else None

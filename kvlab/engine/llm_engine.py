@@ -44,10 +44,11 @@ from kvlab.core.sched.output import (
     child_request_id,
 )
 from kvlab.core.sched.scheduler import Scheduler
+from kvlab.distributed.parallel_state import GroupCoordinator
 from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches
 from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, kv_cache_groups, layer_groups, plan_pool
-from kvlab.engine.loader import load_model
+from kvlab.engine.loader import check_checkpoint, load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.multiproc_executor import start_rank_executor
@@ -97,7 +98,9 @@ class LLMEngine:
         if config.tensor_parallel_size == 1:
             self.model = load_model(config.model_dir, config.dtype, config=config.model_config).to(self.device)
             self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        else:
+        else:  # the checkpoint checked here, once, as each rank's shard will read it; then the ranks
+            check_checkpoint(config.model_dir, config.model_config,
+                             GroupCoordinator.unconnected(0, config.tensor_parallel_size))
             self.rank_executor = start_rank_executor(config)
             self.weights_bytes = max(r["weights_bytes"] for r in self.rank_executor.load_reports)  # per rank
         self.load_seconds = time.perf_counter() - started

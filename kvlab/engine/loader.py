@@ -144,7 +144,7 @@ def check_before_loading(model_dir: str | os.PathLike, config: Any, build: Calla
 
 
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: ModelConfig | None = None, tp_group: Any = None) -> torch.nn.Module:
+               config: ModelConfig | None = None, tp_group: Any = None, *, check: bool = True) -> torch.nn.Module:
     """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
 
     The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
@@ -152,13 +152,26 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
     (``load_deepseek``). ``config`` is the checkpoint's config if the caller read it already
     (``EngineConfig`` does). On CPU keep ``float32``: the Triton interpreter has no bf16 arithmetic.
     ``tp_group`` (a ``GroupCoordinator``): build and load only this tensor-parallel rank's shard.
+    ``check=False`` skips ``check_before_loading`` (the tensors are still checked as they are copied): a rank
+    does, since its engine ran ``check_checkpoint`` before starting it.
     """
     config = config or read_model_config(model_dir)
-    return model_family(config.model_type).load(model_dir, dtype, config, tp_group=tp_group)
+    return model_family(config.model_type).load(model_dir, dtype, config, tp_group=tp_group, check=check)
+
+
+def check_checkpoint(model_dir: str | os.PathLike, config: ModelConfig, tp_group: Any = None) -> None:
+    """``check_before_loading`` for the model ``config`` describes, split as ``tp_group`` says; nothing is loaded.
+
+    A tensor-parallel engine runs it in its own process before it starts a rank, so a malformed checkpoint is
+    refused once, here, by name; and each rank is spared building its model on the meta device (whose first
+    use imports half of torch's compiler stack, seconds per process on a small CPU).
+    """
+    model_family(config.model_type).load(model_dir, torch.float32, config, tp_group=tp_group, check=True, load=False)
 
 
 def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: DecoderConfig | None = None, tp_group: Any = None) -> LlamaForCausalLM:
+               config: DecoderConfig | None = None, tp_group: Any = None, *, check: bool = True,
+               load: bool = True) -> LlamaForCausalLM | None:
     """A Llama-family checkpoint in kvlab's ``LlamaForCausalLM``.
 
     Biases are switched on where the checkpoint has them (Qwen2's q/k/v biases, Llama's
@@ -177,7 +190,10 @@ def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
             tp_group=tp_group,
         )
 
-    check_before_loading(model_dir, config, build)
+    if check:
+        check_before_loading(model_dir, config, build)
+    if not load:
+        return None
     weights, sources = read_weights(model_dir)
     model = build()
     model.to(dtype)

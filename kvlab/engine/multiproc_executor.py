@@ -49,6 +49,22 @@ def get_open_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_context(config: EngineConfig) -> Any:
+    """How ranks are started: forked from a server that imported torch and the worker once (CPU engines), or
+    spawned fresh (GPU engines: a process that may have touched CUDA must not fork).
+
+    vLLM forks its workers by default and spawns once CUDA is initialised (``VLLM_WORKER_MULTIPROC_METHOD``).
+    kvlab never forks the engine's own process, whose threads (a notebook kernel's, torch's) a fork would
+    copy mid-flight; multiprocessing's fork server is a process of one thread that only imported modules, so
+    each rank costs a fork instead of a fresh torch import (seconds per rank on a small CPU).
+    """
+    if config.device.type == "cuda":
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["kvlab.engine.worker"])  # read when the server starts (once per process)
+    return ctx
+
+
 def _stop_processes(procs: list[Any], conns: list[Connection], timeout: float = 5.0) -> None:
     """Terminate, then kill, every process still running; close the pipes. Idempotent."""
     deadline = time.monotonic() + timeout
@@ -82,7 +98,7 @@ class MultiprocExecutor:
         self.kv_cache_reports: list[dict[str, Any]] = []
         self._seq = itertools.count(1)
         self._closed = False
-        ctx = multiprocessing.get_context("spawn")
+        ctx = rank_context(config)
         port = get_open_port()
         threads = max(1, (os.cpu_count() or 1) // self.world_size)  # each rank its share of the cores
         self.procs: list[Any] = []

@@ -35,22 +35,22 @@ class ModelFamily:
     architecture: str                 # the vLLM class that serves these checkpoints
     model_types: tuple[str, ...]      # config.json's model_type values
     config_class: type                # from_dict / from_pretrained
-    load: Callable[..., torch.nn.Module]                  # (model_dir, dtype, config, tp_group) -> model
+    load: Callable[..., torch.nn.Module | None]  # (model_dir, dtype, config, tp_group=, check=, load=) -> model
     layer_spec: Callable[[Any, int, int, torch.dtype, int], FullAttentionSpec]  # (config, layer, block_size, dtype, tp)
 
 
 def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig,
-                tp_group: Any = None) -> torch.nn.Module:
+                **options: Any) -> torch.nn.Module | None:
     from kvlab.engine.loader import load_llama
 
-    return load_llama(model_dir, dtype, config, tp_group=tp_group)
+    return load_llama(model_dir, dtype, config, **options)
 
 
 def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: DeepseekConfig,
-                   tp_group: Any = None) -> torch.nn.Module:
+                   **options: Any) -> torch.nn.Module | None:
     from kvlab.engine.deepseek import load_deepseek
 
-    return load_deepseek(model_dir, dtype, config, tp_group=tp_group)
+    return load_deepseek(model_dir, dtype, config, **options)
 
 
 def _full_attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype,

@@ -44,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = divide(padded, self.tp_size, "padded vocab_size / tensor_parallel_size")
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
-        self.weight = nn.Parameter(torch.randn(self.num_embeddings_per_partition, embedding_dim))  # nn.Embedding's
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
         self.weight.checkpoint_shape = (num_embeddings, embedding_dim)  # type: ignore[attr-defined]
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 

@@ -72,8 +72,8 @@ class Worker:
         self.device = (torch.device("cuda", tp_group.local_rank) if config.device.type == "cuda"
                        else torch.device("cpu"))
         started = time.perf_counter()
-        self.model = load_model(config.model_dir, config.dtype, config=config.model_config,
-                                tp_group=tp_group).to(self.device)
+        self.model = load_model(config.model_dir, config.dtype, config=config.model_config, tp_group=tp_group,
+                                check=False).to(self.device)  # the engine checked the checkpoint already
         self.load_seconds = time.perf_counter() - started
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype
