@@ -90,3 +90,26 @@ def test_an_unconnected_group_refuses_a_collective_by_saying_what_to_do():
     with pytest.raises(KvlabError, match="init_distributed_environment"):
         GroupCoordinator.unconnected(0, 2).all_reduce(torch.ones(2))
     assert torch.equal(GroupCoordinator.unconnected(0, 1).all_reduce(torch.ones(2)), torch.ones(2))
+
+
+@pytest.mark.parametrize(("kv_heads", "tp"), [(2, 2), (2, 4), (1, 2), (4, 2)])
+def test_one_ranks_kv_tensors_hold_the_formulas_bytes_per_token(tmp_path, kv_heads, tp):
+    """What each rank allocates (``allocate_kv_caches`` with the engine's tensor_parallel_size), measured from the
+    tensors: 2 x L x max(1, Hkv / tp) x D x b per token, kvlab.capacity's per-rank formula."""
+    import json
+
+    from kvlab.capacity.sizing import kv_bytes_per_token
+    from kvlab.engine.engine_config import EngineConfig
+    from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "model_type": "llama",
+                                                      "num_key_value_heads": kv_heads}))
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))  # the dtype probe reads a header
+    config = EngineConfig(tmp_path, tensor_parallel_size=tp, num_gpu_blocks=8, dtype="float32", device="cpu",
+                          attention_backend="torch")
+    caches = allocate_kv_caches(config, 8, torch.float32)
+    per_token = kv_cache_bytes(caches) / (8 * config.block_size)
+    assert per_token == kv_bytes_per_token(config.model_config.spec, "fp32", tp)
+    assert caches[0][0].shape[2] == max(1, kv_heads // tp)

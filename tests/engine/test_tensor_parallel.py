@@ -75,7 +75,8 @@ def test_one_kv_head_on_two_ranks_gives_the_same_tokens_as_one_rank_and_transfor
     prompts = shared_prefix_prompts(256)
     one, two = serve(LLMEngine(mqa_dir, **TIGHT), prompts, 10), serve(mqa_tp2, prompts, 10)
     assert same_run(one, two)
-    assert two.prefix_hit_tokens > 0 and two.partial_prefill_chunks > 0 and two.preemptions > 0  # all three paths
+    # all three paths; a preempted request prefills again, generated tokens included: nano-vllm's issue 144
+    assert two.prefix_hit_tokens > 0 and two.partial_prefill_chunks > 0 and two.preemptions > 0
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(mqa_dir).eval()
