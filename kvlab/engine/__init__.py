@@ -6,7 +6,10 @@ from a checkpoint; ``save_tiny_llama`` writes the small seeded checkpoint tests 
 MLA: ``load_deepseek`` builds a DeepSeek-V3-style decoder over one latent cache per layer
 (``allocate_mla_kv_caches``); ``save_tiny_deepseek`` writes its small seeded checkpoint. The registry
 (``model_family``, ``kv_cache_specs``) says, per ``model_type``, which config, model and KV cache spec
-(``FullAttentionSpec``, ``MLAAttentionSpec``) ``LLMEngine`` and ``load_model`` use.
+(``FullAttentionSpec``, ``MLAAttentionSpec``) ``LLMEngine`` and ``load_model`` use. Tensor parallelism
+(``LLMEngine(..., tensor_parallel_size=N)``): the sharded layers (``linear``, ``vocab_parallel_embedding``), one
+rank's ``Worker`` and the loop every rank runs (``worker``), the executors that start or join the ranks
+(``multiproc_executor``, ``uniproc_executor``) and torchrun's entry point (``launch``).
 """
 from __future__ import annotations
 

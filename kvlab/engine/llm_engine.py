@@ -77,6 +77,13 @@ class LLMEngine:
     there and copied back on a prefix hit. ``preemption_mode="swap"`` resumes preempted requests
     from that tier instead of recomputing them. ``kv_cache_metrics`` records vLLM's block lifetime
     histograms (sampling ``kv_cache_metrics_sample`` of the blocks) and adds them to ``metrics_text()``.
+
+    ``tensor_parallel_size=N`` splits the model over N ranks, each a process with its shard of every layer and
+    its own KV cache of the same block count (``kvlab.engine.multiproc_executor`` starts them, as vLLM's
+    ``MultiprocExecutor`` does; ``distributed_executor_backend="external_launcher"`` when torchrun started them
+    and this process is rank 0). This engine keeps the scheduler and the block tables, holds no weights, and
+    reads rank 0's tokens; ``kv_cache_reports`` says what each rank allocated. ``shutdown()`` (or a ``with``
+    block) stops the ranks; a rank that fails stops them all (``RankFailedError``).
     """
 
     def __init__(self, model_dir: str | os.PathLike | EngineConfig, **engine_args: Any) -> None:

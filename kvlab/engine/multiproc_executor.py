@@ -66,7 +66,10 @@ def rank_context(config: EngineConfig) -> Any:
 
 
 def _stop_processes(procs: list[Any], conns: list[Connection], timeout: float = 5.0) -> None:
-    """Terminate, then kill, every process still running; close the pipes. Idempotent."""
+    """Close the pipes (rank 0, reading the end of its pipe, tells every rank to stop), wait a little, then
+    terminate and kill whatever is still running. Idempotent; also what garbage collection of the executor runs."""
+    for c in conns:
+        c.close()
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -78,8 +81,6 @@ def _stop_processes(procs: list[Any], conns: list[Connection], timeout: float = 
         if p.is_alive():
             p.kill()
             p.join(2.0)
-    for c in conns:
-        c.close()
 
 
 class MultiprocExecutor:
