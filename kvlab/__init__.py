@@ -10,7 +10,8 @@ the rules written in ``pyproject.toml``, ``[tool.kvlab.layers]``):
 * ``capacity/``: arithmetic on model configs and GPUs, no torch;
 * ``core/``: the allocator and the scheduler, bookkeeping only, mirroring ``vllm/v1/core/``;
 * ``sim/``: seeded workloads and the simulations the notebooks run on ``core`` and ``capacity``;
-* ``kernels/`` (``kvlab.kernels``): the Triton kernels, which import nothing of kvlab but ``errors``;
+* ``kernels/`` (``kvlab.kernels``): the Triton kernels, which import nothing of kvlab but ``errors``
+  and ``units`` (``cdiv``);
 * ``engine/``: a real model serving through ``core`` and ``kernels``;
 * ``viz/`` (figures and panels) and ``exercises/`` (the grader) on top.
 
@@ -60,8 +61,9 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 07  core.kv_cache_metrics               ``KVCacheMetricsCollector`` (``vllm/v1/core/kv_cache_metrics.py``)
 07  core.kv_offload, engine.kv_offload  ``OffloadingConnector``, ``CPUOffloadingManager`` (``vllm/v1/kv_offload/``)
 07  sim.serving_sim                     multi-turn chat on the no-compute scheduler
-08  kv_cache_interface                  ``FullAttentionSpec``, ``SlidingWindowSpec``, ``KVCacheGroupSpec``
-                                        (``vllm/v1/kv_cache_interface.py``)
+08  kv_cache_interface                  the one spec hierarchy: ``FullAttentionSpec``, ``SlidingWindowSpec``,
+                                        ``MLAAttentionSpec`` (``page_size_bytes`` from the layer's shape),
+                                        ``KVCacheGroupSpec`` (``vllm/v1/kv_cache_interface.py``)
 08  capacity.hybrid                     KV cache groups and the hybrid budget (``vllm/v1/core/kv_cache_planning.py``,
                                         ``get_max_concurrency_for_kv_cache_config`` in ``kv_cache_utils.py``)
 08  core.kv_cache_coordinator,          ``HybridKVCacheCoordinator`` and its agreement, ``FullAttentionManager``,
@@ -77,8 +79,9 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 09  engine.mla, engine.deepseek         ``MLAAttention``, ``DeepseekV2ForCausalLM`` (``vllm/model_executor/models/
                                         deepseek_v2.py``) over one latent cache per layer (``MLAAttentionSpec``)
 09  kernels.mla_grid                    the MLA decode's grid and split ranges (``triton_decode_attention.py``'s launch)
-09  engine.kv_cache_interface,          ``FullAttentionSpec``, ``MLAAttentionSpec`` (``vllm/v1/kv_cache_interface.py``);
-    engine.registry                     the architectures the engine serves, by ``model_type``
+09  engine.kv_cache_interface,          a layer's tensors from its ``MLAAttentionSpec`` or ``FullAttentionSpec``
+    engine.registry                     (``GPUModelRunner.initialize_kv_cache``); the architectures the engine
+                                        serves, by ``model_type``
                                         (``vllm/model_executor/models/registry.py``)
 09  capacity.parallel                   TP against data-parallel attention per GPU (``max_tp_shards``;
                                         ``data_parallel_size``, ``enable_expert_parallel``: ``vllm/config/parallel.py``)

@@ -133,6 +133,7 @@ def _overrides() -> dict[str, Any]:
 
     sha = get_hash_fn_by_name("sha256")
     none = init_none_hash(sha)
+    SHAPE = {"num_kv_heads": 8, "head_size": 128, "dtype": "bf16"}  # noqa: N806 - a layer's shape, for the specs
     TINY = DATA_DIR / "tiny-pydoc-llama"
 
     def init_fields(obj: Any) -> dict[str, Any]:
@@ -152,7 +153,11 @@ def _overrides() -> dict[str, Any]:
                                                                                 "max_in_flight_tokens": 16},
         "kvlab.kv_cache_interface.KVCacheSpec.max_num_blocks_per_request": lambda: {"max_model_len": 64,
                                                                                     "max_in_flight_tokens": 16},
-        "kvlab.kv_cache_interface.SlidingWindowSpec": lambda: {"block_size": 4, "sliding_window": 8},
+        "kvlab.kv_cache_interface.SlidingWindowSpec": lambda: {"block_size": 4, "sliding_window": 8, **SHAPE},
+        "kvlab.kv_cache_interface.AttentionSpec": lambda: {"block_size": 16, **SHAPE},
+        "kvlab.kv_cache_interface.FullAttentionSpec": lambda: {"block_size": 16, **SHAPE},
+        "kvlab.kv_cache_interface.MLAAttentionSpec": lambda: {"block_size": 16, "head_size": 576, "dtype": "bf16"},
+        "kvlab.kv_cache_interface.kv_dtype_name": lambda: {"dtype": "bfloat16"},
         "kvlab.kv_cache_interface.SlidingWindowSpec.max_admission_blocks_per_request": lambda: {
             "max_in_flight_tokens": 16, "max_model_len": 64},
         "kvlab.kv_cache_interface.SlidingWindowSpec.max_num_blocks_per_request": lambda: {

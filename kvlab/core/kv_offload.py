@@ -26,16 +26,13 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
+from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import BlockHash, KVCacheBlock
+from kvlab.core.request import Request
 from kvlab.errors import BlockStateError, KvlabValueError
 from kvlab.units import cdiv
-
-if TYPE_CHECKING:
-    from kvlab.core.kv_cache_manager import KVCacheManager
-    from kvlab.core.request import Request
 
 BlockTransfer = tuple[int, int]  # (source block id, destination block id)
 

@@ -67,7 +67,7 @@ class RequestStatus(enum.Enum):
         return status.value.startswith("finished")
 
 
-@checked
+@checked(inline=True)  # every request of every step is built here: its checks are written into __init__
 class Request:
     """Token ids, progress and block hashes of one request.
 

@@ -48,11 +48,10 @@ from kvlab.distributed.parallel_state import GroupCoordinator
 from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches
 from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, kv_cache_groups, layer_groups, plan_pool
-from kvlab.engine.loader import check_checkpoint, load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.multiproc_executor import start_rank_executor
-from kvlab.engine.registry import kv_cache_specs
+from kvlab.engine.registry import check_checkpoint, kv_cache_specs, load_model
 from kvlab.errors import CheckpointError, KvlabValueError, RequestStateError
 
 

@@ -25,7 +25,6 @@ from safetensors import SafetensorError, safe_open
 
 from kvlab.engine.config import DecoderConfig, read_json
 from kvlab.engine.model import LlamaForCausalLM, check_layer_count
-from kvlab.engine.registry import ModelConfig, model_family, read_model_config
 from kvlab.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -141,32 +140,6 @@ def check_before_loading(model_dir: str | os.PathLike, config: Any, build: Calla
     with torch.device("meta"):
         model = build()
     model.check_weights(header, sources={name: str(path) for name, path in sources.items()}, config_file=config_file)
-
-
-def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: ModelConfig | None = None, tp_group: Any = None, *, check: bool = True) -> torch.nn.Module:
-    """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
-
-    The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
-    loads into ``LlamaForCausalLM`` (``load_llama``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM``
-    (``load_deepseek``). ``config`` is the checkpoint's config if the caller read it already
-    (``EngineConfig`` does). On CPU keep ``float32``: the Triton interpreter has no bf16 arithmetic.
-    ``tp_group`` (a ``GroupCoordinator``): build and load only this tensor-parallel rank's shard.
-    ``check=False`` skips ``check_before_loading`` (the tensors are still checked as they are copied): a rank
-    does, since its engine ran ``check_checkpoint`` before starting it.
-    """
-    config = config or read_model_config(model_dir)
-    return model_family(config.model_type).load(model_dir, dtype, config, tp_group=tp_group, check=check)
-
-
-def check_checkpoint(model_dir: str | os.PathLike, config: ModelConfig, tp_group: Any = None) -> None:
-    """``check_before_loading`` for the model ``config`` describes, split as ``tp_group`` says; nothing is loaded.
-
-    A tensor-parallel engine runs it in its own process before it starts a rank, so a malformed checkpoint is
-    refused once, here, by name; and each rank is spared building its model on the meta device (whose first
-    use imports half of torch's compiler stack, seconds per process on a small CPU).
-    """
-    model_family(config.model_type).load(model_dir, torch.float32, config, tp_group=tp_group, check=True, load=False)
 
 
 def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,

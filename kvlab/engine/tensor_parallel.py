@@ -19,8 +19,8 @@ from typing import Any
 
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.distributed.parallel_state import CollectiveStats
-from kvlab.engine.kv_pool import _SIZING_NAMES
 from kvlab.engine.toy import random_token_ids
+from kvlab.kv_cache_interface import kv_dtype_name
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ def serve(engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> Ser
 
 def formula_bytes_per_token(engine: Any) -> int:
     """``kvlab.capacity``'s bytes per token on one rank for this engine's model, cache dtype and tp."""
-    return kv_bytes_per_token(engine.config.spec, _SIZING_NAMES[engine.cache_dtype], engine.tensor_parallel_size)
+    return kv_bytes_per_token(engine.config.spec, kv_dtype_name(engine.cache_dtype), engine.tensor_parallel_size)
 
 
 def rank_bytes_per_token(engine: Any) -> list[float]:

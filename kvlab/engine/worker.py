@@ -49,8 +49,8 @@ from kvlab.distributed.parallel_state import (
 from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_cache_interface import layer_tensors
 from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, layer_groups
-from kvlab.engine.loader import load_model
 from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.registry import load_model
 from kvlab.kv_cache_interface import KVCacheGroupSpec
 
 #: Methods whose every rank's answer is gathered on rank 0 (the others' answer is theirs alone).
