@@ -24,7 +24,7 @@ class Mutant:
     """One bug: in ``path``, the text ``original`` (exactly once) becomes ``mutated``."""
 
     name: str
-    layer: str            # capacity, core, sim, kernels, engine, fleet, exercises, viz
+    layer: str            # capacity, core, sim, kernels, engine, distributed, fleet, exercises, viz
     path: str             # relative to the repository root
     original: str
     mutated: str
@@ -239,6 +239,27 @@ OTHER_MUTANTS: list[Mutant] = [
            "self.overlap_weight * len(hashes)",
            "Dynamo's cost counts every prompt block as prefill, cached or not",
            (), ("tests/test_fleet_routers.py",)),
+    # --- KV connectors: prefill and decode apart (notebook 11, part 2)
+    Mutant("pull_block_off_by_one", "distributed",
+           "kvlab/distributed/kv_transfer/kv_connector/v1/p2p_gloo_connector.py",
+           "        index = torch.tensor(local, dtype=torch.int64)\n",
+           "        index = torch.tensor([b + 1 for b in local], dtype=torch.int64)\n",
+           "the decode engine writes a pulled block into the block after the one its scheduler allocated",
+           ("11",), ("tests/engine/test_kv_transfer.py",)),
+    Mutant("pull_skips_partial_block", "distributed",
+           "kvlab/distributed/kv_transfer/kv_connector/v1/p2p_gloo_connector.py",
+           "            tensor.index_copy_(0, index.to(tensor.device), buffer.view(tensor.dtype).to(tensor.device))",
+           "            keep = len(local) - (params['remote_num_tokens'] % tensor.shape[1] > 0)\n"
+           "            tensor.index_copy_(0, index[:keep].to(tensor.device), "
+           "buffer.view(tensor.dtype)[:keep].to(tensor.device))",
+           "only whole blocks need to cross: the prompt's partial last block is left behind",
+           ("11",), ("tests/engine/test_kv_transfer.py",)),
+    Mutant("loaded_prompt_not_recomputed", "core", "kvlab/core/sched/scheduler.py",
+           "        if request.num_computed_tokens == request.num_tokens:\n"
+           "            request.num_computed_tokens = request.num_tokens - 1\n",
+           "",
+           "a prompt whose KV arrived whole needs no token computed before the first sample",
+           ("11",), ("tests/test_kv_connector_scheduler.py", "tests/engine/test_kv_transfer.py")),
     # --- the grader and a panel
     Mutant("grader_tolerance", "exercises", "kvlab/exercises/canonical.py",
            "return math.isclose(expected, actual, rel_tol=1e-9, abs_tol=1e-12)",
