@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvlab.errors import BackendUnavailableError
+from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import cdiv, format_bytes
 
@@ -152,6 +153,11 @@ def in_tile_kernel(update: Any):
     return run
 
 
+def _tile_spec(run: TileRun) -> TileOutput:
+    """The specification of a tile case: attention computed in one go, in torch (no kernel to launch)."""
+    return TileOutput(_kernels().masked_attention(run.q, run.k, run.v, run.visible))
+
+
 def _tile_case(rng: random.Random, num_keys: int, *, loud: float = 1.0, late_max: bool = False,
                hidden_start: int = 0, probes: str) -> Case:
     g = torch.Generator().manual_seed(rng.randrange(2**31))
@@ -203,6 +209,7 @@ register(Exercise(
     signature="def online_softmax_update(m_i, l_i, acc, scores, v):",
     reference=online_softmax_update,
     prepare=in_tile_kernel,
+    spec=_tile_spec,
     edge_cases=[
         _tile_case(random.Random(1), 12, probes="one tile holds every key: the update runs once"),
         _tile_case(random.Random(2), 48, late_max=True,
@@ -375,6 +382,7 @@ register(Exercise(
     random_case=_random_legacy_case,
     explain=_explain_legacy,
     transfer=True,
+    shown=plain.legacy_offsets,
     hints=[
         "Split the slot into its block and its offset in the block. Both layouts start with [block, head]: "
         "everything of one block and one head is one contiguous slice of head_size * block_size elements.",

@@ -70,3 +70,14 @@ def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int
     usable = max(num_blocks - 1, 0)  # block 0 is the null block: it never holds KV
     blocks_each = usable // concurrency  # whole blocks per request
     return blocks_each * block_size  # a multiple of block_size
+
+
+def legacy_offsets(slot: int, kv_head: int, dim: int, num_kv_heads: int, head_size: int, block_size: int,
+                   dtype: str) -> tuple[int, int]:
+    """Split the slot, then index each contiguous layout from its outermost axis in."""
+    x = 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]          # elements in one 16-byte vector
+    block, offset = divmod(slot, block_size)
+    base = (block * num_kv_heads + kv_head) * head_size * block_size      # the (block, head) slice both share
+    key = base + ((dim // x) * block_size + offset) * x + dim % x          # K: [..., head_size // x, block_size, x]
+    value = base + dim * block_size + offset                               # V: [..., head_size, block_size]
+    return key, value
