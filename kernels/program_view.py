@@ -213,7 +213,13 @@ class ProgramTrace:
             groups.setdefault(t[outer], set()).add(t[inner] if inner is not None else 0)
         if inner is None:
             return f"{names[outer]} {_ranges(sorted(groups))}"
-        return "; ".join(f"{names[outer]} {o} {names[inner]} {_ranges(sorted(i))}" for o, i in groups.items())
+        runs: list[tuple[list[int], set[int]]] = []        # neighbours with the same inner indices: one run
+        for o, i in groups.items():
+            if runs and runs[-1][0][-1] == o - 1 and runs[-1][1] == i:
+                runs[-1][0].append(o)
+            else:
+                runs.append(([o], i))
+        return "; ".join(f"{names[outer]} {_ranges(o)} {names[inner]} {_ranges(sorted(i))}" for o, i in runs)
 
     def name(self, program: Sequence[int]) -> tuple[int, ...]:
         """A program's id with the grid's unused trailing axes left out: ``(3,)`` for a 1-D grid."""

@@ -197,7 +197,7 @@ def _explain_softmax(case: Case, expected: TileOutput, actual: Any) -> str | Non
 
 register(Exercise(
     id="05.online_softmax",
-    title="The online-softmax update of the paged attention kernel",
+    title="Puzzle 4: the online-softmax update",
     task=(
         "Write the step that folds one tile of keys into each query row's running softmax, as a "
         "`@triton.jit` function. Per row it keeps `m_i` (largest score so far), `l_i` (sum of "
@@ -362,7 +362,7 @@ register(Exercise(
     id="05.legacy_offsets",
     title="An element's address in vLLM's older CUDA layout",
     task=(
-        "Section 7 showed the shapes of vLLM's older CUDA cache: K is [num_blocks, num_kv_heads, head_size // x, "
+        "Section 9 showed the shapes of vLLM's older CUDA cache: K is [num_blocks, num_kv_heads, head_size // x, "
         "block_size, x] with x = 16 bytes / element size, V is [num_blocks, num_kv_heads, head_size, block_size], "
         "both contiguous. A token sits at `slot` (block_id * block_size + offset, as slot_mapping gives it). Return "
         "the flat element indices `(k_index, v_index)` of dimension `dim` of KV head `kv_head` of that token, in a "

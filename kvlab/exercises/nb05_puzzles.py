@@ -12,7 +12,7 @@ The puzzles, in the order the notebook gives them (05.online_softmax, in ``nb05.
 
 1. ``05.write_kv``       write K and V by slot (``reshape_and_cache``)
 2. ``05.one_block``      one query against one KV block
-3. ``05.block_table``    one query across a block table
+3. ``05.through_table``  one query across a block table
 5. ``05.causal_tiles``   a query block over key tiles: causal mask, sliding window, the -inf guard
 6. ``05.gqa``            GQA packing, and the grid of query blocks (``find_seq_idx``)
 7. ``05.split_kv``       split-KV: each program writes its range's unnormalised partial
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from kvlab.errors import BackendUnavailableError, UnknownNameError
-from kvlab.exercises.core import Case, Exercise, Mistake, get_exercise, register
+from kvlab.exercises.core import Case, Exercise, Mistake, Note, get_exercise, register
 from kvlab.units import cdiv
 
 #: ``triton.language`` and kvlab's ``find_seq_idx`` and ``online_softmax_update``, bound by ``_kernels()``.
@@ -400,6 +400,16 @@ def show_programs(exercise_id: str, kernel: Any = None, case: int = 0, draw: int
     return ProgramsView(title, trace, launch, _PICTURES[exercise_id], trace.busy()[:draw])
 
 
+def show_spec(exercise_id: str) -> Note:
+    """A puzzle's specification in torch: what ``check`` compares everything your kernel stores with."""
+    spec = get_exercise(exercise_id).spec
+    if spec is None:
+        raise UnknownNameError("exercise_id", exercise_id, sorted(_PICTURES))
+    source = textwrap.dedent(inspect.getsource(spec))
+    return Note(f"The specification of `{exercise_id}` (torch), which `check` compares your kernel's outputs "
+                f"with:\n\n```python\n{source}```")
+
+
 # ----------------------------------------------------------------- shared shapes and batches
 
 HEAD = 16          # head_size: the smallest tl.dot dimension, and plenty to tell answers apart
@@ -411,13 +421,6 @@ def _batch(seq_lens: Sequence[int], query_lens: Sequence[int], *, num_kv_heads: 
     batches = importlib.import_module("kvlab.kernels.batches")
     return batches.make_batch(seq_lens, query_lens, num_kv_heads=num_kv_heads, group=group, head_size=HEAD,
                               block_size=block_size, table=table, seed=seed, device="cpu")
-
-
-def _attention(b: Any, sliding_window: int | None = None) -> torch.Tensor:
-    """The specification of every attention puzzle: ``paged_attention_ref`` on the batch."""
-    reference = importlib.import_module("kvlab.kernels.reference")
-    return reference.paged_attention_ref(b.query, b.key_cache, b.value_cache, b.block_table, b.seq_lens,
-                                         b.query_start_loc, sliding_window=sliding_window)
 
 
 def _nan_like(t: torch.Tensor) -> torch.Tensor:
@@ -474,6 +477,7 @@ def _write_case(batch: str, probes: str, slots: Sequence[int], *, num_kv_heads: 
 
 
 def _write_spec(launch: Launch) -> KernelResult:
+    """Row ``slot`` of the caches seen as [num_blocks * block_size, num_kv_heads, head_size] gets the token's K, V."""
     t = launch.tensors
     slots = t["slot_mapping_ptr"].long()
     keep = slots >= 0
@@ -596,14 +600,13 @@ def _pointer_axes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, ...]
 
 
 def _decode_spec(launch: Launch) -> KernelResult:
-    """The attention of each sequence's one query over its keys, read through its block table (or block)."""
+    """Each sequence's one query attends to all its keys, read through its blocks: ``paged_attention_ref`` (§2)."""
     t = launch.tensors
-    table = t["block_table_ptr"] if "block_table_ptr" in t else t["block_ids_ptr"][:, None]
-    num_seqs = len(t["seq_lens_ptr"])
-    batch = importlib.import_module("kvlab.kernels.checks").PagedTensors(
-        t["query_ptr"], t["key_cache_ptr"], t["value_cache_ptr"], table, t["seq_lens_ptr"],
-        torch.arange(num_seqs + 1, dtype=torch.int32))
-    return _result(launch, {"out_ptr": _attention(batch)})
+    table = t["block_table_ptr"] if "block_table_ptr" in t else t["block_ids_ptr"][:, None]   # puzzle 2: one block
+    starts = torch.arange(len(t["seq_lens_ptr"]) + 1, dtype=torch.int32)                       # one query per sequence
+    out = _kernels().paged_attention_ref(t["query_ptr"], t["key_cache_ptr"], t["value_cache_ptr"], table,
+                                         t["seq_lens_ptr"], starts)
+    return _result(launch, {"out_ptr": out})
 
 
 def _random_one_block(rng: random.Random) -> Case:
@@ -658,10 +661,10 @@ _puzzle(
 )
 
 
-# ----------------------------------------------------------------- puzzle 3: 05.block_table
+# ----------------------------------------------------------------- puzzle 3: 05.through_table
 
 
-def block_table(query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, scale, max_blocks,
+def through_table(query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, scale, max_blocks,
                 NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 MAX_KEYS: tl.constexpr):
     """Reference: program (seq, head) attends one query to every key of its sequence, found through the table."""
@@ -707,9 +710,9 @@ def _random_table(rng: random.Random) -> Case:
                        seed=rng.randrange(2**31))
 
 
-_PICTURES["05.block_table"] = [("key_cache_ptr", 0, 1), ("block_table_ptr", 0, 1)]
+_PICTURES["05.through_table"] = [("key_cache_ptr", 0, 1), ("block_table_ptr", 0, 1)]
 _puzzle(
-    "05.block_table",
+    "05.through_table",
     title="Puzzle 3: one query across a block table",
     task=(
         "Now a sequence's keys fill several KV blocks, listed in order in its row of `block_table` "
@@ -718,10 +721,10 @@ _puzzle(
         "(a power of two >= the longest sequence): position p lives in physical block "
         "`block_table[seq, p // BLOCK_SIZE]` at offset `p % BLOCK_SIZE`. Attend the query to them as in puzzle 2."
     ),
-    signature=("def block_table(query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, "
+    signature=("def through_table(query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, "
                "scale, max_blocks, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, "
                "BLOCK_SIZE: tl.constexpr, MAX_KEYS: tl.constexpr):"),
-    reference=block_table,
+    reference=through_table,
     spec=_decode_spec,
     edge_cases=[
         _table_case("blocks out of order", "keys in physical blocks listed out of order: logical block != physical",
@@ -734,11 +737,11 @@ _puzzle(
     ],
     random_case=_random_table,
     mistakes=[
-        _mistake(block_table, "physical = tl.load(block_table_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, "
+        _mistake(through_table, "physical = tl.load(block_table_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, "
                  "other=0)", "physical = pos // BLOCK_SIZE",
                  "logical block p // BLOCK_SIZE is not where the keys are: look it up in the sequence's row of "
                  "block_table"),
-        _mistake(block_table, "tl.load(block_table_ptr + seq * max_blocks + pos", "tl.load(block_table_ptr + pos",
+        _mistake(through_table, "tl.load(block_table_ptr + seq * max_blocks + pos", "tl.load(block_table_ptr + pos",
                  "block_table is [num_seqs, max_blocks]: sequence seq's row starts at seq * max_blocks"),
     ],
     hints=[
@@ -817,11 +820,13 @@ def _causal_case(batch: str, probes: str, seq_lens: Sequence[int], query_lens: S
 
 
 def _varlen_spec(launch: Launch) -> KernelResult:
+    """Every query token attends to its sequence's keys up to its own position (and within the window, if any):
+    ``paged_attention_ref`` (§2)."""
     t = launch.tensors
-    batch = importlib.import_module("kvlab.kernels.checks").PagedTensors(
-        t["query_ptr"], t["key_cache_ptr"], t["value_cache_ptr"], t["block_table_ptr"], t["seq_lens_ptr"],
-        t["query_start_loc_ptr"])
-    return _result(launch, {"out_ptr": _attention(batch, launch.constants.get("WINDOW") or None)})
+    out = _kernels().paged_attention_ref(t["query_ptr"], t["key_cache_ptr"], t["value_cache_ptr"], t["block_table_ptr"],
+                                         t["seq_lens_ptr"], t["query_start_loc_ptr"],
+                                         sliding_window=launch.constants.get("WINDOW") or None)
+    return _result(launch, {"out_ptr": out})
 
 
 def _random_causal(rng: random.Random) -> Case:
@@ -1087,6 +1092,7 @@ def _split_case(batch: str, probes: str, seq_lens: Sequence[int], *, num_splits:
 
 
 def _split_spec(launch: Launch) -> KernelResult:
+    """Each split's unnormalised (m, l, acc) over its range of key tiles (``_partials``, above)."""
     t = launch.tensors
     b = importlib.import_module("kvlab.kernels.checks").PagedTensors(
         t["query_ptr"], t["key_cache_ptr"], t["value_cache_ptr"], t["block_table_ptr"], t["seq_lens_ptr"],
@@ -1190,6 +1196,7 @@ def _reduce_case(batch: str, probes: str, seq_lens: Sequence[int], *, num_splits
 
 
 def _reduce_spec(launch: Launch) -> KernelResult:
+    """out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, with M the largest m of the row."""
     t = launch.tensors
     m = t["split_max_ptr"]
     weight = torch.exp(m - m.amax(dim=-1, keepdim=True))                            # [tokens, heads, splits]

@@ -82,10 +82,10 @@ unmasked_scores = _edit(puzzles.one_block, "unmasked_scores",
                         ('    scores = tl.where(valid, scores, float("-inf"))\n', ""))
 no_max_subtracted = _edit(puzzles.one_block, "no_max_subtracted",
                           ("p = tl.exp(scores - tl.max(scores, axis=0))", "p = tl.exp(scores)"))
-logical_blocks = _edit(puzzles.block_table, "logical_blocks", (
+logical_blocks = _edit(puzzles.through_table, "logical_blocks", (
     "physical = tl.load(block_table_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, other=0)",
     "physical = pos // BLOCK_SIZE"))
-no_offset_in_block = _edit(puzzles.block_table, "no_offset_in_block", (
+no_offset_in_block = _edit(puzzles.through_table, "no_offset_in_block", (
     "slot = physical * BLOCK_SIZE + pos % BLOCK_SIZE", "slot = physical * BLOCK_SIZE + pos"))
 no_causal_mask = _edit(puzzles.causal_tiles, "no_causal_mask", (" & (keys[None, :] <= q_pos[:, None])", ""))
 window_one_wider = _edit(puzzles.causal_tiles, "window_one_wider", (
@@ -118,7 +118,7 @@ WRONG = {
     # the puzzles: each failure names its batch
     "05.write_kv": [(no_padding_check, "padding slot -1"), (head_major_cache, "one decode token")],
     "05.one_block": [(unmasked_scores, "one key"), (no_max_subtracted, "loud scores")],
-    "05.block_table": [(logical_blocks, "blocks out of order"), (no_offset_in_block, "blocks out of order")],
+    "05.through_table": [(logical_blocks, "blocks out of order"), (no_offset_in_block, "blocks out of order")],
     "05.causal_tiles": [(no_causal_mask, "prompt from position 0"), (window_one_wider, "window inside a block")],
     "05.gqa": [(interleaved_heads, "group 2"), (blocks_from_seq_index, "group 2")],
     "05.split_kv": [(floor_tiles_per_split, "4 tiles in 3 splits"), (normalised_partial, "one split")],
