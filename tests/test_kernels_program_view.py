@@ -6,17 +6,15 @@ kernel's own record of its reads (its ``TRACE`` switch): the two must name the s
 
 import inspect
 
+import kvlab.kernels as K
 import pytest
 import torch
-
-import kvlab.kernels as K
 
 pytestmark = pytest.mark.skipif(K.backend() != K.TRITON_INTERPRETER, reason="the view runs Triton's interpreter")
 
 if K.backend() == K.TRITON_INTERPRETER:
     import triton
     import triton.language as tl
-
     from kvlab.kernels.program_view import traced_launch
 
     @triton.jit
@@ -69,15 +67,17 @@ def test_the_view_of_the_paged_attention_kernel_agrees_with_its_own_trace():
     config = K.KernelConfig(block_q=8, block_m=16, tile_n=16)
     plan, _, own = trace_reads(*batch.args(), num_kv_splits=1, config=config)
     b, out, unused = plan.batch, torch.empty_like(batch.query), torch.empty(1)    # no split buffers, no trace
-    values = [out, unused, unused.clone(), unused.clone(), unused.clone(), batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-              batch.seq_lens, batch.query_start_loc, b.scale * 1.4426950408889634, 1.0, 1.0, b.num_seqs,
+    values = [out, unused, unused.clone(), unused.clone(), unused.clone(), batch.query, batch.key_cache,
+              batch.value_cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+              b.scale * 1.4426950408889634, 1.0, 1.0, b.num_seqs,
               *batch.query.stride()[:2], *out.stride()[:2], *batch.key_cache.stride()[:3],
               *batch.value_cache.stride()[:3], batch.block_table.stride(0)]
     names = list(inspect.signature(paged_attention_kernel.fn).parameters)
     args = dict(zip(names, values, strict=False))
     tensors = {n: v for n, v in args.items() if isinstance(v, torch.Tensor)}
-    trace = traced_launch(paged_attention_kernel, plan.grid, tensors,
-                          {n: v for n, v in args.items() if n not in tensors}, kernel_constants(plan, batch.query.dtype))
+    scalars = {n: v for n, v in args.items() if n not in tensors}
+    constants = kernel_constants(plan, batch.query.dtype)
+    trace = traced_launch(paged_attention_kernel, plan.grid, tensors, scalars, constants)
     checked = 0
     for program in trace.programs():
         x, y, z = program

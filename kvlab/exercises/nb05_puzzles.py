@@ -737,8 +737,9 @@ _puzzle(
     ],
     random_case=_random_table,
     mistakes=[
-        _mistake(through_table, "physical = tl.load(block_table_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, "
-                 "other=0)", "physical = pos // BLOCK_SIZE",
+        _mistake(through_table,
+                 "physical = tl.load(block_table_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, other=0)",
+                 "physical = pos // BLOCK_SIZE",
                  "logical block p // BLOCK_SIZE is not where the keys are: look it up in the sequence's row of "
                  "block_table"),
         _mistake(through_table, "tl.load(block_table_ptr + seq * max_blocks + pos", "tl.load(block_table_ptr + pos",
@@ -1248,3 +1249,38 @@ _puzzle(
         "A masked lane must weigh nothing: m loads as float('-inf'), l and acc as 0.",
     ],
 )
+
+
+# ----------------------------------------------------------------- puzzle 6 on check_kernel's bench
+
+
+def kernel_bench(kernel: Any, batches: Sequence[str] | None = None) -> Any:
+    """Your ``05.gqa`` kernel as ``paged_attention``, on ``check_kernel``'s packaged batches that it serves.
+
+    Puzzle 6's kernel is the whole paged kernel but for windows, split-KV and FP8, so the bench of
+    **Break it yourself** runs it on every packaged batch without those (``batches`` names a subset)
+    and reports, batch by batch, what passed and where the worst error is.
+    """
+    if kernel is None or _is_stub(kernel):
+        return Note("Your `05.gqa` kernel is still the stub: once it passes its check, this runs it on "
+                    "`check_kernel`'s packaged batches.")
+    kernels = _kernels()
+    compiled = importlib.import_module("kvlab.kernels.program_view").rebuild(kernel)
+
+    def paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, out=None,
+                        **_: Any) -> torch.Tensor:
+        num_tokens, num_q_heads, head_size = query.shape
+        num_kv_heads, num_seqs = key_cache.shape[2], len(seq_lens)
+        group = num_q_heads // num_kv_heads
+        block_q = 1 << ((16 // group).bit_length() - 1)
+        out = torch.empty_like(query) if out is None else out
+        compiled[(num_tokens // block_q + num_seqs, num_kv_heads)](
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, head_size**-0.5,
+            block_table.shape[1], num_seqs, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_SIZE=head_size,
+            BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=16, TILE_N=16)
+        return out
+
+    paged_attention.__qualname__ = "your 05.gqa kernel"
+    served = [b for b in kernels.PACKAGED_BATCHES if b.sliding_window is None and b.fp8_scales is None
+              and b.num_kv_splits == 1 and (batches is None or b.name in batches)]
+    return kernels.check_kernel(paged_attention, served, seed=0)
