@@ -22,6 +22,12 @@ a CPU; unlike vLLM, kvlab lets a CPU engine ask for ``"triton"``, which runs thr
 ``dtype`` plays vLLM's ``--dtype`` (``ModelConfig.dtype``), resolved as ``kvlab.engine.dtype`` says:
 ``"auto"`` is the checkpoint's dtype where the device computes it, except that a float32 checkpoint
 stays float32 (vLLM downcasts it to bf16) and Triton's interpreter computes in float32 only.
+
+``tensor_parallel_size`` (vLLM's ``ParallelConfig``) splits the model over that many ranks, each a process
+(``kvlab.engine.worker``); ``distributed_executor_backend`` says who starts them: ``"uni"`` (one rank, this
+process), ``"mp"`` (the engine spawns them, the default past one rank) or ``"external_launcher"`` (torchrun
+did, and this process is rank 0). A model whose heads do not split evenly is refused as vLLM's
+``ModelConfig.verify_with_parallel_config`` and ``QKVParallelLinear`` refuse it, naming both numbers.
 """
 
 from __future__ import annotations
@@ -36,9 +42,13 @@ import torch
 from kvlab import kernels
 from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
 from kvlab.core.sched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
+from kvlab.engine.config import GEMMA3_MODEL_TYPES
 from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.dtype import checkpoint_dtype, resolve_dtype
+from kvlab.engine.kv_transfer_config import KVTransferConfig
+from kvlab.engine.linear import qkv_partition
 from kvlab.engine.registry import ModelConfig, read_model_config
+from kvlab.engine.vocab_parallel_embedding import pad_vocab_size
 from kvlab.errors import KvlabValueError, UnknownNameError
 
 #: kv_cache_dtype -> torch dtype of the cache tensors (None: the model's own dtype).
@@ -51,6 +61,10 @@ DEFAULT_MAX_MODEL_LEN = 2048
 #: attention_backend names (``kvlab.engine.attention.BACKEND_KERNELS`` says which kernels each calls).
 ATTENTION_BACKENDS = ("triton", "torch")
 PRESCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+#: distributed_executor_backend names (vLLM's, less Ray): one process, spawned ranks, ranks torchrun started.
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
+#: The most ranks a CPU engine spawns (each is a process with its own torch, a few hundred MB); on GPUs, one per GPU.
+MAX_CPU_TENSOR_PARALLEL_SIZE = 8
 
 
 def engine_device(device: str | torch.device | None = None) -> torch.device:
@@ -107,6 +121,37 @@ def verify_max_model_len(max_model_len: int | None, model_config: ModelConfig) -
     return max_model_len
 
 
+def _verify_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
+    """Refuse a model whose heads, MLP or vocabulary do not split over ``tp`` ranks as vLLM splits them.
+
+    The error names the config field and ``tensor_parallel_size`` (``qkv_partition`` for the heads).
+    """
+    if tp == 1:
+        return
+    if model_config.model_type in GEMMA3_MODEL_TYPES:
+        raise KvlabValueError(f"tensor_parallel_size={tp}: kvlab's Gemma 3 decoder ({model_config.model_type}) runs "
+                              "on one rank (vLLM shards it; kvlab shards the Llama family and DeepSeek-V3). Use "
+                              "tensor_parallel_size=1")
+    if isinstance(model_config, DeepseekConfig):
+        heads = model_config.mla.num_heads
+        if heads % tp:
+            raise KvlabValueError(f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}: every "
+                                  "rank must hold the same number of MLA heads (the latent itself is never split)")
+        sizes = {"intermediate_size": model_config.intermediate_size,
+                 "moe_intermediate_size": model_config.moe_intermediate_size,
+                 "moe_intermediate_size x n_shared_experts":
+                     model_config.moe_intermediate_size * model_config.n_shared_experts}
+    else:
+        qkv_partition(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
+        sizes = {"intermediate_size": model_config.intermediate_size}
+    sizes[f"vocab_size padded to 64 ({model_config.vocab_size} -> {pad_vocab_size(model_config.vocab_size)})"] = \
+        pad_vocab_size(model_config.vocab_size)
+    for field, size in sizes.items():
+        if size % tp:
+            raise KvlabValueError(f"{field}={size} is not divisible by tensor_parallel_size={tp}: each rank holds "
+                                  "an equal slice of it")
+
+
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise KvlabValueError(f"{name} must be True or False, got {value!r}")
@@ -135,6 +180,7 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # SchedulerConfig.max_num_batched_tokens
     preemption_mode: str = "recompute"              # kvlab: "swap" is what V1 dropped
     cpu_offload_blocks: int = 0                     # the CPU tier; vLLM sizes it in GiB (kv_offloading_size)
+    kv_transfer_config: KVTransferConfig | None = None  # VllmConfig.kv_transfer_config: a KV connector, its role
     kv_cache_metrics: bool = False                  # ObservabilityConfig.kv_cache_metrics
     kv_cache_metrics_sample: float = 1.0            # ObservabilityConfig.kv_cache_metrics_sample
     keep_logits: bool = False                       # kvlab: keep each sampled row of logits
@@ -142,6 +188,9 @@ class EngineConfig:
     device: Any = None                              # DeviceConfig.device: "cpu", "cuda", or where the kernels run
     attention_backend: str | None = None            # AttentionConfig.backend: "triton", "torch", None: by hardware
     dtype: Any = "auto"                             # ModelConfig.dtype: "auto", "float32", "bfloat16", "float16"
+    tensor_parallel_size: int = 1                   # ParallelConfig.tensor_parallel_size
+    distributed_executor_backend: str | None = None  # ParallelConfig.distributed_executor_backend: None: by tp
+    distributed_timeout_seconds: float = 60.0       # ParallelConfig.distributed_timeout_seconds (vLLM: torch's)
     dtype_log: str | None = dataclasses.field(init=False, repr=False)
     model_config: ModelConfig = dataclasses.field(init=False, repr=False)
     scheduler_config: SchedulerConfig = dataclasses.field(init=False, repr=False)
@@ -163,18 +212,54 @@ class EngineConfig:
         # MLA layers call kvlab's Triton kernels whatever attention_backend says (it names the K/V kernels only)
         triton = self.attention_backend == "triton" or isinstance(self.model_config, DeepseekConfig)
         interpreter = triton and kernels.backend() == kernels.TRITON_INTERPRETER
-        dtype, line = resolve_dtype(self.dtype, checkpoint_dtype(self.model_dir), self.device, interpreter)
+        dtype, line = resolve_dtype(self.dtype, checkpoint_dtype(self.model_dir), self.device, interpreter,
+                                    self.model_config.model_type)
         set_(self, "dtype", dtype)
         set_(self, "dtype_log", line)
         set_(self, "max_model_len", verify_max_model_len(self.max_model_len, self.model_config))
         set_(self, "scheduler_config", SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                                        self.max_model_len, self.preemption_mode))
+        self._resolve_offloading_connector()
         if self.scheduler_config.needs_cpu_tier and not self.cpu_offload_blocks:
             raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: set cpu_offload_blocks")
+        _verify_tensor_parallel(self.model_config, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            if self.device.type == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
+                raise KvlabValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs; torch "
+                                      f"sees {torch.cuda.device_count()}")
+            if self.cpu_offload_blocks:
+                raise KvlabValueError("cpu_offload_blocks: kvlab's CPU tier lives in one process; with "
+                                      "tensor_parallel_size > 1 each rank holds its own cache. Use one of them")
+            if self.keep_logits:
+                raise KvlabValueError("keep_logits: with tensor_parallel_size > 1 the logits stay in the ranks' "
+                                      "processes; keep them on a one-rank engine")
+            if self.kv_transfer_config is not None and self.kv_transfer_config.kv_connector is not None:
+                raise KvlabValueError(f"kv_transfer_config names {self.kv_transfer_config.kv_connector!r}: kvlab's "
+                                      "connectors move one process's cache; with tensor_parallel_size > 1 each rank "
+                                      "holds its own (vLLM gives every rank a worker half). Use one of them")
         if self.cpu_offload_blocks and self.hybrid_kv_cache:
             raise KvlabValueError("cpu_offload_blocks: kvlab's CPU tier copies one block table per request, and this "
                                   "model's sliding-window layers get KV cache groups of their own; set "
                                   "disable_hybrid_kv_cache_manager=True to offload it")
+
+    def _resolve_offloading_connector(self) -> None:
+        """The CPU tier is a KV connector: ``kv_connector="OffloadingConnector"`` (with ``num_cpu_blocks`` in its
+        extra config) is the same engine as ``cpu_offload_blocks``; kvlab runs one connector at a time."""
+        kvt = self.kv_transfer_config
+        if kvt is None:
+            return
+        if not isinstance(kvt, KVTransferConfig):
+            raise KvlabValueError(f"kv_transfer_config must be a KVTransferConfig or None, got {kvt!r}")
+        if kvt.kv_connector == "OffloadingConnector":
+            blocks = kvt.get_from_extra_config("num_cpu_blocks", None)
+            positive_int("kv_connector_extra_config['num_cpu_blocks']", blocks)
+            if self.cpu_offload_blocks not in (0, blocks):
+                raise KvlabValueError(f"cpu_offload_blocks={self.cpu_offload_blocks} and the OffloadingConnector's "
+                                      f"num_cpu_blocks={blocks} disagree: give one of them")
+            object.__setattr__(self, "cpu_offload_blocks", blocks)
+        elif kvt.kv_connector is not None and self.cpu_offload_blocks:
+            raise KvlabValueError(f"cpu_offload_blocks: kvlab runs one KV connector per engine (vLLM's MultiConnector "
+                                  f"is not kept), and kv_transfer_config names {kvt.kv_connector!r}")
 
     @property
     def hybrid_kv_cache(self) -> bool:
@@ -197,6 +282,22 @@ class EngineConfig:
         if self.kv_cache_memory_gib is not None:
             positive_number("kv_cache_memory_gib", self.kv_cache_memory_gib)
         non_negative_int("cpu_offload_blocks", self.cpu_offload_blocks)
+        tp = positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if tp > MAX_CPU_TENSOR_PARALLEL_SIZE and not torch.cuda.is_available():
+            raise KvlabValueError(f"tensor_parallel_size={tp}: a CPU engine starts at most "
+                                  f"{MAX_CPU_TENSOR_PARALLEL_SIZE} ranks (each is a process with its own torch)")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "mp" if tp > 1 else "uni"
+        one_of("distributed_executor_backend", backend, EXECUTOR_BACKENDS)
+        if backend == "uni" and tp > 1:
+            raise KvlabValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={tp} needs "
+                                  "'mp' (the engine starts the ranks) or 'external_launcher' (torchrun did)")
+        object.__setattr__(self, "distributed_executor_backend", backend)
+        positive_number("distributed_timeout_seconds", self.distributed_timeout_seconds)
+        if self.distributed_timeout_seconds > 24 * 3600:
+            raise KvlabValueError(f"distributed_timeout_seconds={self.distributed_timeout_seconds}: at most a day "
+                                  "(a collective that waits longer has a dead peer)")
         fraction_in_unit_interval("kv_cache_metrics_sample", self.kv_cache_metrics_sample)
         for name in ("enable_prefix_caching", "kv_cache_metrics", "keep_logits", "disable_hybrid_kv_cache_manager"):
             _flag(name, getattr(self, name))

@@ -18,8 +18,8 @@ from typing import Any
 
 from kvlab import kernels
 from kvlab.engine.evaluation import hf_greedy, num_agreeing_tokens
-from kvlab.engine.kv_cache_interface import MLAAttentionSpec
 from kvlab.engine.toy import random_token_ids
+from kvlab.kv_cache_interface import MLAAttentionSpec
 from kvlab.units import cdiv
 
 #: The tiny model's tiles on the hard paths: 32 query tokens x 2 heads per program, keys 16 per tile.
