@@ -44,6 +44,7 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 05  kernels (attention, cache_write)    ``triton_unified_attention.py``, ``reshape_and_cache_flash``
                                         (``vllm/v1/attention/ops/``); the sliding window as ``triton_attn.py`` passes it
 05  kernels.verify, batches, mutants    kvlab's own: ``check_kernel``, a bench for a learner's kernel, and broken copies
+05  kernels.program_view                kvlab's own: what each program of a launch loaded and stored (the puzzles' view)
 05  kernels.layouts, legacy_layout    vLLM's older 5-D K layout and the legacy CUDA kernel's warps and thread groups
                                         (``csrc/attention/attention_kernels.cuh``, before the Triton backends)
 06  engine.hard_paths                   kvlab's own: the comparison with transformers where kernel bugs live

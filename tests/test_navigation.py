@@ -107,6 +107,7 @@ OPTIONAL = {
     "03_block_table.ipynb": ["9.-Performance-aside:-O(1)-per-block"],
     "04_prefix_cache.ipynb": ["5.-The-seed-of-every-chain:-NONE_HASH", "6.-What-hashing-costs,-and-what-a-hit-saves",
                               "7.-When-two-blocks-share-a-hash", "Checking-the-articles"],
+    "05_paged_attention_kernel.ipynb": ["Checking-the-articles"],
 }
 
 

@@ -125,7 +125,7 @@ def _check_here(exercise: Exercise, learner_fn: Callable[..., Any], seed: int, t
     """The check in this kernel, where no fresh process can run it; the result says why and what that means."""
     limit = limit_for(exercise, time_limit)
     prepare = exercise.prepare or (lambda fn: fn)
-    reference, learner = prepare(exercise.reference), prepare(learner_fn)
+    reference, learner = exercise.expected_function(), prepare(learner_fn)
     before = STATE.fingerprint()  # to tell the learner's changes from the notebook's
 
     def run_case(number: int, case: Case) -> Outcome:

@@ -106,7 +106,8 @@ def judge(exercise: Exercise, case: Case, expected: Any, outcome: Outcome, limit
         return _Verdict(f"<{type_name(outcome.value)}>", where=str(why))
     try:
         if exercise.compare is not None:
-            where = None if exercise.compare(expected, actual) else ""
+            said = exercise.compare(expected, actual)
+            where = said if isinstance(said, str) else None if said else ""
         else:
             where = difference(expected, actual)
     except Exception as exc:  # a checker must never crash on what a learner returns
@@ -127,7 +128,8 @@ def _agrees(exercise: Exercise, wanted: Any, value: Any) -> bool:
     try:
         value = value if _is_exercise_output(wanted, value) else canonical(value, keep_tensors=_is_tensor(wanted))
         if exercise.compare is not None:
-            return bool(exercise.compare(wanted, value))
+            said = exercise.compare(wanted, value)
+            return not isinstance(said, str) and bool(said)
         return difference(wanted, value) is None
     except Exception:  # a mistake that cannot be compared reproduces nothing
         return False

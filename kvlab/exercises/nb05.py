@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvlab.errors import BackendUnavailableError
+from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import cdiv, format_bytes
 
@@ -152,6 +153,11 @@ def in_tile_kernel(update: Any):
     return run
 
 
+def _tile_spec(run: TileRun) -> TileOutput:
+    """The specification of a tile case: attention computed in one go, in torch (no kernel to launch)."""
+    return TileOutput(_kernels().masked_attention(run.q, run.k, run.v, run.visible))
+
+
 def _tile_case(rng: random.Random, num_keys: int, *, loud: float = 1.0, late_max: bool = False,
                hidden_start: int = 0, probes: str) -> Case:
     g = torch.Generator().manual_seed(rng.randrange(2**31))
@@ -191,7 +197,7 @@ def _explain_softmax(case: Case, expected: TileOutput, actual: Any) -> str | Non
 
 register(Exercise(
     id="05.online_softmax",
-    title="The online-softmax update of the paged attention kernel",
+    title="Puzzle 4: the online-softmax update",
     task=(
         "Write the step that folds one tile of keys into each query row's running softmax, as a "
         "`@triton.jit` function. Per row it keeps `m_i` (largest score so far), `l_i` (sum of "
@@ -203,6 +209,7 @@ register(Exercise(
     signature="def online_softmax_update(m_i, l_i, acc, scores, v):",
     reference=online_softmax_update,
     prepare=in_tile_kernel,
+    spec=_tile_spec,
     edge_cases=[
         _tile_case(random.Random(1), 12, probes="one tile holds every key: the update runs once"),
         _tile_case(random.Random(2), 48, late_max=True,
@@ -355,7 +362,7 @@ register(Exercise(
     id="05.legacy_offsets",
     title="An element's address in vLLM's older CUDA layout",
     task=(
-        "Section 7 showed the shapes of vLLM's older CUDA cache: K is [num_blocks, num_kv_heads, head_size // x, "
+        "Section 9 showed the shapes of vLLM's older CUDA cache: K is [num_blocks, num_kv_heads, head_size // x, "
         "block_size, x] with x = 16 bytes / element size, V is [num_blocks, num_kv_heads, head_size, block_size], "
         "both contiguous. A token sits at `slot` (block_id * block_size + offset, as slot_mapping gives it). Return "
         "the flat element indices `(k_index, v_index)` of dimension `dim` of KV head `kv_head` of that token, in a "
@@ -375,6 +382,7 @@ register(Exercise(
     random_case=_random_legacy_case,
     explain=_explain_legacy,
     transfer=True,
+    shown=plain.legacy_offsets,
     hints=[
         "Split the slot into its block and its offset in the block. Both layouts start with [block, head]: "
         "everything of one block and one head is one contiguous slice of head_size * block_size elements.",

@@ -155,3 +155,14 @@ def latent_and_mha_bytes(config: dict, kv_dtype: str) -> tuple[int, int]:
     latent = layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b  # f = 1, Hkv = 1
     mha = 2 * layers * heads * config["v_head_dim"] * b  # the MHA form: a K and a V of v_head_dim per head
     return int(latent), int(mha)
+
+
+def legacy_offsets(slot: int, kv_head: int, dim: int, num_kv_heads: int, head_size: int, block_size: int,
+                   dtype: str) -> tuple[int, int]:
+    """Split the slot, then index each contiguous layout from its outermost axis in."""
+    x = 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]          # elements in one 16-byte vector
+    block, offset = divmod(slot, block_size)
+    base = (block * num_kv_heads + kv_head) * head_size * block_size      # the (block, head) slice both share
+    key = base + ((dim // x) * block_size + offset) * x + dim % x          # K: [..., head_size // x, block_size, x]
+    value = base + dim * block_size + offset                               # V: [..., head_size, block_size]
+    return key, value

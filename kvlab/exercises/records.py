@@ -58,7 +58,10 @@ class Exercise:
     the cases call (notebook 05: a Triton kernel launch that calls the learner's
     ``@triton.jit`` helper). A ``transfer`` exercise asks for the idea on a case the notebook
     did not work through (another model, layout or failure). ``time_limit_s`` bounds each call
-    of the learner's function.
+    of the learner's function. ``spec(*case)``, if set, computes the expected value of a case in place
+    of ``prepare(reference)`` (notebook 05's puzzles: a torch specification, where the reference is a
+    kernel; the reference is then checked against it like any learner's answer). ``compare`` may
+    return a string instead of False: the disagreement, said where it is, for the failure message.
     """
 
     id: str
@@ -77,6 +80,13 @@ class Exercise:
     mistakes: Sequence[Mistake] = ()
     shown: Callable[..., Any] | None = None
     time_limit_s: float | None = None  # None: DEFAULT_TIME_LIMIT_S, or PREPARED_TIME_LIMIT_S with `prepare`
+    spec: Callable[..., Any] | None = None
+
+    def expected_function(self) -> Callable[..., Any]:
+        """What computes a case's expected value: ``spec``, else the reference (through ``prepare``)."""
+        if self.spec is not None:
+            return self.spec
+        return self.prepare(self.reference) if self.prepare else self.reference
 
     @property
     def function_name(self) -> str:

@@ -1,7 +1,21 @@
-"""Plausible wrong answers to notebook 05's exercises, each failing for a reason the checker names."""
+"""Plausible wrong answers to notebook 05's exercises, each failing for a reason the checker names.
+
+The kernel puzzles' wrong answers are the reference kernel with one edit, made here (``_edit``) so
+that they are functions of this module, as a learner's would be of the notebook: the checker runs
+them in its own process and explains them (which batch, which outputs, what the program touched).
+"""
+
+import inspect
+import linecache
+import textwrap
 
 import kvlab.kernels  # noqa: F401  (sets Triton up before triton.language is imported below)
 import triton.language as tl
+from kvlab.kernels.attention import find_seq_idx, online_softmax_update  # noqa: F401  (the edited kernels call them)
+
+from kvlab.exercises import nb05_puzzles as puzzles
+
+puzzles._kernels()
 
 
 def no_rescale(m_i, l_i, acc, scores, v):
@@ -46,6 +60,48 @@ def x_always_8(slot, kv_head, dim, num_kv_heads, head_size, block_size, dtype):
     return base + (dim // x) * block_size * x + t * x + dim % x, base + dim * block_size + t
 
 
+def _edit(reference, name, *changes):
+    """``reference``'s source with each ``(old, new)`` replaced, defined here as ``name``."""
+    source = textwrap.dedent(inspect.getsource(reference)).replace(f"def {reference.__name__}(", f"def {name}(", 1)
+    for old, new in changes:
+        assert source.count(old) == 1, (name, old)
+        source = source.replace(old, new)
+    filename = f"<tests/wrong_solutions/nb05.py: {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)  # Triton reads it
+    exec(compile(source, filename, "exec"), globals())
+    function = globals()[name]
+    function.__module__ = __name__
+    return function
+
+
+no_padding_check = _edit(puzzles.write_kv, "no_padding_check", ("    if slot < 0:", "    if False:"))
+head_major_cache = _edit(puzzles.write_kv, "head_major_cache",
+                         ("dst = ((block * BLOCK_SIZE + offset) * NUM_KV_HEADS + heads)",
+                          "dst = ((block * NUM_KV_HEADS + heads) * BLOCK_SIZE + offset)"))
+unmasked_scores = _edit(puzzles.one_block, "unmasked_scores",
+                        ('    scores = tl.where(valid, scores, float("-inf"))\n', ""))
+no_max_subtracted = _edit(puzzles.one_block, "no_max_subtracted",
+                          ("p = tl.exp(scores - tl.max(scores, axis=0))", "p = tl.exp(scores)"))
+logical_blocks = _edit(puzzles.through_table, "logical_blocks", (
+    "physical = tl.load(block_table_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, other=0)",
+    "physical = pos // BLOCK_SIZE"))
+no_offset_in_block = _edit(puzzles.through_table, "no_offset_in_block", (
+    "slot = physical * BLOCK_SIZE + pos % BLOCK_SIZE", "slot = physical * BLOCK_SIZE + pos"))
+no_causal_mask = _edit(puzzles.causal_tiles, "no_causal_mask", (" & (keys[None, :] <= q_pos[:, None])", ""))
+window_one_wider = _edit(puzzles.causal_tiles, "window_one_wider", (
+    "(q_pos[:, None] - keys[None, :] < WINDOW)", "(q_pos[:, None] - keys[None, :] <= WINDOW)"))
+interleaved_heads = _edit(puzzles.gqa, "interleaved_heads", (
+    "q_head = kv_head * GROUP + rows % GROUP", "q_head = kv_head + rows % GROUP * NUM_KV_HEADS"))
+blocks_from_seq_index = _edit(puzzles.gqa, "blocks_from_seq_index", (
+    "q_block = q_block_global - (q_start // BLOCK_Q + seq)", "q_block = q_block_global - seq"))
+floor_tiles_per_split = _edit(puzzles.split_kv, "floor_tiles_per_split", (
+    "tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)", "tiles_per_split = num_tiles // NUM_SPLITS"))
+normalised_partial = _edit(puzzles.split_kv, "normalised_partial", (
+    "dims[None, :], acc, mask", "dims[None, :], acc / l_i[:, None], mask"))
+unweighted_sums = _edit(puzzles.reduce_splits, "unweighted_sums",
+                        ("/ tl.sum(l_s * weight, axis=0)", "/ tl.sum(l_s, axis=0)"))
+padding_lanes_zero = _edit(puzzles.reduce_splits, "padding_lanes_zero",
+                           ('mask=ok, other=float("-inf"))', "mask=ok, other=0.0)"))
 WRONG = {
     "05.online_softmax": [
         (no_rescale, "rescale what was summed before"),
@@ -59,4 +115,12 @@ WRONG = {
         (flash_layout, "that is the flash layout's index"),
         (x_always_8, "x is 16 bytes divided by the element size"),
     ],
+    # the puzzles: each failure names its batch
+    "05.write_kv": [(no_padding_check, "padding slot -1"), (head_major_cache, "one decode token")],
+    "05.one_block": [(unmasked_scores, "one key"), (no_max_subtracted, "loud scores")],
+    "05.through_table": [(logical_blocks, "blocks out of order"), (no_offset_in_block, "blocks out of order")],
+    "05.causal_tiles": [(no_causal_mask, "prompt from position 0"), (window_one_wider, "window inside a block")],
+    "05.gqa": [(interleaved_heads, "group 2"), (blocks_from_seq_index, "group 2")],
+    "05.split_kv": [(floor_tiles_per_split, "4 tiles in 3 splits"), (normalised_partial, "one split")],
+    "05.reduce_splits": [(unweighted_sums, "3 splits, one empty"), (padding_lanes_zero, "scores far below zero")],
 }
