@@ -107,10 +107,13 @@ class LLMEngine:
         # 6. Manager: the block pool and prefix cache (a manager per group), and vLLM's --kv-cache-metrics.
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, config.block_size,
                                                enable_caching=config.enable_prefix_caching,
-                                               kv_cache_groups=self.kv_cache_groups)
+                                               kv_cache_groups=self.kv_cache_groups,
+                                               enable_kv_cache_events=config.enable_kv_cache_events)
         self.kv_cache_metrics = (KVCacheMetricsCollector(config.kv_cache_metrics_sample)
                                  if config.kv_cache_metrics else None)
         self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
+        #    --kv-events-config: the publisher vLLM's scheduler makes (EventPublisherFactory.create); see _publish.
+        self.kv_event_publisher = _event_publisher(config)
         # 7. Offload wiring: an optional CPU tier of cpu_offload_blocks blocks (kvlab.core.kv_offload).
         self.cpu_offload_blocks = config.cpu_offload_blocks
         self.cpu_kv_caches = (allocate_cpu_kv_caches(self.kv_caches, config.cpu_offload_blocks)
@@ -256,6 +259,27 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _publish_kv_events(self) -> None:
+        """The step's KV cache events as one ``KVEventBatch``, if there are any (vLLM's ``update_from_output``)."""
+        if self.kv_event_publisher is not None:
+            events = self.kv_cache_manager.take_events()
+            if events:
+                from kvlab.distributed.kv_events import make_batch
+
+                self.kv_event_publisher.publish(make_batch(events))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's ``LLMEngine.reset_prefix_cache``; False (nothing done) while a
+        request holds blocks. The ``AllBlocksCleared`` event is published at once (vLLM's goes with the next step)."""
+        done = self.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def shutdown(self) -> None:
+        """Stop the KV event publisher (its thread and sockets), as vLLM's ``Scheduler.shutdown`` does."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
+
     # ----------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
@@ -288,6 +312,7 @@ class LLMEngine:
         self.step_seconds.append(now - started)
         self._record(outputs, now)
         self.history.append(stats)
+        self._publish_kv_events()
         if self.kv_cache_metrics is not None:
             self.kv_cache_metrics.advance()
         self.metrics.record(stats, sum(len(o.new_token_ids) for o in outputs))
@@ -393,6 +418,16 @@ class LLMEngine:
                 "resumed_hits": stats.prefix_cache_stats.preempted_hits, "seconds": seconds,
             })
         return pd.DataFrame(rows).set_index("step") if rows else pd.DataFrame()
+
+
+def _event_publisher(config: EngineConfig) -> Any:
+    """The publisher ``kv_events_config`` asks for (vLLM's ``EventPublisherFactory.create``: ZMQ, or a null one
+    that drops each batch), or None when events are off. Imported here, so an engine without events loads no ZMQ."""
+    if not config.enable_kv_cache_events:
+        return None
+    from kvlab.distributed.kv_events import EventPublisherFactory
+
+    return EventPublisherFactory.create(config.kv_events_config)
 
 
 def _refuse_lora(lora_name: str | None) -> None:

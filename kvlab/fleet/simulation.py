@@ -66,20 +66,20 @@ class ReplicaCore:
 
 def customer_workload(num_customers: int = 16, queries_per_customer: int = 16, context_tokens: int = 1024,
                       query_tokens: int = 32, output_len: int = 16, rate: float = 50.0,
-                      seed: int = 0) -> list[FleetRequest]:
+                      seed: int = 0, vocab_size: int = 32000) -> list[FleetRequest]:
     """llm-d's benchmark shape, scaled down: customers each with a long shared context and many short queries.
 
-    Each query is the customer's context then fresh tokens; queries arrive as a Poisson stream of
-    ``rate`` per second, the customer of each drawn uniformly, so customers interleave.
+    Each query is the customer's context then fresh tokens (ids in ``[1, vocab_size)``); queries arrive as
+    a Poisson stream of ``rate`` per second, the customer of each drawn uniformly, so customers interleave.
     """
     rng = random.Random(seed)
-    contexts = [[rng.randrange(1, 32000) for _ in range(context_tokens)] for _ in range(num_customers)]
+    contexts = [[rng.randrange(1, vocab_size) for _ in range(context_tokens)] for _ in range(num_customers)]
     order = [c for c in range(num_customers) for _ in range(queries_per_customer)]
     rng.shuffle(order)
     t, out = 0.0, []
     for i, c in enumerate(order):
         t += rng.expovariate(rate)
-        query = [rng.randrange(1, 32000) for _ in range(query_tokens)]
+        query = [rng.randrange(1, vocab_size) for _ in range(query_tokens)]
         out.append(FleetRequest(f"q{i}", tuple(contexts[c] + query), session=f"customer-{c}",
                                 output_len=output_len, arrival=t))
     return out
