@@ -58,14 +58,19 @@ def _replica_main(index: int, num_blocks: int, block_size: int, conn: Connection
             message = conn.recv()
             if message[0] == "stop":
                 break
-            if message[0] == "serve":
-                _, request_id, tokens = message
-                served = core.serve(request_id, tokens, index)
+            if message[0] in ("serve", "add"):  # the no-compute replica serves at once, either way
+                served = core.serve(message[1], message[2], index)
                 events = core.take_events()
                 if events:  # as vLLM's scheduler: a batch per step that has events
                     publisher.publish(make_batch(events))
                     num_batches += 1
-                conn.send(("served", served.hit_tokens, served.prefilled_tokens, num_batches - 1))
+                if message[0] == "serve":
+                    conn.send(("served", served.hit_tokens, served.prefilled_tokens, num_batches - 1))
+                else:
+                    now = time.time()
+                    conn.send(("outputs", [("first", served.request_id, now, 0.0),
+                                           ("done", served.request_id, served.hit_tokens, served.prefilled_tokens,
+                                            now)], core.manager.usage))
             elif message[0] == "reset":
                 assert core.manager.reset_prefix_cache(), "a replica between requests holds no blocks"
                 publisher.publish(make_batch(core.take_events()))
@@ -86,7 +91,9 @@ class _EngineLoop:
 
     ``serve`` (lockstep) runs one prompt to its first token and answers with its hit and prefilled counts;
     ``add`` queues a request among others, and each step's first tokens and finished requests go back in
-    one ``outputs`` message stamped with this process's ``time.time()`` (one clock per machine).
+    one ``outputs`` message stamped with this process's ``time.time()`` (one clock per machine). A first
+    token also carries its TTFT in CPU seconds: the CPU time of this replica's steps from the request's
+    arrival to its first token (``time.thread_time``), what the wait would be with a core to itself.
     """
 
     IDLE_POLL = 0.05  # seconds the loop sleeps on the pipe when nothing is running
@@ -98,17 +105,22 @@ class _EngineLoop:
         self.prompt_len: dict[str, int] = {}
         self.hits: dict[str, int] = {}
         self.first_sent: set[str] = set()
+        self.cpu_clock = 0.0  # CPU seconds of every step so far
+        self.cpu_at_add: dict[str, float] = {}
 
     def add(self, request_id: str, tokens: list[int], max_tokens: int) -> str:
         engine_id = f"{request_id}@{self.num_added}"
         self.num_added += 1
         self.engine.add_request(tokens, max_tokens=max_tokens, request_id=engine_id, ignore_eos=True)
         self.ids[engine_id], self.prompt_len[engine_id] = request_id, len(tokens)
+        self.cpu_at_add[engine_id] = self.cpu_clock
         return engine_id
 
     def step(self) -> list[tuple]:
-        """One engine step; the messages it gives: ``("first", id, t)`` and ``("done", id, hits, prefilled, t)``."""
+        """One engine step and its messages: ``("first", id, t, cpu_ttft)``, ``("done", id, hits, prefilled, t)``."""
+        started = time.thread_time()
         outputs = self.engine.step()
+        self.cpu_clock += time.thread_time() - started
         scheduled = self.engine.last_scheduler_output
         new = set(scheduled.scheduled_new_req_ids)
         for s in scheduled.scheduled:  # a request's hit: the tokens already cached when it was first scheduled
@@ -119,7 +131,7 @@ class _EngineLoop:
             rid = out.request_id
             if out.new_token_ids and rid not in self.first_sent:
                 self.first_sent.add(rid)
-                messages.append(("first", self.ids[rid], now))
+                messages.append(("first", self.ids[rid], now, self.cpu_clock - self.cpu_at_add.pop(rid)))
             if out.finished:
                 hits = self.hits.pop(rid)
                 messages.append(("done", self.ids.pop(rid), hits, self.prompt_len.pop(rid) - hits, now))
