@@ -205,7 +205,7 @@ class EngineConfig:
         fraction_in_unit_interval("kv_cache_metrics_sample", self.kv_cache_metrics_sample)
         for name in ("enable_prefix_caching", "kv_cache_metrics", "keep_logits", "disable_hybrid_kv_cache_manager"):
             _flag(name, getattr(self, name))
-        object.__setattr__(self, "kv_events_config", kv_events_config(self.kv_events_config))
+        object.__setattr__(self, "kv_events_config", _kv_events_config(self.kv_events_config))
 
     @property
     def enable_kv_cache_events(self) -> bool:
@@ -213,7 +213,7 @@ class EngineConfig:
         return self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events
 
 
-def kv_events_config(value: object) -> KVEventsConfig | None:
+def _kv_events_config(value: object) -> KVEventsConfig | None:
     """``kv_events_config`` as a ``KVEventsConfig``: one given, one built from a dict (``--kv-events-config``'s
     JSON), or None; an unknown key or a wrong field is refused naming ``kv_events_config``."""
     if value is None or isinstance(value, KVEventsConfig):

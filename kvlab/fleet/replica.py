@@ -70,7 +70,7 @@ def _replica_main(index: int, num_blocks: int, block_size: int, conn: Connection
                     now = time.time()
                     conn.send(("outputs", [("first", served.request_id, now, 0.0),
                                            ("done", served.request_id, served.hit_tokens, served.prefilled_tokens,
-                                            now)], core.manager.usage))
+                                            now)], core.manager.usage, 0.0))
             elif message[0] == "reset":
                 assert core.manager.reset_prefix_cache(), "a replica between requests holds no blocks"
                 publisher.publish(make_batch(core.take_events()))
@@ -91,9 +91,10 @@ class _EngineLoop:
 
     ``serve`` (lockstep) runs one prompt to its first token and answers with its hit and prefilled counts;
     ``add`` queues a request among others, and each step's first tokens and finished requests go back in
-    one ``outputs`` message stamped with this process's ``time.time()`` (one clock per machine). A first
-    token also carries its TTFT in CPU seconds: the CPU time of this replica's steps from the request's
-    arrival to its first token (``time.thread_time``), what the wait would be with a core to itself.
+    one ``outputs`` message stamped with this process's ``time.time()`` (one clock per machine), with the
+    CPU seconds of its steps since the last ``reset``. A first token also carries its TTFT in CPU seconds:
+    the CPU time of this replica's steps from the request's arrival to its first token
+    (``time.thread_time``), what the wait would be with a core to itself.
     """
 
     IDLE_POLL = 0.05  # seconds the loop sleeps on the pipe when nothing is running
@@ -155,6 +156,7 @@ class _EngineLoop:
             self.conn.send(("served", hits, prefilled, publisher.num_published - 1))
         elif kind == "reset":
             assert engine.reset_prefix_cache(), "a replica between runs holds no blocks"
+            self.cpu_clock = 0.0  # a run's CPU seconds count from its reset
             self.conn.send(("reset", publisher.num_published - 1))
         elif kind == "holds":
             self.conn.send(("holds", engine.kv_cache_manager.block_pool.get_cached_block(message[1]) is not None))
@@ -170,7 +172,7 @@ class _EngineLoop:
             if busy:
                 messages = self.step()
                 if messages:
-                    self.conn.send(("outputs", messages, self.engine.kv_cache_manager.usage))
+                    self.conn.send(("outputs", messages, self.engine.kv_cache_manager.usage, self.cpu_clock))
 
 
 def _engine_replica_main(index: int, num_blocks: int, block_size: int, model_dir: str,
@@ -218,15 +220,17 @@ def _context(engines: bool) -> Any:
 
 
 def _stop_forkserver() -> None:
-    """Stop the fork server the fleet started, so nothing outlives the ``with`` block.
+    """Stop the fork server once no process it started is alive, so nothing outlives the last ``with`` block.
 
-    ``multiprocessing`` keeps one fork server per process until it exits and offers no public stop;
-    ``_stop`` is the one its own tests use. Where it is missing the server ends with this process.
+    ``multiprocessing`` keeps one fork server per process and offers no public stop; ``_stop`` is the one
+    its own tests use, and it waits for the server, which lives while any process it started does: so
+    while another fleet's replicas (or any child of this process) still run, the server is left to the
+    last fleet to close. Where ``_stop`` is missing the server ends with this process.
     """
     from multiprocessing import forkserver
 
     stop = getattr(forkserver._forkserver, "_stop", None)
-    if stop is not None:
+    if stop is not None and not multiprocessing.active_children():
         stop()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import inspect
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -480,8 +481,12 @@ ROUTERS: dict[str, type[Router]] = {
 }
 
 
-def make_router(name: str, num_replicas: int, **kwargs: Any) -> Router:
-    """A router by its short name (``ROUTERS``'s keys)."""
+def make_router(name: str, num_replicas: int, *, seed: int | None = None, **kwargs: Any) -> Router:
+    """A router by its short name (``ROUTERS``'s keys); ``seed`` seeds its random choices, if it makes any
+    (random's pick, the precise and approximate routers' tie-break), and is ignored by the others."""
     if name not in ROUTERS:
         raise KvlabValueError(f"name must be one of {sorted(ROUTERS)}, got {name!r}")
-    return ROUTERS[name](num_replicas, **kwargs)
+    cls = ROUTERS[name]
+    if seed is not None and "seed" in inspect.signature(cls).parameters:
+        kwargs["seed"] = seed
+    return cls(num_replicas, **kwargs)

@@ -6,9 +6,11 @@ fresh as a real one) and their load (the requests it sent that have not finished
 counts them, and the KV usage each replica last reported), routes, and sends the request; the
 replicas (``ReplicaFleet``, ``LLMEngine``s with continuous batching) serve many at once. TTFT is
 the replica's clock at the end of the step that sampled the first token minus the router's clock
-when it sent the request: one machine, one ``time.time()``. A replica that dies is reported, taken
-out of routing, and every request it had not finished is routed again (its TTFT still counts from
-the first send), so none is lost. Every wait is bounded by ``timeout``.
+when it sent the request: one machine, one ``time.time()``. Beside it each replica reports CPU
+seconds (the wait and the work with a core per replica, which other load on a shared machine
+hardly changes). A replica that dies is reported, taken out of routing, and every request it had
+not finished is routed again (its TTFT still counts from the first send), so none is lost. Every
+wait is bounded by ``timeout``.
 
 kvlab simplifies: requests go over a pipe rather than HTTP, and the router is one thread.
 """
@@ -50,6 +52,7 @@ class MeasuredRun:
     num_replicas: int
     output_tokens: int
     dead: list[int] = field(default_factory=list)
+    replica_cpu_seconds: float = 0.0  # the CPU time of every replica's steps in this run, added up
 
     @property
     def prefilled_tokens(self) -> int:
@@ -83,6 +86,11 @@ class MeasuredRun:
         return self.output_tokens / self.wall_seconds
 
     @property
+    def tokens_per_cpu_second(self) -> float:
+        """Output tokens per second of replica CPU: the throughput of a fleet with a core per replica."""
+        return self.output_tokens / self.replica_cpu_seconds if self.replica_cpu_seconds else 0.0
+
+    @property
     def requests_per_replica(self) -> list[int]:
         counts = [0] * self.num_replicas
         for m in self.requests:
@@ -105,6 +113,7 @@ class _Run:
         n = router.num_replicas
         self.in_flight: list[set[str]] = [set() for _ in range(n)]
         self.usage = [0.0] * n
+        self.cpu_seconds = [0.0] * n  # each replica's step CPU since its reset, as last reported
         self.sent_at: dict[str, float] = {}
         self.replica_of: dict[str, int] = {}
         self.expected: dict[str, int | None] = {}
@@ -163,8 +172,8 @@ class _Run:
         conn = self.fleet.handles[i].conn
         try:
             while conn.poll(0):
-                _, messages, usage = conn.recv()
-                self.usage[i] = usage
+                _, messages, usage, cpu_seconds = conn.recv()
+                self.usage[i], self.cpu_seconds[i] = usage, cpu_seconds
                 for message in messages:
                     self.on_message(i, message)
         except (EOFError, ConnectionResetError, OSError):
@@ -251,4 +260,5 @@ def serve_timed(router: Router, requests: Sequence[FleetRequest], fleet: Any, *,
     wall = time.time() - start
     measured = [run.done[r.request_id] for r in requests]
     output_tokens = sum(r.output_len for r in requests)
-    return MeasuredRun(router.name, measured, wall, router.num_replicas, output_tokens, run.dead)
+    return MeasuredRun(router.name, measured, wall, router.num_replicas, output_tokens, run.dead,
+                       sum(run.cpu_seconds))

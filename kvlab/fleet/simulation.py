@@ -71,17 +71,23 @@ class ReplicaCore:
         return self.manager.take_events()
 
 
-def customer_workload(num_customers: int = 16, queries_per_customer: int = 16, context_tokens: int = 1024,
+def customer_workload(num_customers: int = 16, queries_per_customer: int | Sequence[int] = 16,
+                      context_tokens: int = 1024,
                       query_tokens: int = 32, output_len: int = 16, rate: float = 50.0,
                       seed: int = 0, vocab_size: int = 32000) -> list[FleetRequest]:
     """llm-d's benchmark shape, scaled down: customers each with a long shared context and many short queries.
 
     Each query is the customer's context then fresh tokens (ids in ``[1, vocab_size)``); queries arrive as
-    a Poisson stream of ``rate`` per second, the customer of each drawn uniformly, so customers interleave.
+    a Poisson stream of ``rate`` per second in a random order of customers, so customers interleave.
+    ``queries_per_customer`` is one count for all, or one per customer (a hot customer, say).
     """
+    counts = ([queries_per_customer] * num_customers if isinstance(queries_per_customer, int)
+              else list(queries_per_customer))
+    if len(counts) != num_customers:
+        raise KvlabValueError(f"queries_per_customer: {len(counts)} counts for {num_customers} customers")
     rng = random.Random(seed)
     contexts = [[rng.randrange(1, vocab_size) for _ in range(context_tokens)] for _ in range(num_customers)]
-    order = [c for c in range(num_customers) for _ in range(queries_per_customer)]
+    order = [c for c in range(num_customers) for _ in range(counts[c])]
     rng.shuffle(order)
     t, out = 0.0, []
     for i, c in enumerate(order):
