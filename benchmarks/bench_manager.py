@@ -12,8 +12,9 @@ hash functions); their median ratio is reported beside the trace's.
 Method: the whole trace run ``REPEAT`` times per manager, alternating; the median time. The Python calls
 per operation (``sys.setprofile``, deterministic) and the share of them spent in validation (functions of
 ``kvlab/_validate.py`` and ``kvlab/core/manager_checks.py``, the checking wrappers ``@checked`` writes, and
-kvlab functions named ``_check*``) are
-counted on one untimed run of the trace.
+kvlab functions named ``_check*``) are counted on one untimed run of every trace, in total and per kind of
+call (building a ``Request``, a lookup, an allocation, a free). The machine is shared: ``uptime`` is saved
+before and after, and the timings say only as much as the load allows; the call counts do not depend on it.
 vLLM is imported from ``.venv-vllm`` (``make test-vllm`` builds it); without it only kvlab
 is timed. Saved to ``data/measurements/manager_ops.json`` with the machine it ran on.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -212,21 +214,42 @@ def time_shape(shape: Shape, sides: list[type], repeat: int) -> dict[str, Any]:
 
 
 VALIDATION_FILES = (os.path.join("kvlab", "_validate.py"), os.path.join("kvlab", "core", "manager_checks.py"))
+#: The loop's calls into a side, each one kind of call counted apart ("request" builds a Request).
+OPERATIONS = ("request", "lookup", "allocate", "free")
 
 
 def count_calls(side: _Side, work: list[tuple[list[int], int]]) -> dict[str, Any]:
-    """Python calls per operation on one run (deterministic), and the share of them spent validating."""
+    """Python calls per operation on one run (deterministic, whatever the load), and the share spent validating.
+
+    Besides the totals, ``per_call`` gives each kind of call the loop makes (``OPERATIONS``): how many there
+    were and the Python calls (and validating calls) inside one, on average (the side's own method not counted).
+    """
     calls = validating = 0
+    per: dict[str, list[int]] = {op: [0, 0, 0] for op in OPERATIONS}  # calls of that kind, calls inside, validating
+    bench_file = __file__
+    stack: list[Any] = []  # the frames of the side's methods now running, and their kind
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         nonlocal calls, validating
+        code = frame.f_code
+        if event == "return":
+            if stack and stack[-1][0] is frame:
+                stack.pop()
+            return
         if event != "call":
             return
-        calls += 1
-        code = frame.f_code
-        if code.co_filename.endswith(VALIDATION_FILES) or code.co_filename.startswith("<checked") or (
-                "kvlab" in code.co_filename and code.co_name.startswith(("_check", "check_"))):
-            validating += 1
+        calls += 1  # every Python call, the loop's own included (as counted before)
+        if code.co_filename == bench_file:
+            if code.co_name in per and isinstance(frame.f_locals.get("self"), _Side):
+                per[code.co_name][0] += 1
+                stack.append((frame, code.co_name))
+            return
+        checking = code.co_filename.endswith(VALIDATION_FILES) or code.co_filename.startswith("<checked") or (
+            "kvlab" in code.co_filename and code.co_name.startswith(("_check", "check_")))
+        validating += checking
+        if stack:
+            per[stack[-1][1]][1] += 1
+            per[stack[-1][1]][2] += checking
 
     sys.setprofile(profile)
     try:
@@ -234,7 +257,18 @@ def count_calls(side: _Side, work: list[tuple[list[int], int]]) -> dict[str, Any
     finally:
         sys.setprofile(None)
     return {"python_calls": calls, "operations": ops, "calls_per_operation": calls / ops,
-            "validation_calls": validating, "validation_share": validating / calls}
+            "validation_calls": validating, "validation_share": validating / calls,
+            "per_call": {op: {"calls": n, "python_calls_each": inside / n if n else 0.0,
+                              "validation_calls_each": checking / n if n else 0.0}
+                         for op, (n, inside, checking) in per.items()}}
+
+
+def uptime() -> str:
+    """``uptime``'s line (the load of this shared machine while it ran), or the load averages alone."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -244,32 +278,46 @@ def main() -> None:
         sides.append(VllmSide)
     except ImportError:
         pass
+    load_before = uptime()
     bench = time_shape(BENCH, sides, REPEAT)
     randoms = [time_shape(shape, sides, REPEAT) for shape in RANDOM_SHAPES]
     ratios = [r["kvlab_over_vllm"] for r in randoms if r["kvlab_over_vllm"] is not None]
     calls = {cls.name: count_calls(cls(BENCH), workload(BENCH)) for cls in sides}
+    for trace in randoms:  # the load-free figure, per trace: calls per operation and the share validating
+        shape = Shape(**trace["shape"])
+        trace["calls"] = {cls.name: count_calls(cls(shape), workload(shape)) for cls in sides}
     load = os.getloadavg()
+    shares = [calls["kvlab"]["validation_share"], *(t["calls"]["kvlab"]["validation_share"] for t in randoms)]
     results = {"rows": bench["rows"], "kvlab_over_vllm": bench["kvlab_over_vllm"],
                "random_traces": randoms,
+               "random_traces_kvlab_over_vllm": ratios,
                "random_traces_median_kvlab_over_vllm": statistics.median(ratios) if ratios else None,
-               "calls": calls, "load_average": list(load),
-               "note": (f"machine loaded (load average {load[0]:.1f} on {os.cpu_count()} cores): timings are "
-                        "indicative; the call counts are exact") if load[0] > 0.5 * (os.cpu_count() or 1)
-               else "quiet machine"}
+               "calls": calls, "largest_validation_share": max(shares),
+               "load_average": list(load), "uptime_before": load_before, "uptime_after": uptime(),
+               "note": (f"shared machine, loaded (load average {load[0]:.1f} on {os.cpu_count()} cores; other "
+                        "sessions ran beside this one): the timings and their ratios are indicative only; the call "
+                        "counts are exact and independent of the load")
+               if load[0] > 0.5 * (os.cpu_count() or 1) else "quiet machine"}
     method = (f"one process; {NUM_REQUESTS} seeded requests (4 system prompts of 200-900 tokens, 30 % follow-up "
               f"turns), FCFS loop with {CHUNK}-token chunks, decode 8-40 tokens, preemption of the newest when "
               f"full; {NUM_BLOCKS:,}-block pool, block size {BLOCK_SIZE}, SHA-256, caching on; the same trace on "
               f"each manager, {REPEAT} runs each alternating, median; Requests built inside the timed loop; "
               f"plus {len(RANDOM_SHAPES)} seeded random traces (random_traces, their shapes listed) and their "
-              "median ratio; calls per operation counted with sys.setprofile on one untimed run")
+              "median ratio; calls per operation counted with sys.setprofile on one untimed run of every trace "
+              "(calls: the bench trace; random_traces[i].calls: each random trace), per kind of call in per_call; "
+              "validation: functions of kvlab/_validate.py and kvlab/core/manager_checks.py, @checked's wrappers "
+              "and kvlab functions named _check*/check_*")
     path = save_measurement("manager_ops", results, method)
     print(f"KVCacheManager operations per second — {machine_line()}")
     for row in bench["rows"]:
         print(f"{row['manager']:>12}: {row['operations']:,} operations in {row['seconds_median']:.3f} s = "
               f"{row['ops_per_second']:,.0f} ops/s")
     for name, c in calls.items():
-        print(f"{name:>12}: {c['calls_per_operation']:.1f} Python calls per operation, "
+        each = ", ".join(f"{op} {v['python_calls_each']:.1f}" for op, v in c["per_call"].items())
+        print(f"{name:>12}: {c['calls_per_operation']:.1f} Python calls per operation ({each} per call), "
               f"{c['validation_share']:.1%} of them in validation")
+    print("validation share of kvlab's calls on the random traces: "
+          + ", ".join(f"{t['calls']['kvlab']['validation_share']:.1%}" for t in randoms))
     if bench["kvlab_over_vllm"] is None:
         print("vLLM is not installed here (make test-vllm builds .venv-vllm): kvlab alone")
     else:

@@ -26,6 +26,7 @@ import torch
 from kvlab.kernels._backend import TRITON_CUDA
 
 from kvlab.errors import KernelInputError
+from kvlab.units import cdiv
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The most split-KV ranges a caller may ask for. vLLM 0.33.0's Triton backend launches 16
@@ -36,11 +37,6 @@ MAX_NUM_KV_SPLITS = 64
 MAX_INT32 = 2**31 - 1
 FP8_DTYPE = torch.float8_e4m3fn
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division (``triton.cdiv``, vLLM's ``cdiv``); kept here so the kernels need nothing else from kvlab."""
-    return -(-a // b)
 
 
 def _name(dtype: torch.dtype) -> str:

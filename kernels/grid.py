@@ -25,9 +25,10 @@ import dataclasses
 import numbers
 from collections.abc import Sequence
 
-from kvlab.kernels.checks import AttentionBatch, cdiv
+from kvlab.kernels.checks import AttentionBatch
 
 from kvlab.errors import KernelInputError
+from kvlab.units import cdiv
 
 #: Split-KV aims for this many waves of programs over the GPU's SMs before it stops splitting.
 TARGET_WAVES = 2

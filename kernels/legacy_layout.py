@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlab.kernels.checks import AttentionBatch, cdiv
+from kvlab.kernels.checks import AttentionBatch
 from kvlab.kernels.grid import plan_launch, program_reads
 
 from kvlab.errors import KernelInputError
+from kvlab.units import cdiv
 
 VECTOR_BYTES = 16                                             # the widest load a CUDA thread issues
 NUM_THREADS = 128                                             # paged_attention_v1/v2_launcher's default

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvlab.kernels.checks import cdiv
 from kvlab.kernels.grid import KernelConfig, choose_num_kv_splits
 from kvlab.kernels.mla_checks import MLADecodeBatch
 
 from kvlab.errors import KernelInputError
+from kvlab.units import cdiv
 
 #: vLLM's tiles for MLA decode: 16 heads per program, 32 latent positions per tile, 2 pipeline stages.
 DEFAULT_MLA_CONFIG = KernelConfig(block_q=1, block_m=16, tile_n=32, num_warps=4, num_stages=2)

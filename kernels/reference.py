@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 
 import torch
-from kvlab.kernels.checks import HostMetadata, cdiv, check_attention, check_cache_write
+from kvlab.kernels.checks import HostMetadata, check_attention, check_cache_write
 from kvlab.kernels.fp8 import dequantize_fp8, quantize_fp8
+
+from kvlab.units import cdiv
 
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:

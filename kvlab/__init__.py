@@ -10,7 +10,8 @@ the rules written in ``pyproject.toml``, ``[tool.kvlab.layers]``):
 * ``capacity/``: arithmetic on model configs and GPUs, no torch;
 * ``core/``: the allocator and the scheduler, bookkeeping only, mirroring ``vllm/v1/core/``;
 * ``sim/``: seeded workloads and the simulations the notebooks run on ``core`` and ``capacity``;
-* ``kernels/`` (``kvlab.kernels``): the Triton kernels, which import nothing of kvlab but ``errors``;
+* ``kernels/`` (``kvlab.kernels``): the Triton kernels, which import nothing of kvlab but ``errors``
+  and ``units`` (``cdiv``);
 * ``engine/``: a real model serving through ``core`` and ``kernels``;
 * ``viz/`` (figures and panels) and ``exercises/`` (the grader) on top.
 
@@ -60,8 +61,9 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 07  core.kv_cache_metrics               ``KVCacheMetricsCollector`` (``vllm/v1/core/kv_cache_metrics.py``)
 07  core.kv_offload, engine.kv_offload  ``OffloadingConnector``, ``CPUOffloadingManager`` (``vllm/v1/kv_offload/``)
 07  sim.serving_sim                     multi-turn chat on the no-compute scheduler
-08  kv_cache_interface                  ``FullAttentionSpec``, ``SlidingWindowSpec``, ``KVCacheGroupSpec``
-                                        (``vllm/v1/kv_cache_interface.py``)
+08  kv_cache_interface                  the one spec hierarchy: ``FullAttentionSpec``, ``SlidingWindowSpec``,
+                                        ``MLAAttentionSpec`` (``page_size_bytes`` from the layer's shape),
+                                        ``KVCacheGroupSpec`` (``vllm/v1/kv_cache_interface.py``)
 08  capacity.hybrid                     KV cache groups and the hybrid budget (``vllm/v1/core/kv_cache_planning.py``,
                                         ``get_max_concurrency_for_kv_cache_config`` in ``kv_cache_utils.py``)
 08  core.kv_cache_coordinator,          ``HybridKVCacheCoordinator`` and its agreement, ``FullAttentionManager``,
@@ -77,8 +79,9 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
 09  engine.mla, engine.deepseek         ``MLAAttention``, ``DeepseekV2ForCausalLM`` (``vllm/model_executor/models/
                                         deepseek_v2.py``) over one latent cache per layer (``MLAAttentionSpec``)
 09  kernels.mla_grid                    the MLA decode's grid and split ranges (``triton_decode_attention.py``'s launch)
-09  engine.kv_cache_interface,          ``FullAttentionSpec``, ``MLAAttentionSpec`` (``vllm/v1/kv_cache_interface.py``);
-    engine.registry                     the architectures the engine serves, by ``model_type``
+09  engine.kv_cache_interface,          a layer's tensors from its ``MLAAttentionSpec`` or ``FullAttentionSpec``
+    engine.registry                     (``GPUModelRunner.initialize_kv_cache``); the architectures the engine
+                                        serves, by ``model_type``
                                         (``vllm/model_executor/models/registry.py``)
 09  capacity.parallel                   TP against data-parallel attention per GPU (``max_tp_shards``;
                                         ``data_parallel_size``, ``enable_expert_parallel``: ``vllm/config/parallel.py``)
@@ -90,6 +93,13 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
     fleet.replica, fleet.serving        fleet over core managers, replicas as processes on ZMQ and HTTP (no-compute,
                                         or ``LLMEngine``s publishing their events), driven in real time
 10  engine.kv_events_config             ``KVEventsConfig`` (``vllm/config/kv_events.py``), the engine's events config
+11  distributed.kv_transfer             ``KVConnectorBase_V1`` and its roles, ``ExampleConnector``, the factory
+                                        (``vllm/distributed/kv_transfer/kv_connector/``); ``P2pGlooConnector`` is
+                                        kvlab's own, on the NIXL connector's handshake
+11  engine.kv_transfer_config,          ``KVTransferConfig`` (``vllm/config/kv_transfer.py``); the worker half around
+    engine.kv_connector_model_runner    the forward (``vllm/v1/worker/kv_connector_model_runner_mixin.py``)
+11  fleet.disagg, sim.disaggregation,   kvlab's own: a 1P1D proxy; colocated against disaggregated serving on
+    capacity.disaggregation             per-engine clocks, modelled and measured; bytes moved, move or recompute
 ==  ==================================  ==========================================================
 
 The names below are importable from ``kvlab`` itself; they load on first use, so importing

@@ -11,7 +11,10 @@ containers (``Sequence``, ``Iterable``, ``Mapping``: the container, not its item
 The checks guard the door, once: kvlab's own code calls the undecorated function (``fn.__wrapped__``, or a
 private ``_impl`` a public method checks and calls), so the allocator's hot paths pay no check and no stack
 inspection. Each checker is built once per signature, with exact-type fast paths (``type(v) is int``) and
-``numbers`` only as the fallback; a list of ints is checked in one C-level pass, not a frame per item.
+``numbers`` only as the fallback; a list of ints is checked in one C-level pass, not a frame per item. A door
+called for every request and step (``Request``, the manager's ``get_computed_blocks``, ``allocate_slots`` and
+``free``, the free queue's ``popleft_n``) takes ``@checked(inline=True)``: the checks are written into its
+own body, so it costs no wrapper's call.
 In kvlab an ``int`` or ``float`` parameter is a count, a size, an index or a share, so it must be >= 0
 unless the function names it in ``signed=``. Range rules beyond that (> 0, <= 1, fits the pool) stay
 in the function, next to what they protect.
@@ -19,6 +22,7 @@ in the function, next to what they protect.
 
 from __future__ import annotations
 
+import ast
 import collections.abc as abc
 import dataclasses
 import functools
@@ -26,6 +30,7 @@ import inspect
 import math
 import numbers
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -244,14 +249,27 @@ def _container_checker(base: Any, args: tuple[Any, ...], signed: bool) -> tuple[
         return all(item_ok(x) for x in v)  # type: ignore[attr-defined]
 
     check.item = (kind, item_ok, item_what)  # type: ignore[attr-defined]  # lets a refusal name the bad item
+    plain = {list: "type({v}) is list", abc.Sequence: "type({v}) in (list, tuple)",
+             abc.Iterable: "type({v}) in (list, tuple)", abc.Collection: "type({v}) in (list, tuple)"}.get(kind)
+    if items_ok is not None and plain is not None:  # a list (or tuple) of plain ints, inline: C-level calls only
+        low = -INT64 if signed else 0
+        check.fast = (f"({plain} and len({{v}}) > 0 and set(map(type, {{v}})) == {{{{int}}}} "  # type: ignore[attr-defined]
+                      f"and {low} <= min({{v}}) and max({{v}}) < {INT64})")
     return check, f"{text} (each item: {item_what})"
 
 
 def _resolve(func: Callable[..., Any]) -> dict[str, Any]:
-    """The function's annotations as objects; one that names what only type checkers import is skipped."""
-    namespace = getattr(func, "__globals__", {})
+    """The parameters' annotations as objects, read in the function's own module (``functools`` wrappers unwrapped).
+
+    An annotation that does not resolve there (a name only type checkers import) is left unchecked: kvlab's
+    modules import at load every class a checked parameter names (no import cycle needs hiding, the layout
+    test holds that), so no other module's names are searched.
+    """
+    namespace = getattr(inspect.unwrap(func), "__globals__", {})
     out: dict[str, Any] = {}
     for name, annotation in getattr(func, "__annotations__", {}).items():
+        if name == "return":  # only the arguments are checked
+            continue
         resolved = _evaluate(annotation, namespace)
         if resolved is not _UNRESOLVED:
             out[name] = resolved
@@ -262,33 +280,13 @@ _UNRESOLVED = object()
 
 
 def _evaluate(annotation: Any, namespace: Mapping[str, Any]) -> Any:
-    """An annotation as an object: from its module's names, else from kvlab's classes; ``_UNRESOLVED`` if neither."""
+    """An annotation as an object, from its module's names; ``_UNRESOLVED`` if it names what the module lacks."""
     if not isinstance(annotation, str):
         return annotation
     try:
         return eval(annotation, dict(namespace))  # noqa: S307 - the module's own annotation text
-    except NameError:  # a class only imported under TYPE_CHECKING: kvlab's loaded classes stand in
-        try:
-            return eval(annotation, {**_kvlab_classes(), **namespace})  # noqa: S307
-        except Exception:  # noqa: BLE001
-            return _UNRESOLVED
     except Exception:  # noqa: BLE001
         return _UNRESOLVED
-
-
-def _kvlab_classes() -> dict[str, type]:
-    """kvlab's loaded classes by name, for annotations that name a class only imported for type checkers.
-
-    A name two modules define is left out (ambiguous), so only a unique kvlab class can stand in.
-    """
-    found: dict[str, type | None] = {}
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("kvlab.") or module is None:
-            continue
-        for name, value in list(vars(module).items()):
-            if inspect.isclass(value) and value.__module__ == module_name and not name.startswith("_"):
-                found[name] = value if found.get(name, value) is value else None
-    return {name: value for name, value in found.items() if value is not None}
 
 
 class _Names(str):
@@ -345,7 +343,7 @@ def _rules_for(fn: Callable[..., Any], signed: tuple[str, ...], skip_first: bool
     return rules
 
 
-def _fast(check: Check, value: str, namespace: dict[str, Any]) -> str | None:
+def _fast(check: Check, value: str, namespace: dict[str, Any], prefix: str = "_") -> str | None:
     """An inline Python expression that is True only where ``check`` is (the common exact types), or None.
 
     A union inlines the alternatives that have such an expression; the others are left to ``check`` itself.
@@ -355,10 +353,10 @@ def _fast(check: Check, value: str, namespace: dict[str, Any]) -> str | None:
         return template.format(v=value)
     kind = getattr(check, "kind", None)
     if kind is not None:
-        name = f"_k{len(namespace)}"  # "_": never a parameter's name (see _with_own_signature)
+        name = f"{prefix}k{len(namespace)}"  # "_": never a parameter's name (see _with_own_signature)
         namespace[name] = kind
         return f"isinstance({value}, {name})"
-    inline = [_fast(part, value, namespace) for part, _ in getattr(check, "parts", ())]
+    inline = [_fast(part, value, namespace, prefix) for part, _ in getattr(check, "parts", ())]
     inline = [expression for expression in inline if expression]
     return "(" + " or ".join(inline) + ")" if inline else None
 
@@ -460,8 +458,85 @@ def _with_own_signature(fn: F, signed: tuple[str, ...], at_most: Mapping[str, in
     return wrapper  # type: ignore[no-any-return]
 
 
+def _inlined(fn: F, signed: tuple[str, ...], at_most: Mapping[str, int] | None, skip: tuple[str, ...]) -> F | None:
+    """``fn`` with its argument checks written at the top of its own body: the door costs no call of its own.
+
+    For the allocator's doors, called once per step per request. At the first call (when the annotations
+    resolve) ``fn``'s own source is compiled again with the checks in front, at ``fn``'s file and lines (a
+    traceback shows the real line); the checkers live in ``fn``'s module under names that start with
+    ``_checked_``. None where that cannot be done (no source, a closure such as ``super()``'s, ``*args``):
+    ``@checked`` then writes a wrapper as usual. ``__wrapped__`` is ``fn``, unchecked, as with a wrapper.
+    """
+    params = list(inspect.signature(fn).parameters.values())
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_freevars or any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                                               for p in params):
+        return None
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef) or tree.body[0].name != fn.__name__:
+        return None
+    module, prefix = fn.__globals__, "_checked_" + fn.__qualname__.replace(".", "_") + "_"
+    heads = []
+    for p in params:  # the first call's parameters (the defaults are fn's own: "None" here is never read)
+        if p.kind is p.KEYWORD_ONLY and "*" not in heads:
+            heads.append("*")
+        heads.append(p.name if p.default is p.empty else f"{p.name}=None")
+    call = ", ".join(p.name if p.kind is p.POSITIONAL_OR_KEYWORD else f"{p.name}={p.name}" for p in params)
+    defaults = {p.name: f"{prefix}d{i}" for i, p in enumerate(params) if p.default is not p.empty}
+    module.update({defaults[p.name]: p.default for p in params if p.name in defaults})
+
+    def with_checks(checks: list[str]) -> types.CodeType:
+        """``fn``'s code with ``checks`` in front of its body (after its docstring), at its own lines."""
+        fused = ast.parse(textwrap.dedent("".join(lines)))
+        ast.increment_lineno(fused, first - 1)
+        func = fused.body[0]
+        func.decorator_list = []  # type: ignore[attr-defined]
+        prologue = ast.parse("\n".join(checks)).body
+        for node in (n for statement in prologue for n in ast.walk(statement)):
+            if "lineno" in node._attributes:
+                node.lineno = node.end_lineno = func.lineno  # type: ignore[attr-defined]
+                node.col_offset = node.end_col_offset = 0  # type: ignore[attr-defined]
+        body = func.body  # type: ignore[attr-defined]
+        docstring = int(bool(body) and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                        and isinstance(body[0].value.value, str))
+        body[docstring:docstring] = prologue
+        compiled = compile(fused, code.co_filename, "exec", dont_inherit=True)
+        made = next(c for c in compiled.co_consts if isinstance(c, types.CodeType) and c.co_name == fn.__name__)
+        assert not made.co_freevars, f"{fn.__qualname__}: a fused door must not need a closure"
+        return made.replace(co_qualname=code.co_qualname)
+
+    def first_call(*args: Any, **kwargs: Any) -> Any:
+        namespace: dict[str, Any] = {}
+        checks = []
+        for name, _, check, what in _rules_for(fn, signed, skip_first=False, at_most=at_most, skip=skip):
+            i = len(namespace)
+            namespace[f"{prefix}c{i}"] = check
+            namespace[f"{prefix}f{i}"] = functools.partial(_refusal, name, check, what)
+            inline = _fast(check, name, namespace, prefix)
+            test = f"({inline} or {prefix}c{i}({name}))" if inline else f"{prefix}c{i}({name})"
+            guard = f"{name} is not {defaults[name]} and " if name in defaults else ""  # a default is trusted
+            checks.append(f"if {guard}not {test}:\n    raise {prefix}f{i}({name})")
+        module.update(namespace)
+        door.__code__ = with_checks(checks)
+        return door(*args, **kwargs)
+
+    with_checks([])  # fails here, at import, if the source cannot be compiled alone
+    module[prefix + "first_call"] = first_call
+    stub = compile(f"def {fn.__name__}({', '.join(heads)}):\n    return {prefix}first_call({call})\n",
+                   code.co_filename, "exec")
+    door: Any = types.FunctionType(next(c for c in stub.co_consts if isinstance(c, types.CodeType)), module,
+                                   fn.__name__, fn.__defaults__)
+    door.__kwdefaults__ = fn.__kwdefaults__
+    functools.update_wrapper(door, fn)
+    return door  # type: ignore[no-any-return]
+
+
 def _checked_class(cls: type, signed: tuple[str, ...], at_most: Mapping[str, int] | None = None,
-                   skip: tuple[str, ...] = ()) -> type:
+                   skip: tuple[str, ...] = (), inline: bool = False) -> type:
     if dataclasses.is_dataclass(cls) and hasattr(cls, "__post_init__"):
         post_init = cls.__post_init__  # the generated __init__ calls it once the fields are set
 
@@ -481,22 +556,29 @@ def _checked_class(cls: type, signed: tuple[str, ...], at_most: Mapping[str, int
         cls.__init__ = init_then_check  # type: ignore[method-assign]
     else:
         init = cls.__init__
-        cls.__init__ = _checked_function(init, signed, at_most, skip)  # type: ignore[method-assign]
+        fused = _inlined(init, signed, at_most, skip) if inline else None
+        cls.__init__ = fused or _checked_function(init, signed, at_most, skip)  # type: ignore[method-assign]
     return cls
 
 
 def checked(func: Any = None, *, signed: tuple[str, ...] = (), at_most: Mapping[str, int] | None = None,
-            skip: tuple[str, ...] = ()) -> Any:
+            skip: tuple[str, ...] = (), inline: bool = False) -> Any:
     """Check each argument against its annotation before the call (a class: its constructor's arguments).
 
     ``skip`` leaves a parameter to the body (one whose range the body checks with a better message).
     ``at_most`` caps sizes that kvlab would build in memory (``MAX_OBJECTS``), so 10**15 blocks is refused
     at once instead of filling the laptop. On a dataclass the fields are checked once built (``check_fields``).
+    ``inline`` writes the checks into the function's own body instead of a wrapper around it (``_inlined``):
+    for the doors called once per request and step, where a wrapper's call would cost as much as the work.
     """
 
     def decorate(obj: Any) -> Any:
         if inspect.isclass(obj):
-            return _checked_class(obj, signed, at_most, skip)
+            return _checked_class(obj, signed, at_most, skip, inline)
+        if inline:
+            fused = _inlined(obj, signed, at_most, skip)
+            if fused is not None:
+                return fused
         return _checked_function(obj, signed, at_most, skip)
 
     return decorate(func) if func is not None else decorate

@@ -45,6 +45,8 @@ STYLE = """
 .kvlab-static-control > label { min-width: 6em; text-align: right; color: #334155; }
 .kvlab-static-control input[type=range] { flex: 1; }
 .kvlab-static-control textarea { width: 100%; min-height: 4em; }
+details.kvlab-folded > summary { font: 600 18px var(--jp-ui-font-family, sans-serif); cursor: pointer;
+  padding: 8px 16px; }
 </style>
 """
 
@@ -292,6 +294,32 @@ def banner(title: str, machine: str) -> str:
     )
 
 
+FOLDED = "jp-MarkdownHeadingCollapsed"  # JupyterLab opens a heading cell with this metadata folded
+
+
+def _heading_level(source: str) -> int | None:
+    found = re.match(r"(#{1,6}) ", source.lstrip())
+    return len(found.group(1)) if found else None
+
+
+def fold_sections(body: str, nb: Any) -> str:
+    """Each section JupyterLab opens folded (its heading cell's ``jp-MarkdownHeadingCollapsed``) wrapped in a
+    ``<details>`` the reader opens, from its heading to the next heading of the same or a higher level."""
+    cells = nb.cells
+    for k, cell in enumerate(cells):
+        level = _heading_level(_text(cell.source)) if cell.cell_type == "markdown" else None
+        if not level or not cell.metadata.get(FOLDED):
+            continue
+        end = next((c.id for c in cells[k + 1:] if c.cell_type == "markdown"
+                    and (_heading_level(_text(c.source)) or 99) <= level), None)
+        start = body.rfind("<div", 0, body.index(f'id="cell-id={cell.id}"'))
+        stop = body.rfind("<div", 0, body.index(f'id="cell-id={end}"')) if end else body.index("</main>")
+        title = html.escape(_text(cell.source).lstrip().split("\n", 1)[0].lstrip("#").strip())
+        body = (f'{body[:start]}<details class="kvlab-folded"><summary>{title} (folded: click to open)</summary>'
+                f"{body[start:stop]}</details>{body[stop:]}")
+    return body
+
+
 def notebook_page(nb: Any, title: str, machine: str, notebooks: set[str]) -> str:
     """The executed, snapshotted notebook as one HTML page (JupyterLab's look, code shown)."""
     from jinja2 import DictLoader
@@ -300,6 +328,7 @@ def notebook_page(nb: Any, title: str, machine: str, notebooks: set[str]) -> str
     exporter = HTMLExporter(template_name="lab", template_file="kvlab_static.html.j2",
                             extra_loaders=[DictLoader({"kvlab_static.html.j2": TEMPLATE})])
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
+    body = fold_sections(body, nb)
     body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + banner(title, machine), body, count=1)
     return with_plotlyjs(rewrite_links(body, notebooks))
 

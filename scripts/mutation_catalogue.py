@@ -24,7 +24,7 @@ class Mutant:
     """One bug: in ``path``, the text ``original`` (exactly once) becomes ``mutated``."""
 
     name: str
-    layer: str            # capacity, core, sim, kernels, engine, fleet, exercises, viz
+    layer: str            # capacity, core, sim, kernels, engine, distributed, fleet, exercises, viz
     path: str             # relative to the repository root
     original: str
     mutated: str
@@ -207,6 +207,22 @@ OTHER_MUTANTS: list[Mutant] = [
            "        cache[src] = cache[dst]",
            "a block copy goes from the destination to the source",
            ("06",), ("tests/engine/test_engine_generate.py",)),
+    # --- Gemma 3's decoder
+    Mutant("gemma3_window_on_global_layers", "engine", "kvlab/engine/gemma3.py",
+           "sliding_window=config.layer_sliding_window(layer),",
+           "sliding_window=config.sliding_window,",
+           "Gemma 3's window applies to every layer, its global (full-attention) ones too",
+           (), ("tests/engine/test_qwen3_gemma3_engine.py",)),
+    Mutant("gemma3_norm_without_one", "engine", "kvlab/engine/gemma3.py",
+           "(normed * (1.0 + self.weight.float()))",
+           "(normed * self.weight.float())",
+           "a Gemma norm scales by its weight, as Llama's does (the checkpoint stores the offset from 1)",
+           (), ("tests/engine/test_qwen3_gemma3_engine.py",)),
+    Mutant("gemma3_one_rope_base", "engine", "kvlab/engine/gemma3.py",
+           "rope=config.layer_rope(layer), norm=GemmaRMSNorm)",
+           "rope=config.rope, norm=GemmaRMSNorm)",
+           "Gemma 3's sliding layers rotate with the global layers' base (rope_local_base_freq ignored)",
+           (), ("tests/engine/test_qwen3_gemma3_engine.py",)),
     # --- the fleet's routers
     Mutant("cache_aware_either_threshold", "fleet", "kvlab/fleet/routers.py",
            "                and max(loads) > self.balance_rel_threshold * min(loads))",
@@ -238,6 +254,27 @@ OTHER_MUTANTS: list[Mutant] = [
            "self.kv_event_publisher.publish(make_batch([]))",
            "the engine publishes a batch per step but leaves its pool's events out of it",
            ("10",), ("tests/engine/test_engine_kv_events.py",)),
+    # --- KV connectors: prefill and decode apart (notebook 11, part 2)
+    Mutant("pull_block_off_by_one", "distributed",
+           "kvlab/distributed/kv_transfer/kv_connector/v1/p2p_gloo_connector.py",
+           "        index = torch.tensor(local, dtype=torch.int64)\n",
+           "        index = torch.tensor([b + 1 for b in local], dtype=torch.int64)\n",
+           "the decode engine writes a pulled block into the block after the one its scheduler allocated",
+           ("11",), ("tests/engine/test_kv_transfer.py",)),
+    Mutant("pull_skips_partial_block", "distributed",
+           "kvlab/distributed/kv_transfer/kv_connector/v1/p2p_gloo_connector.py",
+           "            tensor.index_copy_(0, index.to(tensor.device), buffer.view(tensor.dtype).to(tensor.device))",
+           "            keep = len(local) - (params['remote_num_tokens'] % tensor.shape[1] > 0)\n"
+           "            tensor.index_copy_(0, index[:keep].to(tensor.device), "
+           "buffer.view(tensor.dtype)[:keep].to(tensor.device))",
+           "only whole blocks need to cross: the prompt's partial last block is left behind",
+           ("11",), ("tests/engine/test_kv_transfer.py",)),
+    Mutant("loaded_prompt_not_recomputed", "core", "kvlab/core/sched/scheduler.py",
+           "        if request.num_computed_tokens == request.num_tokens:\n"
+           "            request.num_computed_tokens = request.num_tokens - 1\n",
+           "",
+           "a prompt whose KV arrived whole needs no token computed before the first sample",
+           ("11",), ("tests/test_kv_connector_scheduler.py", "tests/engine/test_kv_transfer.py")),
     # --- the grader and a panel
     Mutant("grader_tolerance", "exercises", "kvlab/exercises/canonical.py",
            "return math.isclose(expected, actual, rel_tol=1e-9, abs_tol=1e-12)",

@@ -37,7 +37,8 @@ PROBE_SECONDS = 2.0
 LARGE = True
 PROBE_EXTRA_MEMORY = 2 << 30  # a probe may map this much more than the process has; beyond it, MemoryError
 PACKAGES = ("kvlab.capacity", "kvlab.core", "kvlab.core.sched", "kvlab.sim")
-EXTRA_MODULES = ("kvlab.engine.engine_config", "kvlab.units", "kvlab.kv_cache_interface")
+EXTRA_MODULES = ("kvlab.engine.engine_config", "kvlab.engine.kv_transfer_config", "kvlab.units",
+                 "kvlab.kv_cache_interface")
 
 
 class _Timeout(BaseException):
@@ -272,7 +273,7 @@ def _samples() -> dict[str, Callable[[], Any]]:
 FREE_TEXT = {
     "name", "request_id", "note", "description", "title", "text", "command", "full_name", "path", "identifier",
     "label", "lora_name", "lora_path", "cache_salt", "hash_seed", "parent_id", "memory_label", "architecture",
-    "band", "verdict", "flag", "key_prefix", "prompt", "source", "where",
+    "band", "verdict", "flag", "key_prefix", "prompt", "source", "where", "id_prefix", "engine_id", "key",
 }
 SIGNED = {"seed", "offset_seconds", "delta"}
 

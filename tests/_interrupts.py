@@ -6,11 +6,18 @@ and so are the undo record's (``kvlab.core.sched.snapshot``), which runs only on
 
 from __future__ import annotations
 
+import linecache
 from pathlib import Path
 
 import kvlab.core
 
 CORE = str(Path(kvlab.core.__file__).parent)
+
+
+def calls_the_executor(frame) -> bool:
+    """True on the line that calls the executor: an interrupt there lands in the executor's ``try``, a failure of
+    the executor's own."""
+    return "executor.execute_model(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
 
 
 def under_executor_or_snapshot(frame) -> bool:
@@ -37,7 +44,7 @@ class InterruptAtLine:
         return self.line
 
     def line(self, frame, event, arg):
-        if event == "line" and self.active:
+        if event == "line" and self.active and not calls_the_executor(frame):
             self.lines += 1
             if self.lines == self.k:
                 raise KeyboardInterrupt

@@ -16,10 +16,14 @@ import kvlab.exercises as ex
 from kvlab.errors import KvlabValueError, UnknownNameError
 
 WRONG: dict = {}
+WRONG_PREDICTIONS: dict = {}
 for _m in pkgutil.iter_modules([str(Path(__file__).parent / "wrong_solutions")]):
-    WRONG.update(importlib.import_module(f"wrong_solutions.{_m.name}").WRONG)
+    _module = importlib.import_module(f"wrong_solutions.{_m.name}")
+    WRONG.update(_module.WRONG)
+    WRONG_PREDICTIONS.update(getattr(_module, "WRONG_PREDICTIONS", {}))
 
 IDS = ex.list_exercises()
+PREDICTION_IDS = ex.list_predictions()
 
 
 def _stub(*args, **kwargs):
@@ -72,10 +76,66 @@ NOTEBOOKS = sorted({i.split(".")[0] for i in IDS})
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_every_notebook_has_three_exercises_one_of_them_transfer_each_with_tested_wrong_answers(notebook):
-    ids = ex.list_exercises(notebook)
-    assert len(ids) >= 3, ids
-    assert any(ex.get_exercise(i).transfer for i in ids), f"notebook {notebook} needs a transfer exercise"
+    ids, predictions = ex.list_exercises(notebook), ex.list_predictions(notebook)
+    assert len(ids) + len(predictions) >= 3 and ids, (ids, predictions)
+    transfer = [ex.get_exercise(i).transfer for i in ids] + [ex.get_prediction(i).transfer for i in predictions]
+    assert any(transfer), f"notebook {notebook} needs a transfer exercise"
     assert all(len(WRONG.get(i, [])) >= 2 for i in ids)
+    assert all(len(WRONG_PREDICTIONS.get(i, [])) >= 2 for i in predictions)
+
+
+# --------------------------------------------------------------------------- predictions
+
+
+@pytest.mark.parametrize("prediction_id", PREDICTION_IDS)
+def test_kvlab_s_own_answer_is_a_right_prediction_and_an_untouched_cell_is_not_attempted(prediction_id):
+    result = ex.predict(prediction_id, ex.predictions.answer(prediction_id))
+    assert result.passed and "kvlab ran:" in result.message, result.message
+    untouched = ex.predict(prediction_id, ...)
+    assert untouched.status == "not attempted" and "not predicted yet" in untouched.message
+
+
+@pytest.mark.parametrize("prediction_id", PREDICTION_IDS)
+def test_every_wrong_prediction_fails_with_the_intended_diagnosis(prediction_id):
+    for wrong, text in WRONG_PREDICTIONS[prediction_id]:
+        result = ex.predict(prediction_id, wrong)
+        assert result.status == "fail", (wrong, result.message)
+        assert text in result.message, result.message
+
+
+@pytest.mark.parametrize("prediction_id", PREDICTION_IDS)
+def test_every_known_mistake_of_a_prediction_differs_from_kvlab_and_is_named_alone(prediction_id):
+    # Each known reasoning must change the answer somewhere, and a prediction that follows it is told so,
+    # with no other reasoning named that would have answered differently.
+    prediction = ex.get_prediction(prediction_id)
+    for mistake in prediction.mistakes:
+        result = ex.predict(prediction_id, mistake.fn())
+        assert result.status == "fail", mistake.says
+        assert mistake.words(ex.Case()) in result.message, result.message
+        others = [m for m in prediction.mistakes if m is not mistake and m.fn() != mistake.fn()]
+        assert not any(m.words(ex.Case()) in result.message for m in others), result.message
+
+
+def test_a_prediction_right_in_one_part_and_a_float_for_an_int_pass_part_by_part():
+    right = ex.predictions.answer("01.bytes_per_token")
+    floats = {part: float(value) for part, value in right.items()}      # 36 * 8 * 128 * 2 * 0.5625 is a float
+    assert ex.predict("01.bytes_per_token", floats).passed
+    one_off = {**right, "qwen3-8b, nvfp4": right["qwen3-8b, nvfp4"] + 1}
+    result = ex.predict("01.bytes_per_token", one_off)
+    assert result.status == "fail" and "1 of 3 parts differ" in result.message and "gemma" not in result.message
+    assert "likely:" not in result.message                               # no known reasoning gives that
+
+
+def test_a_prediction_of_the_wrong_shape_says_what_form_is_wanted():
+    result = ex.predict("01.bytes_per_token", 344064)
+    assert result.status == "fail" and "as a dict" in result.message and "the form:" in result.message
+    with pytest.raises(UnknownNameError, match="01.bytes_per_token"):
+        ex.predict("01.nothing", 1)
+
+
+def test_hints_and_descriptions_cover_predictions():
+    assert "Hint 1 of" in str(ex.hint("02.num_blocks", 1))
+    assert "predict, then run" in str(ex.describe("02.num_blocks"))
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS)

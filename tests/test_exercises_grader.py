@@ -82,7 +82,7 @@ def _as_numpy(reference):
     return learner
 
 
-@pytest.mark.parametrize("exercise_id", [i for i in PLAIN if i not in ("03.cow_append", "04.chained_hashes")])
+@pytest.mark.parametrize("exercise_id", [i for i in PLAIN if i != "03.cow_append"])
 def test_numpy_arrays_and_scalars_of_the_right_values_pass(exercise_id):
     result = ex.check(exercise_id, _as_numpy(ex.solution(exercise_id)), seed=3)
     assert result.passed, result.message
@@ -125,7 +125,12 @@ def test_what_the_grader_cannot_compare_is_named():
 def test_hashes_are_shown_as_short_hex():
     digest = bytes(range(32))
     assert short_repr([digest]) == "[<hash 00010203…>]" and short_repr(b"seed") == "b'seed'"
-    result = ex.check("04.chained_hashes", lambda t, b, n: [b"\x00" * 32], seed=1)
+    from kvlab.exercises.grading import grade
+
+    digests = Exercise("99.h", "hashes", "t", "def hashes(n: int) -> list:", lambda n: [bytes(range(32))] * n,
+                       [Case((2,), probes="two")], ["h"], num_random=0)
+    result = grade(digests, list(digests.edge_cases), 0, 1.0, lambda n, c: Outcome(value=[b"\x00" * 32]),
+                   lambda c: digests.reference(*c.args), list)
     assert "<hash " in result.message and "\\x" not in result.message.split("got:")[1]
 
 
@@ -175,10 +180,10 @@ def test_a_call_within_its_time_returns_its_value_and_its_errors():
     assert call_with_time_limit(_endless, seconds=0.2).timed_out
 
 
-def _bytes_with_the_table(config, kv_dtype="bf16"):
+def _bytes_with_the_table(config, kv_dtype, tp):
     """A correct solution that reads KV_DTYPE_BYTES when it runs."""
-    ref = ex.solution("01.bytes_per_token")
-    return int(ref(config, "fp32") // 4 * sizing.KV_DTYPE_BYTES[kv_dtype])
+    ref = ex.solution("01.tp_group_bytes")
+    return int(ref(config, "fp32", tp) // 4 * sizing.KV_DTYPE_BYTES[kv_dtype])
 
 
 @pytest.fixture
@@ -188,30 +193,30 @@ def restore():
 
 
 def test_patching_kvlab_does_not_move_the_expected_values_and_is_reported(restore):
-    expected = ex.check("01.bytes_per_token", lambda *a: -1, seed=1).expected
+    expected = ex.check("01.tp_group_bytes", lambda *a: -1, seed=1).expected
     sizing.KV_DTYPE_BYTES["bf16"] = 1                   # what a learner might try in a cell
-    result = ex.check("01.bytes_per_token", _bytes_with_the_table, seed=1)
+    result = ex.check("01.tp_group_bytes", _bytes_with_the_table, seed=1)
     assert result.status == "fail" and result.expected == expected
     assert "KV_DTYPE_BYTES['bf16'] is 1, kvlab's own value is Fraction(2, 1)" in result.message
     assert "restore_kvlab_state()" in result.message
     assert sizing.KV_DTYPE_BYTES["bf16"] == 1           # the notebook's change is left as the notebook made it
     assert ex.restore_kvlab_state() and sizing.KV_DTYPE_BYTES["bf16"] == 2
-    assert ex.check("01.bytes_per_token", _bytes_with_the_table, seed=1).passed
+    assert ex.check("01.tp_group_bytes", _bytes_with_the_table, seed=1).passed
 
 
 def test_a_half_answer_cannot_pass_by_halving_kvlab(restore):
-    def halves(config, kv_dtype="bf16"):
+    def halves(config, kv_dtype, tp):
         sizing.KV_DTYPE_BYTES.update({k: v / 2 for k, v in sizing.KV_DTYPE_BYTES.items()})
-        return ex.solution("01.bytes_per_token")(config, kv_dtype) // 2
+        return ex.solution("01.tp_group_bytes")(config, kv_dtype, tp) // 2
 
-    result = ex.check("01.bytes_per_token", halves, seed=1)
+    result = ex.check("01.tp_group_bytes", halves, seed=1)
     assert result.status == "fail" and "changed kvlab's state while check() ran" in result.message
 
 
 def test_rebinding_a_module_constant_is_seen_too(restore):
     sizing.KV_DTYPE_BYTES = {**sizing.KV_DTYPE_BYTES, "bf16": 3}
-    result = ex.check("01.bytes_per_token", ex.solution("01.bytes_per_token"), seed=1)
-    assert result.expected == 524288 and "KV_DTYPE_BYTES['bf16'] is 3" in result.message
+    result = ex.check("01.tp_group_bytes", ex.solution("01.tp_group_bytes"), seed=1)
+    assert result.expected == 327680 and "KV_DTYPE_BYTES['bf16'] is 3" in result.message
 
 
 # --------------------------------------------------------------------------- issue 28, items 15-17
@@ -226,12 +231,12 @@ def _within(seconds, fn):
     return box.get("r")
 
 
-def _aliased_rows(config, kv_dtype="bf16"):
+def _aliased_rows(config, kv_dtype, tp):
     return [[0] * 20000] * 20000        # one row, 20,000 times: built in a millisecond, 400 M values to compare
 
 
 def test_a_huge_result_is_refused_by_its_size_not_compared_for_minutes():
-    result = _within(30, lambda: ex.check("01.bytes_per_token", _aliased_rows, seed=1))
+    result = _within(30, lambda: ex.check("01.tp_group_bytes", _aliased_rows, seed=1))
     assert result is not None, "still comparing after 30 s"
     assert result.status == "fail" and "holds more than 100,000 values" in result.message
     assert "[row] * n" in result.message
@@ -273,11 +278,11 @@ def test_a_bare_except_in_a_retry_loop_cannot_outlast_the_time_limit():
     assert status == "fail 1" and "no answer within 0.5 s" in message, done.stdout + done.stderr
 
 
-def _zero(config, kv_dtype="bf16"):
+def _zero(config, kv_dtype, tp):
     return 0
 
 
-def _asks_the_grader(config, kv_dtype="bf16"):
+def _asks_the_grader(config, kv_dtype, tp):
     """Looks up the call stack for the grader's reference or expected value, as a curious learner might."""
     import sys
 
@@ -286,7 +291,7 @@ def _asks_the_grader(config, kv_dtype="bf16"):
         if "expected" in frame.f_locals and type(frame.f_locals["expected"]) is int:
             return frame.f_locals["expected"]
         if callable(frame.f_locals.get("reference")):
-            return frame.f_locals["reference"](config, kv_dtype)
+            return frame.f_locals["reference"](config, kv_dtype, tp)
         frame = frame.f_back
     return 0
 
@@ -311,39 +316,39 @@ def test_what_a_notebook_replaces_in_kvlab_cannot_pass_a_wrong_answer_and_is_nam
         "kv_factor": (ModelSpec, "kv_factor", property(lambda self: 0)),
     }[patch]
     monkeypatch.setattr(target, name, value)
-    result = ex.check("01.bytes_per_token", _zero, seed=1)
-    assert result.status == "fail" and result.expected == 524288, result.message
+    result = ex.check("01.tp_group_bytes", _zero, seed=1)
+    assert result.status == "fail" and result.expected == 327680, result.message
     assert "this notebook changed kvlab's code" in result.message and name in result.message.split("note:")[-1]
     assert "did not reach the verdict" in result.message
 
 
 def test_the_grader_s_frames_hold_no_reference_for_the_learner_to_read():
-    result = ex.check("01.bytes_per_token", _asks_the_grader, seed=1)
+    result = ex.check("01.tp_group_bytes", _asks_the_grader, seed=1)
     assert result.status == "fail" and "got:      0" in result.message
 
 
 def test_clearing_the_case_list_does_not_shrink_the_check():
-    exercise = ex.get_exercise("01.bytes_per_token")
+    exercise = ex.get_exercise("01.tp_group_bytes")
     saved = list(exercise.edge_cases)
     exercise.edge_cases.clear()
     object.__setattr__(exercise, "num_random", 0)
     try:
-        result = ex.check("01.bytes_per_token", _zero, seed=1)
+        result = ex.check("01.tp_group_bytes", _zero, seed=1)
         assert result.status == "fail" and "failed on case 1 of 32" in result.message
         assert "passed all 32 cases (7 edge, 25 random)" in ex.check(
-            "01.bytes_per_token", ex.solution("01.bytes_per_token"), seed=1).message
+            "01.tp_group_bytes", ex.solution("01.tp_group_bytes"), seed=1).message
     finally:
         exercise.edge_cases[:] = saved
         object.__setattr__(exercise, "num_random", 25)
 
 
 def test_what_the_learner_s_function_prints_is_shown_in_the_notebook(capsys):
-    def chatty(config, kv_dtype="bf16"):
+    def chatty(config, kv_dtype, tp):
         print("layers:", config["num_hidden_layers"])
         return 0
 
-    ex.check("01.bytes_per_token", chatty, seed=1)
-    assert "layers: 32" in capsys.readouterr().out
+    ex.check("01.tp_group_bytes", chatty, seed=1)
+    assert "layers: 80" in capsys.readouterr().out
 
 
 def test_a_notebook_function_that_uses_a_notebook_helper_is_sent_with_it():
@@ -352,20 +357,20 @@ def test_a_notebook_function_that_uses_a_notebook_helper_is_sent_with_it():
     def helper(config):
         return config.get("num_key_value_heads") or config["num_attention_heads"]
 
-    def per_token(config, kv_dtype="bf16"):
-        return ex.solution("01.bytes_per_token")(config, kv_dtype) * helper(config) // helper(config) * factor // 2
+    def per_token(config, kv_dtype, tp):
+        return ex.solution("01.tp_group_bytes")(config, kv_dtype, tp) * helper(config) // helper(config) * factor // 2
 
-    assert ex.check("01.bytes_per_token", per_token, seed=1).passed
+    assert ex.check("01.tp_group_bytes", per_token, seed=1).passed
 
 
 def test_a_function_that_cannot_be_sent_is_checked_here_and_says_so():
     import socket
 
     with socket.socket() as sock:
-        def holds_a_socket(config, kv_dtype="bf16"):
-            return sock.fileno() * 0 + ex.solution("01.bytes_per_token")(config, kv_dtype)
+        def holds_a_socket(config, kv_dtype, tp):
+            return sock.fileno() * 0 + ex.solution("01.tp_group_bytes")(config, kv_dtype, tp)
 
-        result = ex.check("01.bytes_per_token", holds_a_socket, seed=1)
+        result = ex.check("01.tp_group_bytes", holds_a_socket, seed=1)
     assert result.passed and "checked in this kernel, not in a fresh process" in result.message
 
 
@@ -373,7 +378,7 @@ _ONE_CHECK_AND_EXIT = """
 import kvlab.exercises as ex
 from kvlab.exercises.isolated import CHECKER
 
-assert ex.check("01.bytes_per_token", lambda config, kv_dtype="bf16": 0, seed=1).status == "fail"
+assert ex.check("01.tp_group_bytes", lambda config, kv_dtype, tp: 0, seed=1).status == "fail"
 print(CHECKER._process.pid)
 """
 

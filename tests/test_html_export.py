@@ -83,6 +83,24 @@ def test_panels_become_static_snapshots_with_the_self_test_answers(exported):
     assert text.count('class="kvlab-answers"') == 1 and "640 KiB" in text
 
 
+def test_a_section_jupyterlab_opens_folded_is_a_details_the_reader_opens():
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    for cid, source, folded in (("a", "## Main", False), ("b", "## Checking the articles", True), ("c", "x = 1", False),
+                                ("d", "### a part of it", False), ("e", "## Where to go from here", False)):
+        cell = nbformat.v4.new_code_cell(source) if cid == "c" else nbformat.v4.new_markdown_cell(source)
+        cell.id = cid
+        if folded:
+            cell.metadata["jp-MarkdownHeadingCollapsed"] = True
+        nb.cells.append(cell)
+    page = export_html.notebook_page(nb, "t", "here", set())
+    inside = page.split('<details class="kvlab-folded">', 1)[1].split("</details>", 1)[0]
+    assert "<summary>Checking the articles (folded: click to open)</summary>" in inside
+    assert all(f'id="cell-id={c}"' in inside for c in "bcd") and 'id="cell-id=e"' not in inside
+    assert page.count("<details") == 1
+
+
 def test_links_point_at_the_static_copy(exported):
     out, _, text = exported
     assert "GLOSSARY.md" not in text and 'href="glossary.html"' in text

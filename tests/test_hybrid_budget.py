@@ -63,8 +63,9 @@ def test_a_model_of_one_kind_is_one_group_and_the_full_attention_plan():
 
 
 def test_groups_follow_the_one_and_a_half_rule():
-    page = 64
-    sw, full = SlidingWindowSpec(16, page, 512), FullAttentionSpec(16, page)
+    shape = {"num_kv_heads": 1, "head_size": 2, "dtype": "fp8"}       # a page of 16 x 1 x (2 + 2) x 1 = 64 bytes
+    sw, full = SlidingWindowSpec(16, **shape, sliding_window=512), FullAttentionSpec(16, **shape)
+    assert sw.page_size_bytes == full.page_size_bytes == 64
     five_to_one = {f"l{i}": (full if i % 6 == 5 else sw) for i in range(12)}  # Gemma 3: 10 sliding, 2 full
     groups = get_kv_cache_groups(five_to_one)
     assert [len(g.layer_names) for g in groups] == [2] * 6 and sum(g.kv_cache_spec == sw for g in groups) == 5
@@ -73,7 +74,7 @@ def test_groups_follow_the_one_and_a_half_rule():
     groups = get_kv_cache_groups(twelve_and_thirteen)
     assert [len(g.layer_names) for g in groups] == [12, 13]  # one padding layer, not 12 + 2 x 12
     with pytest.raises(KvlabValueError, match="page sizes"):
-        get_kv_cache_groups({"a": sw, "b": FullAttentionSpec(16, 2 * page)})
+        get_kv_cache_groups({"a": sw, "b": FullAttentionSpec(16, **{**shape, "head_size": 4})})
 
 
 def test_the_hybrid_plan_uses_the_same_budget_as_plan_kv_cache():

@@ -46,6 +46,7 @@ SKIP: dict[str, str] = {
         "kvlab.sim.prefix_sim.SimResult", "kvlab.sim.serving_sim.ChatRun", "kvlab.sim.sharing.SharingResult",
         "kvlab.capacity.hybrid.HybridKVCachePlan", "kvlab.capacity.parallel.ParallelPlan",
         "kvlab.sim.hybrid_hits.HitWalkthrough",
+        "kvlab.core.sched.output.KVConnectorOutput", "kvlab.sim.disaggregation.ServingResult",
         "kvlab.core.kv_cache_utils.KVCacheBlocks",
         "kvlab.core.kv_cache_events.BlockStored", "kvlab.core.kv_cache_events.BlockRemoved",
         "kvlab.core.kv_cache_events.AllBlocksCleared",
@@ -64,6 +65,12 @@ SKIP: dict[str, str] = {
     )},
     "kvlab.core.block_pool.BlockPoolObserver": "a protocol (an interface), not a callable",
     "kvlab.core.sched.output.Executor": "a protocol (an interface), not a callable",
+    "kvlab.core.sched.output.SchedulerKVConnector": "a protocol (an interface), not a callable",
+    "kvlab.sim.disaggregation.Stepper": "a protocol (an interface), not a callable",
+    **{f"kvlab.sim.disaggregation.ArrivedKVConnector{m}": "a KV connector's scheduler half: the scheduler calls it "
+       "with its own live requests and blocks (swept through ModelledEngine and test_kv_connector_scheduler.py)"
+       for m in ("", ".get_num_new_matched_tokens", ".update_state_after_alloc", ".build_connector_meta",
+                 ".update_connector_output", ".request_finished")},
     **{name: "the step's undo record, which only kvlab.core.sched.loop.step drives; swept by "
              "tests/engine/test_engine_interrupts.py (an interrupt at every line of a step)"
        for name in ("kvlab.core.sched.snapshot.Snapshot", "kvlab.core.sched.snapshot.Snapshot.restore")},
@@ -113,6 +120,7 @@ SKIP: dict[str, str] = {
 
 
 def _overrides() -> dict[str, Any]:
+    from kvlab.capacity.cost_model import cost_model
     from kvlab.capacity.hardware import get_gpu, get_host, get_link
     from kvlab.capacity.hybrid import layer_specs, plan_hybrid_kv_cache
     from kvlab.capacity.models import MODELS_DIR, get_model
@@ -121,17 +129,19 @@ def _overrides() -> dict[str, Any]:
     from kvlab.core.hashing import get_hash_fn_by_name, init_none_hash
     from kvlab.core.kv_cache_manager import KVCacheManager
     from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
-    from kvlab.core.kv_cache_utils import KVCacheBlock
+    from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlocks
     from kvlab.core.kv_offload import CPUOffloadingManager
     from kvlab.core.request import PlaceholderRange, Request
     from kvlab.core.sched.output import GenerationRequest
     from kvlab.data import DATA_DIR
     from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
     from kvlab.sim.block_scenarios import Op, get_scenario
+    from kvlab.sim.disaggregation import ModelledEngine, PDWorkload
     from kvlab.sim.prefix_sim import shared_prompt_workload
 
     sha = get_hash_fn_by_name("sha256")
     none = init_none_hash(sha)
+    SHAPE = {"num_kv_heads": 8, "head_size": 128, "dtype": "bf16"}  # noqa: N806 - a layer's shape, for the specs
     TINY = DATA_DIR / "tiny-pydoc-llama"
 
     def init_fields(obj: Any) -> dict[str, Any]:
@@ -151,7 +161,11 @@ def _overrides() -> dict[str, Any]:
                                                                                 "max_in_flight_tokens": 16},
         "kvlab.kv_cache_interface.KVCacheSpec.max_num_blocks_per_request": lambda: {"max_model_len": 64,
                                                                                     "max_in_flight_tokens": 16},
-        "kvlab.kv_cache_interface.SlidingWindowSpec": lambda: {"block_size": 4, "sliding_window": 8},
+        "kvlab.kv_cache_interface.SlidingWindowSpec": lambda: {"block_size": 4, "sliding_window": 8, **SHAPE},
+        "kvlab.kv_cache_interface.AttentionSpec": lambda: {"block_size": 16, **SHAPE},
+        "kvlab.kv_cache_interface.FullAttentionSpec": lambda: {"block_size": 16, **SHAPE},
+        "kvlab.kv_cache_interface.MLAAttentionSpec": lambda: {"block_size": 16, "head_size": 576, "dtype": "bf16"},
+        "kvlab.kv_cache_interface.kv_dtype_name": lambda: {"dtype": "bfloat16"},
         "kvlab.kv_cache_interface.SlidingWindowSpec.max_admission_blocks_per_request": lambda: {
             "max_in_flight_tokens": 16, "max_model_len": 64},
         "kvlab.kv_cache_interface.SlidingWindowSpec.max_num_blocks_per_request": lambda: {
@@ -174,7 +188,28 @@ def _overrides() -> dict[str, Any]:
         "kvlab.core.kv_offload.OffloadingConnector.get_num_new_matched_tokens": lambda: {
             "request": Request("r0", list(range(10))), "num_computed_tokens": 0},
         "kvlab.core.kv_offload.OffloadingConnector.update_state_after_alloc": lambda: {
-            "request": Request("r0", list(range(10))), "num_computed_tokens": 0, "num_external_tokens": 0},
+            "request": Request("r0", list(range(10))), "blocks": KVCacheBlocks(((),)), "num_external_tokens": 0},
+        "kvlab.core.kv_offload.OffloadingConnector.request_finished": lambda: {
+            "request": Request("r0", list(range(10))), "block_ids": []},
+        "kvlab.core.kv_offload.OffloadingConnector.update_connector_output": lambda: {"connector_output": None},
+        **{f"kvlab.capacity.disaggregation.{name}": (lambda args=args: {
+            "cost": cost_model("llama-3-8b", "H100-SXM-80GB", "Ethernet 100G"), **args})
+           for name, args in (("transfer_seconds", {"prompt_tokens": 100}),
+                              ("step_seconds", {"sequences": [(10, 0), (1, 20)]}),
+                              ("move_or_recompute", {"num_tokens": 100}), ("crossover_tokens", {"max_tokens": 1000}))},
+        "kvlab.capacity.disaggregation.kv_transfer_bytes": lambda: {"model": "llama-3-8b", "prompt_tokens": 100},
+        "kvlab.engine.kv_transfer_config.KVTransferConfig.get_from_extra_config": lambda: {"key": "shared_storage_path",
+                                                                                           "default": "/tmp"},
+        "kvlab.sim.disaggregation.ModelledEngine": lambda: {"cost": cost_model("llama-3-8b"), "num_blocks": 64},
+        "kvlab.sim.disaggregation.ModelledEngine.add": lambda: {"request_id": "r0", "prompt": [1, 2, 3],
+                                                                "max_tokens": 2},
+        "kvlab.sim.disaggregation.serve_colocated": lambda: {
+            "make_engine": lambda: ModelledEngine(cost_model("llama-3-8b"), num_blocks=64),
+            "workload": PDWorkload(prompt_tokens=16, output_tokens=2, num_requests=2)},
+        "kvlab.sim.disaggregation.serve_disaggregated": lambda: {
+            "make_prefill": lambda: ModelledEngine(cost_model("llama-3-8b"), num_blocks=64),
+            "make_decode": lambda: ModelledEngine(cost_model("llama-3-8b"), num_blocks=64),
+            "workload": PDWorkload(prompt_tokens=16, output_tokens=2, num_requests=2)},
         "kvlab.core.sched.scheduler.Scheduler.add_request": lambda: {"request": GenerationRequest("g", [1, 2])},
         "kvlab.engine.engine_config.EngineConfig": lambda: {"model_dir": TINY, "num_gpu_blocks": 16},
         "kvlab.engine.engine_config.EngineConfig.create": lambda: {"model_dir": TINY},
@@ -211,6 +246,7 @@ def _overrides() -> dict[str, Any]:
         "kvlab.capacity.parallel.weights_bytes_per_gpu": lambda: {"model": get_model("deepseek-v3"), "layout": "tp",
                                                                   "num_gpus": 8},
         "kvlab.capacity.models.count_parameters": lambda: {"cfg": dict(get_model("llama-3-8b").config)},
+        "kvlab.capacity.models.with_family_defaults": lambda: {"cfg": {"model_type": "gemma3_text"}},
         "kvlab.capacity.playbook.Workload": lambda: {"mean_prompt_tokens": 1000, "mean_output_tokens": 200},
         "kvlab.capacity.source_deployments.reproduce": lambda: {"key": "a"},
         "kvlab.capacity.startup_log.parse_startup_log": lambda: {"lines": _startup_lines()},

@@ -9,10 +9,10 @@ from kvlab.kernels.fp8 import (
     calibrated_scale,
     dequantize_fp8,
     e4m3_grid_step,
-    fp8_error_sweep,
     quantize_fp8,
     synthetic_kv,
 )
+from kvlab.kernels.fp8_sweep import fp8_error_sweep
 
 REFERENCE = dict(write=reshape_and_cache_ref, attend=paged_attention_ref)
 

@@ -25,7 +25,7 @@ spec.loader.exec_module(mutation)
 catalogue = sys.modules["mutation_catalogue"]
 
 MUTANTS = catalogue.all_mutants()
-LAYERS = {"capacity", "core", "sim", "kernels", "engine", "fleet", "exercises", "viz"}
+LAYERS = {"capacity", "core", "sim", "kernels", "engine", "distributed", "fleet", "exercises", "viz"}
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)

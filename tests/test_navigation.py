@@ -102,10 +102,11 @@ def test_the_last_cell_says_what_to_read_next(notebook):
 # Asides a class may skip (issue 19): each is marked **Optional** in its heading's cell, or in a
 # note just before it, and that note links to a later section of the same notebook.
 OPTIONAL = {
-    "02_budget_simulator.ipynb": ["4.-The-source-table,-row-by-row"],
+    "01_bytes_per_token.ipynb": ["Checking-the-articles"],
+    "02_budget_simulator.ipynb": ["4.-The-source-table,-row-by-row", "Checking-the-articles"],
     "03_block_table.ipynb": ["9.-Performance-aside:-O(1)-per-block"],
     "04_prefix_cache.ipynb": ["5.-The-seed-of-every-chain:-NONE_HASH", "6.-What-hashing-costs,-and-what-a-hit-saves",
-                              "7.-When-two-blocks-share-a-hash"],
+                              "7.-When-two-blocks-share-a-hash", "Checking-the-articles"],
 }
 
 

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from kvlab.core.kv_cache_manager import KVCacheManager, Request
+from kvlab.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, Request
 from kvlab.core.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.core.kv_offload import CPUOffloadingManager, KVConnectorMetadata, OffloadingConnector
 from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches, transfer_blocks
@@ -155,19 +155,19 @@ def test_a_cpu_hit_starts_after_the_gpus_and_never_covers_the_last_token():
     manager, connector = _first_two_blocks_on_the_cpu_only()
     again = Request("again", list(range(8)) + [60, 61])
     hits, num_hits, _ = manager.get_computed_blocks(again)
-    assert num_hits == 0 and connector.get_num_new_matched_tokens(again, 0) == 8
+    assert num_hits == 0 and connector.get_num_new_matched_tokens(again, 0) == (8, False)  # loaded synchronously
     exact = Request("exact", list(range(8)))                  # 8 tokens: the last must be computed
     manager.get_computed_blocks(exact)
-    assert connector.get_num_new_matched_tokens(exact, 0) == 4
+    assert connector.get_num_new_matched_tokens(exact, 0) == (4, False)
 
 
 def test_loads_go_into_the_blocks_the_scheduler_allocated_and_are_counted_once():
     manager, connector = _first_two_blocks_on_the_cpu_only()
     again = Request("again", list(range(8)) + [60, 61])
     manager.get_computed_blocks(again)
-    external = connector.get_num_new_matched_tokens(again, 0)
+    external, _ = connector.get_num_new_matched_tokens(again, 0)
     assert manager.allocate_slots(again, again.num_tokens, 0, []) is not None
-    connector.update_state_after_alloc(again, 0, external)
+    connector.update_state_after_alloc(again, KVCacheBlocks(manager.get_blocks_per_group("again")), external)
     meta = connector.build_connector_meta()
     assert [g for _, g in meta.loads] == manager.get_block_ids("again")[:2]
     assert (connector.stats.external_prefix_cache_hits, connector.stats.blocks_loaded) == (8, 2)

@@ -21,16 +21,17 @@ class CheckedConnector(OffloadingConnector):
     """The real connector, asserting at each call what the CPU tier must never do."""
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        found = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        found, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        assert load_async is False                                # the CPU tier loads before the forward
         if not self.is_swapped(request):
             first = num_computed_tokens // self.block_size
             for block_hash in request.block_hashes[first:first + found // self.block_size]:
                 # a CPU hit is a block the GPU no longer holds
                 assert self.kv_cache_manager.block_pool.get_cached_block(block_hash) is None
-        return found
+        return found, load_async
 
-    def build_connector_meta(self):
-        meta = super().build_connector_meta()
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
         loaded_from = {cpu for cpu, _ in meta.loads}
         assert not loaded_from & {cpu for _, cpu in meta.stores}, "a store overwrote a block being loaded"
         self.cpu.check_invariants()

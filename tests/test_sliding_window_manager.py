@@ -204,4 +204,5 @@ def test_sliding_groups_refuse_what_they_cannot_serve():
     with pytest.raises(KvlabValueError, match="sliding_window"):
         SlidingWindowSpec(4, sliding_window=0)
     with pytest.raises(KvlabValueError, match="verify_hits"):
-        KVCacheManager(8, 4, verify_hits=True, kv_cache_groups=[FullAttentionSpec(4), SlidingWindowSpec(4, 0, 8)])
+        KVCacheManager(8, 4, verify_hits=True,
+                       kv_cache_groups=[FullAttentionSpec(4), SlidingWindowSpec(4, sliding_window=8)])

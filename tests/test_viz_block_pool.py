@@ -33,20 +33,57 @@ def test_figure_draws_every_block_every_table_entry_and_the_queue_in_order():
 
 
 def test_arrows_go_from_each_table_entry_up_to_its_block_and_never_through_a_cell():
-    step = record(walk_fork())[3]  # A [0, 1], B [0, 2]
+    step = record(walk_fork())[3]  # A [0, 1], B [0, 2]: block 0 shared
     fig = figure_pool(step.snapshot)
     colours = set(viz.SEQUENCE_COLOURS)
-    arrows = [a for a in fig.layout.annotations if a.showarrow and a.arrowcolor in colours]
-    assert len(arrows) == 4 and len(hover(fig, "tables")) == 4
+    own = [a for a in fig.layout.annotations if a.showarrow and a.arrowcolor in colours]
+    shared = [a for a in fig.layout.annotations if a.showarrow and a.arrowcolor == viz.INK]
+    assert len(own) == 2 and len(shared) == 1 and len(hover(fig, "tables")) == 4
     assert "B: logical block 1 → physical block 2" in hover(fig, "tables")[3]
-    heads, tails = {a.y for a in arrows}, {a.ay for a in arrows}
+    stubs = [s for s in fig.layout.shapes if s.type == "line" and s.line.color in colours]
+    assert len(stubs) == 2 and len({round(s.x0) for s in stubs}) == 2   # one stub from each of A's and B's entry 0
+    heads, tails = {a.y for a in own + shared}, {a.ay for a in own}
     assert len(heads) == 1 and len(tails) == 1 and min(tails) > max(heads)   # shelf top -> pool bottom, upwards
     cells = [s for s in fig.layout.shapes if s.type == "rect" and s.fillcolor in colours]
     crossed = [c for c in cells if c.y0 < min(tails) and c.y1 > max(heads) and c.y1 - c.y0 < 40]
     assert crossed == []                  # no table cell sits between the shelf and the pool
-    targets = sorted(round(a.x) for a in arrows)
     pool_x = sorted(round(x) for x in fig.data[0].x)
-    assert all(any(abs(t - x) < 26 for x in pool_x[:3]) for t in targets)   # each head lands on block 0, 1 or 2
+    assert round(shared[0].x) == pool_x[0]                                   # the bundle's arrow: up to block 0
+    assert sorted(round(a.x) for a in own) == pool_x[1:3]                    # A's own block 1, B's own block 2
+
+
+def _crosses(a, b) -> bool:
+    """Whether two arrows (tail ax, ay to head x, y) cross between their ends."""
+    def side(p, q, r):
+        return (q[0] - p[0]) * (r[1] - p[1]) - (q[1] - p[1]) * (r[0] - p[0])
+    p1, p2, p3, p4 = (a.ax, a.ay), (a.x, a.y), (b.ax, b.ay), (b.x, b.y)
+    return side(p1, p2, p3) * side(p1, p2, p4) < 0 and side(p3, p4, p1) * side(p3, p4, p2) < 0
+
+
+def test_a_fork_s_tables_follow_the_pool_and_its_shared_blocks_are_bundled_so_no_arrows_cross():
+    scenario = get_scenario("parallel sampling (n = 4)")
+    step = record(scenario)[8]  # S0 [1, 2, 4], S1 [1, 2, 5], S2 [1, 2, 6], S3 [1, 2, 3]
+    fig = figure_step(scenario, step)
+    arrows = [a for a in fig.layout.annotations if a.showarrow and a.arrowcolor != viz.COPY_COLOUR]
+    assert len(arrows) == 4 + 2                       # one per table's own block, one per shared block (not 12)
+    assert not any(_crosses(a, b) for i, a in enumerate(arrows) for b in arrows[i + 1:])
+    names = [t for t in texts(fig) if t.startswith("<span") and "tokens" in t]
+    assert [n.split("<b>")[1].split("</b>")[0] for n in names] == ["S3", "S0", "S1", "S2"]   # own blocks 3, 4, 5, 6
+    joints = [s for s in fig.layout.shapes if s.type == "circle"]
+    assert len(joints) == 2 * 4 + 2                   # a dot where each stub meets its bus, and under each arrow
+
+
+def test_copy_on_write_before_and_after_as_one_picture_that_fits_a_screen():
+    scenario = walk_fork()
+    steps = record(scenario)
+    fig = viz.figure_before_after(scenario, steps[2], steps[3])
+    shown = " ".join(texts(fig))
+    assert "<b>before</b> (step 2 of 5)" in shown and "<b>after</b> (step 3 of 5)" in shown
+    assert shown.count("<b>copy 1 → 2</b>") == 1                            # the copy, drawn in the after half
+    pool = hover(fig, "pool")
+    assert len(pool) == 2 * 8 and "ref_cnt 2" in pool[1] and "ref_cnt 1" in pool[8 + 1]   # block 1: shared, then A's
+    assert fig.layout.width <= 1200 and fig.layout.height <= 680
+    assert not [t for t in hover(fig, "tables") if "queue" in t]            # no free queue: the pair fits
 
 
 def test_a_copy_on_write_copy_is_drawn_as_an_arc_from_the_shared_block_to_its_copy():

@@ -27,7 +27,41 @@ def test_each_step_colours_what_its_caption_says():
     assert cells[2][0].count("scanned") == 2 and cells[2][0][6:8] == ["scanned"] * 2   # the window's 2 blocks
     assert cells[4][0][:6] == ["null"] * 6 and cells[4][0][6:8] == ["hit"] * 2 and cells[4][1][:8] == ["hit"] * 8
     assert "32" in viz.step_caption(walk, 4) and "round 1" in viz.step_caption(walk, 3)
-    assert [t.name for t in viz.figure_hit_steps(walk, 4).data] == list(viz.COLOURS)
+    assert [t.name for t in viz.figure_hit_steps(walk, 4).data][:5] == list(viz.COLOURS)
+
+
+def test_the_hit_is_drawn_in_tokens_and_the_agreement_round_by_round():
+    walk = hit_walkthrough(40, 8, 4, evict_sliding=(4,), evict_full=(6,))     # 40 -> 24 -> 16
+    before = viz.figure_hit_steps(walk, 2)
+    assert "tokens" in before.layout.xaxis.title.text and not [t for t in before.data if t.name == "offered"]
+    cached = next(t for t in before.data if t.name == "cached")
+    assert all(base % 4 == 0 for base in cached.base) and set(cached.x) == {4}  # each block: 4 tokens wide
+    rounds = viz.figure_hit_steps(walk, 3)
+    offered, accepted = (next(t for t in rounds.data if t.name == n) for n in ("offered", "accepted"))
+    assert list(offered.x) == [40, 24] and list(accepted.x) == [24, 16]
+    assert list(offered.y) == ["round 1: full attention", "round 2: sliding window"]
+    labels = next(t for t in rounds.data if t.type == "scatter")
+    assert [t.strip() for t in labels.text] == ["40 → 24 tokens", "24 → 16 tokens"]
+    assert rounds.layout.height > before.layout.height                      # a row per round
+
+
+def test_one_pool_two_tables_null_entries_bundled_and_the_layer_that_writes_each_page():
+    fig = viz.figure_hybrid_pool(([0, 0, 0, 4, 5, 11], [6, 7, 8, 9, 10, 12]), ([0, 2], [1, 3]), 16)
+    arrows = [a for a in fig.layout.annotations if a.showarrow]
+    assert len(arrows) == 3 + 6 + 1                      # each own entry, and one for the three null entries
+    assert sum(a.arrowcolor == viz.GROUP_COLOURS[0] for a in arrows) == 3
+    assert sum(a.arrowcolor == viz.GROUP_COLOURS[1] for a in arrows) == 6
+    pool = [t for t in fig.data if t.name == "pool"][0].hovertext
+    assert pool[4] == "block 4: pair 0: layer 0, pair 1: layer 2"
+    assert pool[6] == "block 6: pair 0: layer 1, pair 1: layer 3"
+    assert pool[0].startswith("block 0: the null block") and pool[13] == "block 13: no layer (free)"
+    tables = [t for t in fig.data if t.name == "tables"][0].hovertext
+    assert tables[:3] == tuple(f"sliding window: logical block {i} → the null block" for i in range(3))
+    assert fig.layout.width <= 1200 and fig.layout.height <= 680
+    with pytest.raises(KvlabValueError, match="num_blocks"):
+        viz.figure_hybrid_pool(([0, 4], [6]), ([0], [1]), 5)
+    with pytest.raises(KvlabValueError, match="group_layers"):
+        viz.figure_hybrid_pool(([0, 4], [6]), ([0, 2], [1]), 16)
 
 
 def test_the_panel_recomputes_on_every_control_and_shows_errors(monkeypatch):

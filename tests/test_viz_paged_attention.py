@@ -6,7 +6,7 @@ import pytest
 import torch
 from kvlab.kernels import PACKAGED_BATCHES, check_kernel, compute_slot_mapping
 from kvlab.kernels.bench import GOAL_COPY_FRACTION
-from kvlab.kernels.fp8 import fp8_error_sweep
+from kvlab.kernels.fp8_sweep import fp8_error_sweep
 from kvlab.kernels.layouts import legacy_x
 from kvlab.kernels.reference import paged_attention_ref, reshape_and_cache_ref
 

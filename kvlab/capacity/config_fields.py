@@ -70,6 +70,8 @@ ROPE_FIELDS: dict[str, _Field] = {
     "beta_fast": _Field("number"), "beta_slow": _Field("number"), "mscale": _Field("number0"),
     "mscale_all_dim": _Field("number0"), "attention_factor": _Field("number"),
     "partial_rotary_factor": _Field("number", at_most=1.0),
+    # Gemma 3 (transformers 5): one rotation per layer type, each an object of the fields above
+    "sliding_attention": _Field("object"), "full_attention": _Field("object"),
 }
 #: What kvlab reads of ``quantization_config``: the method names the weights' dtype.
 QUANTIZATION_FIELDS: dict[str, _Field] = {"quant_method": _Field("name", nullable=False)}
@@ -93,6 +95,10 @@ CONFIG_FIELDS: dict[str, _Field] = {
     "sliding_window": _Field("size"), "use_sliding_window": _Field("flag"),
     "max_window_layers": _Field("count", at_most=MAX_LAYERS), "sliding_window_pattern": _Field("size"),
     "layer_types": _Field("layer_types"),
+    # Gemma 3: the attention scale's denominator, the sliding layers' rotary base (older files), soft-capping
+    "query_pre_attn_scalar": _Field("number", nullable=False), "rope_local_base_freq": _Field("number", nullable=False),
+    "final_logit_softcapping": _Field("number"), "attn_logit_softcapping": _Field("number"),
+    "use_bidirectional_attention": _Field("flag"),
     # constants of the forward pass
     "rms_norm_eps": _Field("number"), "rope_theta": _Field("number", nullable=False),
     "rope_interleave": _Field("flag", nullable=False), "partial_rotary_factor": _Field("number", at_most=1.0),
@@ -107,7 +113,7 @@ CONFIG_FIELDS: dict[str, _Field] = {
 #: The nested objects kvlab reads, each with its own fields.
 NESTED_FIELDS: dict[str, dict[str, _Field]] = {
     "rope_scaling": ROPE_FIELDS, "rope_parameters": ROPE_FIELDS, "quantization_config": QUANTIZATION_FIELDS,
-    "text_config": CONFIG_FIELDS,
+    "text_config": CONFIG_FIELDS, "sliding_attention": ROPE_FIELDS, "full_attention": ROPE_FIELDS,
 }
 
 

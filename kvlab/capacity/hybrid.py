@@ -38,9 +38,16 @@ from kvlab.capacity.budget import (
 )
 from kvlab.capacity.hardware import GPUSpec, get_gpu
 from kvlab.capacity.models import ModelSpec, resolve_model
-from kvlab.capacity.sizing import page_size_bytes
+from kvlab.capacity.sizing import kv_heads_per_rank
 from kvlab.errors import KvlabValueError
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheSpec, SlidingWindowSpec
+from kvlab.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    canonical_kv_dtype,
+)
 from kvlab.units import GiB, cdiv
 
 __all__ = ["HybridKVCachePlan", "default_max_num_batched_tokens", "describe_groups", "get_kv_cache_groups",
@@ -75,10 +82,15 @@ def layer_name(index: int) -> str:
 @checked
 def layer_specs(model: ModelSpec, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "bf16",
                 tp: int = 1) -> dict[str, KVCacheSpec]:
-    """Each layer's spec (vLLM's ``get_kv_cache_spec``): full attention, or a sliding window of the model's size."""
-    page = page_size_bytes(model, block_size, kv_dtype, tp)
-    return {layer_name(i): (SlidingWindowSpec(block_size, page, model.sliding_window)  # type: ignore[arg-type]
-                            if kind == "sliding_attention" else FullAttentionSpec(block_size, page))
+    """Each layer's spec on one GPU (vLLM's ``get_kv_cache_spec``): full attention, a sliding window of the
+    model's size, or MLA's latent; its page is ``page_size_bytes(model, block_size, kv_dtype, tp)``."""
+    shape = {"num_kv_heads": kv_heads_per_rank(model, tp), "head_size": model.head_dim,
+             "dtype": canonical_kv_dtype(kv_dtype)}
+    if model.attention == "mla":
+        return {layer_name(i): MLAAttentionSpec(block_size, head_size=model.head_dim, dtype=shape["dtype"])
+                for i in range(model.num_layers)}
+    return {layer_name(i): (SlidingWindowSpec(block_size, **shape, sliding_window=model.sliding_window)
+                            if kind == "sliding_attention" else FullAttentionSpec(block_size, **shape))
             for i, kind in enumerate(model.layer_types)}
 
 

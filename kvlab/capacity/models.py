@@ -153,7 +153,7 @@ class ModelSpec:
                 raise KvlabValueError(f"config={str(config)!r}: cannot read {path} as JSON ({error})") from error
             name = name or (path.parent.name if path.name == "config.json" else path.stem)
         raw = check_config_fields(config, "config")
-        cfg = {**raw, **(raw.get("text_config") or {})}
+        cfg = with_family_defaults({**raw, **(raw.get("text_config") or {})})
 
         def need(key: str) -> Any:
             if cfg.get(key) is None:
@@ -204,9 +204,43 @@ class ModelSpec:
         )
 
 
+#: ``model_type`` values transformers reads with ``Gemma3TextConfig`` (the multimodal ``gemma3`` holds one in
+#: ``text_config``).
+GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
+#: ``Gemma3TextConfig``'s defaults where they differ from what kvlab assumes of an absent field: a Gemma 3 file
+#: without ``sliding_window`` still slides (4,096 tokens), and its ``head_dim`` is not ``hidden_size / heads``.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256, "num_key_value_heads": 4, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 256, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
+@checked
+def with_family_defaults(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` (a ``config.json`` dict) with its family's transformers defaults for the fields it lacks: Gemma 3's
+    (``GEMMA3_TEXT_DEFAULTS``); other families' configs come back unchanged.
+
+    Only absent fields are filled: a null stays null, and the reader refuses it where it must not be.
+    ``ModelSpec.from_hf_config`` and the engine's ``DecoderConfig`` both read a config through this.
+    """
+    cfg = check_config_fields(cfg, "cfg")
+    if cfg.get("model_type") not in GEMMA3_MODEL_TYPES:
+        return dict(cfg)
+    return {**GEMMA3_TEXT_DEFAULTS, **cfg}
+
+
 def _layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[tuple[LayerType, ...], int | None]:
-    """Which layers slide, from ``layer_types`` or the model family's own rule."""
+    """Which layers slide, from ``layer_types`` or the model family's own rule.
+
+    Gemma 3's rule does not ask for a window (``Gemma3TextConfig``: layer ``i`` slides unless ``i + 1`` is a
+    multiple of ``sliding_window_pattern``), so a Gemma 3 file with ``sliding_window: null`` has sliding layers
+    and no window, which ``ModelSpec`` refuses by name, as transformers cannot run it either.
+    """
     window = cfg.get("sliding_window")
+    if cfg.get("model_type") in GEMMA3_MODEL_TYPES and not cfg.get("layer_types"):
+        pattern = cfg["sliding_window_pattern"]  # with_family_defaults has filled it
+        types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+        return types, (window if "sliding_attention" in types else None)  # type: ignore[return-value]
     if cfg.get("layer_types"):
         types = tuple(cfg["layer_types"])
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
@@ -223,9 +257,6 @@ def _layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[tuple[LayerTy
     family = cfg.get("model_type", "")
     if family == "gemma2":  # even layers slide, odd layers are global
         sliding = [i % 2 == 0 for i in range(num_layers)]
-    elif family in ("gemma3", "gemma3_text"):  # five local layers, then one global
-        pattern = cfg.get("sliding_window_pattern", 6)
-        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
     elif family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         first = cfg.get("max_window_layers", num_layers)
         sliding = [i >= first for i in range(num_layers)]
@@ -253,7 +284,7 @@ PARAMETER_PARTS = ("embeddings", "attention", "mlp", "shared_experts", "routed_e
 def count_parameters(cfg: Mapping[str, Any]) -> int | None:
     """Count a decoder's parameters from its config (embeddings, attention, MLP/MoE, norms).
 
-    Covers the Llama family (Llama, Mistral, Qwen2/3, Gemma 2), DeepSeek-V3 (MLA + MoE)
+    Covers the Llama family (Llama, Mistral, Qwen2/3, Gemma 2 and 3), DeepSeek-V3 (MLA + MoE)
     and gpt-oss (MoE); returns None for families it does not know, or a config lacking a field
     the count needs. Multi-token-prediction layers (``num_nextn_predict_layers``) are not counted:
     serving loads them separately.
@@ -285,7 +316,7 @@ def _parameter_parts(cfg: Mapping[str, Any]) -> dict[str, int] | None:
     tied = cfg.get("tie_word_embeddings", family.startswith("gemma"))
     parts = dict.fromkeys(PARAMETER_PARTS, 0)
     parts["embeddings"] = V * H * (1 if tied else 2) + H  # embeddings, lm_head, final norm
-    if family in ("llama", "mistral", "qwen2", "qwen3", "gemma2"):
+    if family in ("llama", "mistral", "qwen2", "qwen3", "gemma2", *GEMMA3_MODEL_TYPES):
         layer = _llama_layer(cfg, family, H, nq)
     elif family == "deepseek_v3":
         layer = _deepseek_layer(cfg, H, nq, L)
@@ -310,8 +341,9 @@ def _llama_layer(cfg: Mapping[str, Any], family: str, H: int, nq: int) -> dict[s
     attn = 2 * H * nq * hd + 2 * H * nkv * hd
     if cfg.get("attention_bias") or family == "qwen2":
         attn += nq * hd + 2 * nkv * hd + (H if cfg.get("attention_bias") else 0)
-    qk_norms = 2 * hd if family == "qwen3" else 0
-    return {"attention": attn + qk_norms, "norms": (4 if family == "gemma2" else 2) * H,
+    qk_norms = 2 * hd if family in ("qwen3", *GEMMA3_MODEL_TYPES) else 0
+    four_norms = family in ("gemma2", *GEMMA3_MODEL_TYPES)  # pre and post norms around attention and the MLP
+    return {"attention": attn + qk_norms, "norms": (4 if four_norms else 2) * H,
             "mlp": cfg["num_hidden_layers"] * 3 * H * inter}
 
 

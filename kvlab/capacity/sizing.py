@@ -7,65 +7,27 @@ Everything here is exact integer arithmetic on a ``ModelSpec``; the budget simul
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from kvlab._validate import checked, positive_int
 from kvlab.capacity.models import ModelSpec
-from kvlab.errors import KvlabValueError, UnknownNameError
+from kvlab.errors import KvlabValueError
+
+# The bytes of one element live beside the specs they size; notebooks and exercises read them here too.
+from kvlab.kv_cache_interface import (  # noqa: F401 - re-exported
+    KV_DTYPE_ALIASES,
+    KV_DTYPE_BYTES,
+    NVFP4_GROUP,
+    canonical_kv_dtype,
+    dtype_bytes,
+    vector_bytes,
+)
 from kvlab.units import cdiv
 
 if TYPE_CHECKING:
     import torch
-
-#: Bytes per stored KV element. nvfp4 stores 4-bit values plus one 1-byte (fp8) scale
-#: per 16 values: 0.5 + 1/16 = 0.5625 bytes per element, never rounded up to 1.
-KV_DTYPE_BYTES: Mapping[str, Fraction] = {
-    "fp32": Fraction(4),
-    "fp16": Fraction(2),
-    "bf16": Fraction(2),
-    "fp8": Fraction(1),
-    "fp8_e4m3": Fraction(1),
-    "fp8_e5m2": Fraction(1),
-    "int8": Fraction(1),
-    "nvfp4": Fraction(9, 16),
-}
-#: Spellings from torch and vLLM that mean one of the dtypes above.
-KV_DTYPE_ALIASES: Mapping[str, str] = {
-    "float32": "fp32",
-    "float16": "fp16",
-    "half": "fp16",
-    "bfloat16": "bf16",
-    "float8_e4m3fn": "fp8_e4m3",
-    "float8_e5m2": "fp8_e5m2",
-}
-NVFP4_GROUP = 16  # values that share one scale
-
-
-@checked
-def canonical_kv_dtype(kv_dtype: str) -> str:
-    """The canonical name of ``kv_dtype`` (aliases resolved); raises listing the known dtypes."""
-    name = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
-    if name not in KV_DTYPE_BYTES:
-        raise UnknownNameError("kv_dtype", kv_dtype, list(KV_DTYPE_BYTES) + list(KV_DTYPE_ALIASES))
-    return name  # type: ignore[return-value]
-
-
-@checked
-def dtype_bytes(kv_dtype: str) -> Fraction:
-    """b, the bytes of one stored element, as an exact fraction (nvfp4: 9/16)."""
-    return KV_DTYPE_BYTES[canonical_kv_dtype(kv_dtype)]
-
-
-@checked
-def vector_bytes(num_elements: int, kv_dtype: str) -> int:
-    """Bytes of one head vector of ``num_elements`` values (nvfp4: one scale per started group of 16)."""
-    n = positive_int("num_elements", num_elements)
-    name = canonical_kv_dtype(kv_dtype)
-    if name == "nvfp4":
-        return math.ceil(n / 2) + math.ceil(n / NVFP4_GROUP)
-    return int(n * KV_DTYPE_BYTES[name])
 
 
 @checked

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import TYPE_CHECKING
 
 from kvlab._validate import checked, fraction_in_unit_interval, positive_int
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclasses.dataclass

@@ -20,17 +20,15 @@ import hashlib
 import os
 import pickle
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cbor2
 import xxhash as _xxhash
 
 from kvlab._validate import checked, non_negative_int, one_of, positive_int
 from kvlab.core.kv_cache_utils import BlockHash  # the one home of the type
+from kvlab.core.request import Request
 from kvlab.errors import KvlabValueError
-
-if TYPE_CHECKING:
-    from kvlab.core.request import Request
 
 HashFn = Callable[[Any], bytes]
 

@@ -50,9 +50,9 @@ from kvlab.core.kv_cache_events import KVCacheEventRecord
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, KVCacheBlocks
 from kvlab.core.manager_checks import AllocationChecks
 from kvlab.core.manager_fork import ForkMixin
-from kvlab.core.request import Request, RequestStatus
+from kvlab.core.request import FINISHED, Request, RequestStatus
 from kvlab.core.single_type_kv_cache_manager import find_longest_cache_hit
-from kvlab.errors import KvlabValueError, RequestStateError
+from kvlab.errors import RequestStateError
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheSpec, as_group_specs
 
 __all__ = ["KVCacheBlocks", "KVCacheManager", "Request", "RequestStatus", "find_longest_cache_hit"]
@@ -119,7 +119,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         self._no_hits: tuple[list[KVCacheBlock], ...] = ((),) * len(groups)  # type: ignore[assignment]
         # vLLM's: the one empty result, shared (nested tuples keep it immutable).
         self.empty_kv_cache_blocks = KVCacheBlocks(self._no_hits)
-        self._last_lookup: tuple[Request, int, tuple[tuple[KVCacheBlock, ...], ...]] | None = None
+        # The last lookup (request, eviction epoch, hit tokens, hits): its result is checked in O(1) at admission.
+        self._last_lookup: tuple[Request, int, int, tuple[tuple[KVCacheBlock, ...], ...]] | None = None
         self.verify_hits = bool(verify_hits)
         seed = hash_seed if hash_seed is not None else os.getenv("PYTHONHASHSEED")
         self.none_hash: BlockHash = none_hash_from_seed(self.caching_hash_fn, seed)
@@ -220,7 +221,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
 
     # ----------------------------------------------------------------- prefix-cache lookup
 
-    @checked
+    @checked(inline=True)  # the checks written into the method: a lookup per admission pays no wrapper's call
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
@@ -234,7 +235,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         further (else 0). The lookup changes nothing in the pool; the first one hashes the
         request with this manager's seed.
         """
-        self._check_request(request)  # max_cache_hit_length: an int >= 0, checked at the door
+        if request.status in FINISHED or self._requests.get(request.request_id, request) is not request:
+            self._check_request(request)  # refuses: a finished request, or another one of the same id
         if not self.enable_caching:
             return self.empty_kv_cache_blocks, 0, 0
         self._ensure_block_hashes(request)
@@ -243,12 +245,12 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         if self.verify_hits:
             groups = (self._verified(request, groups[0]),)
             hit_length = len(groups[0]) * self.block_size
-        self._last_lookup = (request, self.block_pool.eviction_epoch, tuple(map(tuple, groups)))
+        self._last_lookup = (request, self.block_pool.eviction_epoch, hit_length, tuple(map(tuple, groups)))
         return self._create_kv_cache_blocks(groups), hit_length, (hit_length + uncached if uncached else 0)
 
     # ----------------------------------------------------------------- allocation
 
-    @checked(skip=("new_computed_blocks",))  # _check_allocation says what each KV cache group needs
+    @checked(skip=("new_computed_blocks",), inline=True)  # _check_allocation says what each group needs
     def allocate_slots(
         self,
         request: Request,
@@ -386,7 +388,7 @@ class KVCacheManager(ForkMixin, AllocationChecks):
 
     # ----------------------------------------------------------------- freeing
 
-    @checked
+    @checked(inline=True)
     def free(self, request: Request) -> None:
         """Release the request's blocks, group by group, last block first, so its prompt's start is evicted last.
 
@@ -394,9 +396,8 @@ class KVCacheManager(ForkMixin, AllocationChecks):
         hashes in the free queue and can still be hit. Freeing a request that holds nothing
         (never allocated, or freed already) does nothing, as in vLLM.
         """
-        if not isinstance(request, Request):
-            raise KvlabValueError(f"request must be a kvlab Request, got {type(request).__name__}")
-        self._check_same_object(request)
+        if self._requests.get(request.request_id, request) is not request:
+            self._check_same_object(request)  # refuses: another request of the same id holds the blocks
         self.coordinator.free(request.request_id)
         self._requests.pop(request.request_id, None)
 

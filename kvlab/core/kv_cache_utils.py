@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from kvlab._validate import checked, non_negative_int
+from kvlab._validate import checked
 from kvlab.errors import BlockStateError, OutOfBlocksError
 
 #: The one block-hash type (vLLM's ``BlockHash`` is bytes): bytes from ``kvlab.core.hashing``'s functions, or any
@@ -153,9 +153,9 @@ class FreeKVCacheBlockQueue:
         self._unlink(block)
         return block
 
+    @checked(inline=True)  # the allocator takes its blocks here on every step: the check costs no call
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks from the head, in queue order (one relinking, as vLLM's ``popleft_n``)."""
-        n = non_negative_int("n", n)
         if n > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"the pool is out of blocks: asked for {n}, only {self.num_free_blocks} are free"

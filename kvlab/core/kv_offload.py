@@ -9,7 +9,11 @@ the ``OffloadingConnector``, which ``--kv-offloading-size`` configures):
   **swap**: a preempted request's KV, owned by the request rather than by a hash.
 * ``OffloadingConnector`` (scheduler side): watches the GPU ``BlockPool`` for evictions, finds
   hits in the CPU tier beyond the GPU's own (``get_num_new_matched_tokens``), and turns both
-  into one step's transfers (``build_connector_meta``), as vLLM's ``KVConnector`` does.
+  into one step's transfers (``build_connector_meta``). It is a KV connector like the two of notebook
+  11 (``kvlab.distributed.kv_transfer``): the scheduler makes the same calls, with vLLM 0.33.0's
+  signatures (``SchedulerKVConnector``), and an engine selects it as vLLM does, by
+  ``kv_connector="OffloadingConnector"`` or by the size of the tier (``cpu_offload_blocks``, vLLM's
+  ``kv_offloading_size``).
 * ``kvlab.engine.kv_offload.OffloadingExecutor`` (worker side, in the engine because it moves
   tensors): performs a step's transfers (GPU to CPU first, then CPU to GPU), then lets the model run.
 
@@ -26,16 +30,14 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvlab._validate import MAX_OBJECTS, checked, non_negative_int, positive_int
-from kvlab.core.kv_cache_utils import BlockHash, KVCacheBlock
+from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_utils import BlockHash, KVCacheBlock, KVCacheBlocks
+from kvlab.core.request import Request
 from kvlab.errors import BlockStateError, KvlabValueError
 from kvlab.units import cdiv
-
-if TYPE_CHECKING:
-    from kvlab.core.kv_cache_manager import KVCacheManager
-    from kvlab.core.request import Request
 
 BlockTransfer = tuple[int, int]  # (source block id, destination block id)
 
@@ -264,6 +266,7 @@ class OffloadingConnector:
         self._swapped_tokens: dict[str, int] = {}  # request id -> computed tokens swapped out
         self._swapped_in: list[str] = []  # requests whose swap blocks this step's loads read
         self._pending_release: tuple[list[BlockHash], list[str]] = ([], [])  # the last metadata's loads
+        self._num_local_hits: dict[str, int] = {}  # request id -> the GPU hit its last lookup was given
 
     # ----------------------------------------------------------------- the GPU pool's observer
 
@@ -288,8 +291,9 @@ class OffloadingConnector:
         return request.request_id in self._swapped_tokens
 
     @checked
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens beyond the GPU's ``num_computed_tokens`` whose KV the CPU tier can load (whole blocks).
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond the GPU's ``num_computed_tokens`` whose KV the CPU tier can load (whole blocks), and
+        False: the load is synchronous (made before the step's forward).
 
         A swapped-out request gets back everything it had computed; otherwise the hit is the
         longest run of the request's next block hashes held by the CPU tier, never reaching
@@ -297,19 +301,22 @@ class OffloadingConnector:
         """
         if num_computed_tokens % self.block_size:
             raise KvlabValueError(f"num_computed_tokens={num_computed_tokens} must be a whole number of blocks")
+        self._num_local_hits[request.request_id] = num_computed_tokens  # update_state_after_alloc starts there
         if request.request_id in self._swapped_tokens:
-            return max(self._swapped_tokens[request.request_id] - num_computed_tokens, 0)
+            return max(self._swapped_tokens[request.request_id] - num_computed_tokens, 0), False
         first = num_computed_tokens // self.block_size
         limit = (request.num_tokens - 1) // self.block_size
-        return self.cpu.lookup(request.block_hashes[first:limit]) * self.block_size
+        return self.cpu.lookup(request.block_hashes[first:limit]) * self.block_size, False
 
     @checked
-    def update_state_after_alloc(self, request: Request, num_computed_tokens: int, num_external_tokens: int) -> None:
-        """The scheduler admitted ``request`` with GPU blocks for ``num_external_tokens`` loaded tokens.
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """The scheduler gave ``request`` its ``blocks``, ``num_external_tokens`` of whose tokens this tier loads.
 
-        Counts the lookup (once per admission, like vLLM's prefix-cache counters) and queues the
-        loads: from the request's own swap blocks, or from the hashed blocks of the CPU tier.
+        The load starts after the GPU hit its lookup was given (``get_num_new_matched_tokens``). Counts the
+        lookup (once per admission, like vLLM's prefix-cache counters) and queues the loads: from the
+        request's own swap blocks, or from the hashed blocks of the CPU tier.
         """
+        num_computed_tokens = self._num_local_hits.pop(request.request_id, 0)
         if num_computed_tokens + num_external_tokens > request.num_tokens:
             raise KvlabValueError(f"num_computed_tokens={num_computed_tokens} + num_external_tokens="
                                   f"{num_external_tokens} exceed request {request.request_id!r}'s "
@@ -327,7 +334,7 @@ class OffloadingConnector:
             return
         first = num_computed_tokens // self.block_size
         count = cdiv(num_external_tokens, self.block_size)
-        gpu_ids = self.kv_cache_manager.get_block_ids(request.request_id)[first:first + count]
+        gpu_ids = [block.block_id for block in blocks.blocks[0][first:first + count]]
         if swapped:
             cpu_ids = self.cpu.swapped_blocks(request.request_id)[first:first + count]
             self._swapped_in.append(request.request_id)
@@ -358,17 +365,21 @@ class OffloadingConnector:
         return True
 
     @checked
-    def request_finished(self, request: Request) -> None:
-        """Forget a finished request's swap state (it has none once swapped back in)."""
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        """Forget a finished request's swap state (it has none once swapped back in); its blocks may go at once."""
         self._swapped_tokens.pop(request.request_id, None)
+        self._num_local_hits.pop(request.request_id, None)
         self.cpu.free_swap(request.request_id)
+        return False, None
 
-    def build_connector_meta(self) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any = None) -> KVConnectorMetadata:
         """This step's transfers; the previous step's are complete (kvlab's executor is synchronous).
 
-        Evicted blocks are stored last, after every load was prepared: a store never takes a
-        CPU block a load of this step still has to read.
+        The previous metadata's loads are released first (``complete_step``). Evicted blocks are stored
+        last, after every load was prepared: a store never takes a CPU block a load of this step still
+        has to read.
         """
+        self.complete_step()
         stores = self.cpu.prepare_store([h for _, h in self._evicted])
         gpu_of = {h: gpu_id for gpu_id, h in self._evicted}
         self._meta.stores += [(gpu_of[h], cpu_id) for h, cpu_id in stores]
@@ -379,6 +390,9 @@ class OffloadingConnector:
         self._pending_release = (self._loading, self._swapped_in)
         self._loading, self._swapped_in = [], []
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Nothing to learn from the worker: its copies are synchronous (``complete_step`` releases them)."""
 
     def complete_step(self) -> None:
         """The executor made the last metadata's copies: loaded blocks may be evicted, swap blocks freed."""

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvlab._validate import checked, positive_int
+from kvlab.core.block_pool import BlockPool
 from kvlab.core.hashing import generate_block_hash_extra_keys
+from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlocks
 from kvlab.core.request import FINISHED, Request
 from kvlab.errors import KvlabValueError, RequestStateError
 from kvlab.kv_cache_interface import KVCacheGroupSpec, SlidingWindowSpec
 from kvlab.units import cdiv
-
-if TYPE_CHECKING:
-    from kvlab.core.block_pool import BlockPool
-    from kvlab.core.kv_cache_coordinator import KVCacheCoordinator
 
 
 @checked
@@ -41,7 +39,8 @@ class AllocationChecks:
     num_rejected_hits: int
     _request_block_hasher: Any
     _no_hits: tuple[list[KVCacheBlock], ...]
-    _last_lookup: tuple[Request, int, tuple[tuple[KVCacheBlock, ...], ...]] | None
+    _last_lookup: tuple[Request, int, int, tuple[tuple[KVCacheBlock, ...], ...]] | None
+    empty_kv_cache_blocks: KVCacheBlocks
 
     def _check_hash_block_size(self, hash_block_size: int | None, verify_hits: bool) -> int:
         if hash_block_size is None:
@@ -103,11 +102,11 @@ class AllocationChecks:
             groups = (new_computed_blocks,)
         else:
             groups = new_computed_blocks  # type: ignore[assignment]
-        if not isinstance(groups, (list, tuple)) or len(groups) != n or \
-                not all(isinstance(g, (list, tuple)) for g in groups):
+        if not isinstance(groups, (list, tuple)) or len(groups) != n or not (  # exact types in one C-level pass
+                set(map(type, groups)) <= {list, tuple} or all(isinstance(g, (list, tuple)) for g in groups)):
             raise KvlabValueError(f"new_computed_blocks must hold one list of blocks per KV cache group ({n}); pass "
                                   "what get_computed_blocks returned")
-        return tuple(list(g) for g in groups)
+        return tuple(map(list, groups))
 
     def _verified(self, request: Request, hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """Cut ``hits`` at the first block whose recorded tokens or extra keys differ from the request's."""
@@ -189,8 +188,12 @@ class AllocationChecks:
                 f"request {rid!r} was hashed by another KVCacheManager (its own hash seed and "
                 "function); create a new Request for this manager"
             )
-        computed = self._no_hits if new_computed_blocks is None else self._group_hits(new_computed_blocks)
-        partial = self._check_hits(request, computed, num_new_computed_tokens)
+        if (new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks) \
+                and not num_new_computed_tokens:
+            computed, partial = self._no_hits, 0  # no hits: nothing to check against the lookup
+        else:
+            computed = self._group_hits(new_computed_blocks)
+            partial = self._check_hits(request, computed, num_new_computed_tokens)
         if num_computed + num_new_computed_tokens + num_external + num_new_tokens > len(request._all_token_ids):
             self._refuse_past_the_end(request, num_new_tokens, num_new_computed_tokens, num_external)
         return computed, partial
@@ -217,6 +220,10 @@ class AllocationChecks:
 
     def _check_hits(self, request: Request, groups: tuple[list[KVCacheBlock], ...], num_tokens: int) -> int:
         """The hits must be exactly what ``get_computed_blocks`` returned for this request, in every group."""
+        lookup = self._last_lookup  # O(1) in the usual case: the hits of the last lookup, with no eviction since
+        if lookup is not None and lookup[0] is request and lookup[1] == self.block_pool.eviction_epoch \
+                and lookup[2] == num_tokens and lookup[3] == tuple(map(tuple, groups)):  # C-level: no call per block
+            return int(num_tokens % self.block_size != 0)
         for g, computed in enumerate(groups):
             if cdiv(num_tokens, self.block_size) != len(computed) or num_tokens % self.hash_block_size:
                 where = f"new_computed_blocks[{g}]" if len(groups) > 1 else "new_computed_blocks"
@@ -232,10 +239,6 @@ class AllocationChecks:
         if request._hasher_owner is not self:
             raise KvlabValueError(f"request {request.request_id!r} was not looked up by this manager: pass the blocks "
                                   "get_computed_blocks returned for it")
-        lookup = self._last_lookup  # O(1) in the usual case: the hits of the last lookup, with no eviction since
-        if lookup is not None and lookup[0] is request and lookup[1] == self.block_pool.eviction_epoch \
-                and lookup[2] == tuple(map(tuple, groups)):
-            return int(num_tokens % self.block_size != 0)
         real = [b for computed in groups for b in computed if not getattr(b, "is_null", False)]
         for g, computed in enumerate(groups):
             self._check_group_hits(request, g, computed, num_tokens, len(groups) > 1)

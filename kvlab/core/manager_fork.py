@@ -10,15 +10,10 @@ ends inside a block (``KVCacheManager.take_kv_cache_block_copies``). The copy it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvlab._validate import checked
-from kvlab.core.kv_cache_utils import KVCacheBlockCopy
+from kvlab.core.block_pool import BlockPool
+from kvlab.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from kvlab.core.request import Request
-
-if TYPE_CHECKING:
-    from kvlab.core.block_pool import BlockPool
-    from kvlab.core.kv_cache_utils import KVCacheBlock
 
 
 @checked

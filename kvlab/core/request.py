@@ -51,9 +51,12 @@ class RequestStatus(enum.Enum):
     ``FINISHED_ERROR`` is vLLM's request-level internal error (finish reason ``"error"``): kvlab
     gives it to a request whose step failed (the executor raised, or returned no usable token
     for it), so the request ends, its blocks are freed, and the engine serves the others.
+    ``WAITING_FOR_REMOTE_KVS``: the request holds blocks a KV connector is filling asynchronously
+    (another engine's prefill, pulled across); the scheduler skips it until the load is reported done.
     """
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -67,7 +70,7 @@ class RequestStatus(enum.Enum):
         return status.value.startswith("finished")
 
 
-@checked
+@checked(inline=True)  # every request of every step is built here: its checks are written into __init__
 class Request:
     """Token ids, progress and block hashes of one request.
 

@@ -30,7 +30,7 @@ from kvlab.core.hashing import BlockHash, make_block_hash_with_group_id
 from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.core.request import Request
 from kvlab.errors import KvlabValueError
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
 from kvlab.units import cdiv
 
 __all__ = ["FullAttentionManager", "SingleTypeKVCacheManager", "SlidingWindowManager", "find_longest_cache_hit",
@@ -386,9 +386,10 @@ def _by_group(per_block: list[Any], kv_cache_group_ids: Sequence[int] | None) ->
     return tuple([entry[g] for entry in per_block] for g in range(len(kv_cache_group_ids)))
 
 
-#: vLLM's KVCacheSpecRegistry, for the kinds kvlab serves.
+#: vLLM's KVCacheSpecRegistry, for the kinds kvlab serves (an MLA layer is full attention to the manager).
 MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    MLAAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
 }
 

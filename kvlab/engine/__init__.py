@@ -6,7 +6,8 @@ from a checkpoint; ``save_tiny_llama`` writes the small seeded checkpoint tests 
 MLA: ``load_deepseek`` builds a DeepSeek-V3-style decoder over one latent cache per layer
 (``allocate_mla_kv_caches``); ``save_tiny_deepseek`` writes its small seeded checkpoint. The registry
 (``model_family``, ``kv_cache_specs``) says, per ``model_type``, which config, model and KV cache spec
-(``FullAttentionSpec``, ``MLAAttentionSpec``) ``LLMEngine`` and ``load_model`` use.
+(``FullAttentionSpec``, ``MLAAttentionSpec``: ``kvlab.kv_cache_interface``'s) ``LLMEngine`` and ``load_model``
+use; ``allocate_kv_cache`` makes a layer's tensors from its spec.
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ _WHERE = {
     "load_deepseek": "kvlab.engine.deepseek",
     "DeepseekConfig": "kvlab.engine.deepseek_config",
     "EngineConfig": "kvlab.engine.engine_config",
-    "FullAttentionSpec": "kvlab.engine.kv_cache_interface",
-    "MLAAttentionSpec": "kvlab.engine.kv_cache_interface",
+    "FullAttentionSpec": "kvlab.kv_cache_interface",     # the one spec hierarchy, re-exported here
+    "MLAAttentionSpec": "kvlab.kv_cache_interface",
+    "allocate_kv_cache": "kvlab.engine.kv_cache_interface",
     "LLMEngine": "kvlab.engine.llm_engine",
-    "load_model": "kvlab.engine.loader",
+    "load_model": "kvlab.engine.registry",
     "MLAAttention": "kvlab.engine.mla",
     "allocate_mla_kv_caches": "kvlab.engine.mla",
     "LlamaForCausalLM": "kvlab.engine.model",

@@ -8,7 +8,18 @@ per-head q/k RMSNorm (Qwen3) is switched on by ``model_type``, the rotary freque
 sliding-window layers follow ``sliding_window`` with ``layer_types`` (Ministral alternates them
 with full attention; Mistral slides in every layer; Qwen2/Qwen3 slide where ``use_sliding_window``
 is true, in ``layer_types``' sliding layers or else in layers ``max_window_layers`` and up, as
-transformers' ``Qwen3Config`` reads them). Everything else is refused with a message
+transformers' ``Qwen3Config`` reads them).
+
+Gemma 3's text decoder (``gemma3_text``, vLLM's and transformers' ``Gemma3ForCausalLM``) is read by
+the same class with the numbers its forward adds: the attention scale ``query_pre_attn_scalar**-0.5``,
+a rotary base per layer type (``rope_parameters.sliding_attention`` / ``full_attention``, or in older
+files ``rope_local_base_freq`` for the sliding layers and ``rope_theta`` for the others), the GeGLU's
+``hidden_activation`` and ``final_logit_softcapping``; its layers slide as ``layer_types`` says, or
+else all but every ``sliding_window_pattern``-th, and absent fields take ``Gemma3TextConfig``'s defaults
+(``kvlab.capacity.models.with_family_defaults``). ``attn_logit_softcapping`` is read and not applied:
+transformers' ``Gemma3Attention`` and vLLM 0.33.0's (``attn_logits_soft_cap=None``) both leave it out.
+The multimodal ``gemma3`` checkpoint (a vision tower beside the decoder) is refused by name.
+Everything else is refused with a message
 that says why, and so is a value the forward could not use: a size that is not a positive
 integer (a string "64" included), an ``rms_norm_eps`` or ``rope_theta`` that is not a positive
 number (with either at or below 0 the forward would produce NaN, which would then be sampled
@@ -26,15 +37,23 @@ from typing import Any, TypeVar
 
 from kvlab._validate import positive_int, positive_number
 from kvlab.capacity.config_fields import check_config_fields
-from kvlab.capacity.models import ModelSpec
+from kvlab.capacity.models import ModelSpec, with_family_defaults
 from kvlab.errors import CheckpointError, KvlabValueError, MissingConfigKeyError, UnknownNameError
 
 ConfigT = TypeVar("ConfigT")
 
-#: ``model_type`` values whose decoder is the one ``kvlab.engine.model`` implements.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
+#: ``model_type`` values whose decoder is ``kvlab.engine.model``'s ``LlamaForCausalLM``.
+LLAMA_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
+#: ``model_type`` values of Gemma 3's text decoder (``kvlab.engine.gemma3``'s ``Gemma3ForCausalLM``).
+GEMMA3_MODEL_TYPES = ("gemma3_text",)
+#: Every ``model_type`` ``DecoderConfig`` reads.
+SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + GEMMA3_MODEL_TYPES
+#: Multimodal checkpoints refused by name, with the text-only ``model_type`` kvlab serves instead.
+MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text"}
 #: ``model_type`` values whose ``sliding_window`` kvlab serves (Qwen's only where ``use_sliding_window`` is true).
-SLIDING_WINDOW_MODEL_TYPES = ("mistral", "ministral", "qwen2", "qwen3")
+SLIDING_WINDOW_MODEL_TYPES = ("mistral", "ministral", "qwen2", "qwen3", "gemma3_text")
+#: The MLP's activation per family, and the config field that names it: SwiGLU, or Gemma 3's GeGLU.
+ACTIVATIONS = {"llama": ("hidden_act", "silu"), "gemma3_text": ("hidden_activation", "gelu_pytorch_tanh")}
 #: Families whose ``sliding_window`` counts only with ``use_sliding_window`` (transformers sets it to None otherwise).
 USE_SLIDING_WINDOW_MODEL_TYPES = ("qwen2", "qwen3")
 #: Rotary variants kvlab computes exactly as transformers does.
@@ -66,12 +85,16 @@ class DecoderConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope: RopeConfig
+    rope: RopeConfig  # of the full-attention layers (every layer, but where sliding_rope is set)
     tie_word_embeddings: bool
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before the rotation
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm over each head of q and k before the rotation
     max_position_embeddings: int | None
     eos_token_id: tuple[int, ...]
     spec: ModelSpec  # the same file read by kvlab.capacity.models, for KV sizing
+    hidden_act: str = "silu"  # the MLP's gate: SwiGLU's silu, Gemma 3's gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale = this ** -0.5 (None: head_dim)
+    sliding_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' rotation (None: ``rope``)
+    final_logit_softcapping: float | None = None  # Gemma 3: logits = c * tanh(logits / c)
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -87,6 +110,16 @@ class DecoderConfig:
         """The window of layer ``layer``, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rotation of layer ``layer``: Gemma 3's sliding layers have their own base, others share ``rope``."""
+        sliding = self.layer_types[layer] == "sliding_attention"
+        return self.sliding_rope if sliding and self.sliding_rope is not None else self.rope
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: ``head_dim ** -0.5``, or Gemma 3's ``query_pre_attn_scalar ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @property
     def num_queries_per_kv(self) -> int:
         """Query heads that share one KV head (GQA group size)."""
@@ -97,10 +130,18 @@ class DecoderConfig:
         """Read and check a ``config.json`` dict; unsupported architectures and bad values raise naming the field."""
         cfg = check_config_fields(config)  # every field's type and range, by the field's name
         model_type = cfg.get("model_type")
+        refuse_multimodal(model_type)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnknownNameError("model_type", model_type, SUPPORTED_MODEL_TYPES)
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise KvlabValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; the SwiGLU MLP needs 'silu'")
+        gemma3 = model_type in GEMMA3_MODEL_TYPES
+        cfg = with_family_defaults(cfg)  # Gemma 3's absent fields as Gemma3TextConfig fills them
+        act_field, act = ACTIVATIONS["gemma3_text" if gemma3 else "llama"]
+        if cfg.get(act_field, act) != act:
+            raise KvlabValueError(f"{act_field}={cfg[act_field]!r} is not supported; the "
+                                  f"{'GeGLU' if gemma3 else 'SwiGLU'} MLP of {model_type} needs {act!r}")
+        if cfg.get("use_bidirectional_attention"):
+            raise KvlabValueError("use_bidirectional_attention=true is not supported: kvlab's engine serves causal "
+                                  "decoders (the KV cache holds what earlier tokens saw, never later ones)")
         if _uses_sliding_window(cfg) and model_type not in SLIDING_WINDOW_MODEL_TYPES:
             raise KvlabValueError(
                 f"sliding_window={cfg.get('sliding_window')!r} is set: kvlab's engine serves sliding windows for "
@@ -123,6 +164,7 @@ class DecoderConfig:
         eps, tie = 1e-6 if eps is None else eps, False if tie is None else tie
         if not isinstance(tie, bool):
             raise KvlabValueError(f"tie_word_embeddings must be true or false, got {tie!r}")
+        ropes = gemma3_rope_configs(cfg) if gemma3 else {}
         return cls(
             model_type=model_type,
             **sizes,
@@ -131,12 +173,16 @@ class DecoderConfig:
             num_key_value_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             rms_norm_eps=positive_number("rms_norm_eps", eps),
-            rope=rope_config(cfg),
+            rope=ropes["full_attention"] if gemma3 else rope_config(cfg),
             tie_word_embeddings=tie,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", *GEMMA3_MODEL_TYPES),
             max_position_embeddings=None if max_len is None else positive_int("max_position_embeddings", max_len),
             eos_token_id=eos_token_ids(cfg.get("eos_token_id")),
             spec=spec,
+            hidden_act=act,
+            query_pre_attn_scalar=cfg["query_pre_attn_scalar"] if gemma3 else None,
+            sliding_rope=ropes["sliding_attention"] if gemma3 else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma3 else None,
         )
 
     @classmethod
@@ -178,10 +224,42 @@ def eos_token_ids(eos: object) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def refuse_multimodal(model_type: object) -> None:
+    """Refuse a multimodal wrapper (``gemma3``) by name, saying which text-only ``model_type`` kvlab serves."""
+    if isinstance(model_type, str) and model_type in MULTIMODAL_MODEL_TYPES:
+        raise KvlabValueError(
+            f"model_type={model_type!r} is a multimodal checkpoint (a vision tower beside the decoder, the decoder's "
+            f"weights under model.language_model); kvlab's engine serves the text-only model_type="
+            f"{MULTIMODAL_MODEL_TYPES[model_type]!r} ({model_type.capitalize()}ForCausalLM). kvlab.capacity still "
+            "sizes this config's KV cache from its text_config"
+        )
+
+
 def _uses_sliding_window(cfg: Mapping[str, Any]) -> bool:
     if cfg.get("model_type") in USE_SLIDING_WINDOW_MODEL_TYPES:  # these files carry a window but switch it off
         return bool(cfg.get("use_sliding_window", False))
     return cfg.get("sliding_window") is not None
+
+
+#: ``Gemma3TextConfig.default_theta``: the rotary bases when a file names none.
+GEMMA3_DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+
+
+def gemma3_rope_configs(cfg: Mapping[str, Any]) -> dict[str, RopeConfig]:
+    """Gemma 3's rotation per layer type, read as ``Gemma3TextConfig.convert_rope_params_to_dict`` reads it.
+
+    transformers 5 writes ``rope_parameters = {"sliding_attention": {...}, "full_attention": {...}}``;
+    older files give ``rope_theta`` (the full-attention layers' base), ``rope_local_base_freq`` (the
+    sliding layers') and ``rope_scaling``, which scales the full-attention layers only. A base no file
+    names is ``GEMMA3_DEFAULT_THETA``'s.
+    """
+    per_type = cfg.get("rope_parameters") or {}
+    full = {**(per_type.get("full_attention") or {"rope_type": "default"}), **(cfg.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", cfg.get("rope_theta", GEMMA3_DEFAULT_THETA["full_attention"]))
+    sliding = dict(per_type.get("sliding_attention") or {"rope_type": "default"})
+    sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_DEFAULT_THETA["sliding_attention"]))
+    return {"full_attention": rope_config({"rope_parameters": full}),
+            "sliding_attention": rope_config({"rope_parameters": sliding})}
 
 
 def rope_config(cfg: Mapping[str, Any]) -> RopeConfig:

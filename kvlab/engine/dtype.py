@@ -7,7 +7,9 @@ older files), else the one dtype of its safetensors weights, else float32
 supports it (``supported_dtypes``: bf16, fp16, fp32 on Ampere and later GPUs and on x86 CPUs; fp16,
 fp32 before Ampere) and falls back to the platform's first supported dtype otherwise; an explicit
 ``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or ``"float"``, ``"half"``) is taken as given, and a
-cast is logged ("Upcasting ...", "Downcasting ...", "Casting ...").
+cast is logged ("Upcasting ...", "Downcasting ...", "Casting ..."). Some families compute wrongly in
+float16 (``_FLOAT16_NOT_SUPPORTED_MODELS``, Gemma 3 among them): ``"auto"`` skips float16 for them and an
+explicit float16 is refused with vLLM's message.
 
 kvlab differs twice. vLLM downcasts a float32 checkpoint under ``"auto"`` to the platform's first
 dtype (bf16); kvlab keeps float32, so its tiny float32 checkpoints compare with transformers'
@@ -50,26 +52,34 @@ def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
     return common
 
 
-def supported_dtypes(device: torch.device) -> list[torch.dtype]:
-    """vLLM's ``current_platform.supported_dtypes``: the preferred first."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return [torch.float16, torch.float32]
-    return [torch.bfloat16, torch.float16, torch.float32]
+#: vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS``: ``model_type`` -> why float16 is refused.
+FLOAT16_NOT_SUPPORTED_MODELS = dict.fromkeys(
+    ("gemma2", "gemma3", "gemma3_text", "glm4"), "Numerical instability. Please use bfloat16 or float32 instead.")
+
+
+def supported_dtypes(device: torch.device, model_type: str = "") -> list[torch.dtype]:
+    """vLLM's ``current_platform.supported_dtypes``, the preferred first, less float16 where ``model_type``
+    cannot use it (``_resolve_auto_dtype``'s filter)."""
+    dtypes = [torch.float16, torch.float32] if device.type == "cuda" and not torch.cuda.is_bf16_supported() else \
+        [torch.bfloat16, torch.float16, torch.float32]
+    return [d for d in dtypes if not (d == torch.float16 and model_type in FLOAT16_NOT_SUPPORTED_MODELS)]
 
 
 def resolve_dtype(dtype: object, config_dtype: torch.dtype, device: torch.device,
-                  interpreter: bool) -> tuple[torch.dtype, str | None]:
+                  interpreter: bool, model_type: str = "") -> tuple[torch.dtype, str | None]:
     """``dtype`` (``"auto"``, a name, or a ``torch.dtype``) resolved as the module says; and the line to log, if any.
 
-    ``interpreter``: the attention kernels run through Triton's interpreter (float32 only).
+    ``interpreter``: the attention kernels run through Triton's interpreter (float32 only). ``model_type``:
+    the checkpoint's, for vLLM's float16 refusal (``_check_valid_dtype``).
     """
     if isinstance(dtype, str) and dtype.lower() == "auto":
+        supported = supported_dtypes(device, model_type)
         if interpreter:
             chosen = torch.float32
-        elif config_dtype == torch.float32 or config_dtype in supported_dtypes(device):
+        elif config_dtype == torch.float32 or config_dtype in supported:
             chosen = config_dtype  # kvlab keeps a float32 checkpoint in float32 (vLLM: the platform's first)
         else:
-            chosen = supported_dtypes(device)[0]
+            chosen = supported[0]
     elif isinstance(dtype, str) and dtype.lower() in STR_DTYPE_TO_TORCH_DTYPE:
         chosen = STR_DTYPE_TO_TORCH_DTYPE[dtype.lower()]
     elif isinstance(dtype, torch.dtype) and dtype in STR_DTYPE_TO_TORCH_DTYPE.values():
@@ -77,6 +87,9 @@ def resolve_dtype(dtype: object, config_dtype: torch.dtype, device: torch.device
     else:
         raise KvlabValueError(f"dtype must be 'auto' or one of {', '.join(map(repr, STR_DTYPE_TO_TORCH_DTYPE))}, "
                               f"got {dtype!r}")
+    if chosen == torch.float16 and model_type in FLOAT16_NOT_SUPPORTED_MODELS:
+        raise KvlabValueError(f"dtype={dtype!r}: The model type {model_type!r} does not support float16. Reason: "
+                              f"{FLOAT16_NOT_SUPPORTED_MODELS[model_type]}")
     if interpreter and chosen != torch.float32:
         raise KvlabValueError(f"dtype={dtype!r}: Triton's interpreter (attention_backend='triton' or MLA on a CPU) "
                               "has no bf16 or fp16 arithmetic; use dtype='float32' (or attention_backend='torch')")

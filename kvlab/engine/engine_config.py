@@ -42,6 +42,7 @@ from kvlab.core.sched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_
 from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.dtype import checkpoint_dtype, resolve_dtype
 from kvlab.engine.kv_events_config import KVEventsConfig
+from kvlab.engine.kv_transfer_config import KVTransferConfig
 from kvlab.engine.registry import ModelConfig, read_model_config
 from kvlab.errors import KvlabValueError, UnknownNameError
 
@@ -139,6 +140,7 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # SchedulerConfig.max_num_batched_tokens
     preemption_mode: str = "recompute"              # kvlab: "swap" is what V1 dropped
     cpu_offload_blocks: int = 0                     # the CPU tier; vLLM sizes it in GiB (kv_offloading_size)
+    kv_transfer_config: KVTransferConfig | None = None  # VllmConfig.kv_transfer_config: a KV connector, its role
     kv_cache_metrics: bool = False                  # ObservabilityConfig.kv_cache_metrics
     kv_cache_metrics_sample: float = 1.0            # ObservabilityConfig.kv_cache_metrics_sample
     keep_logits: bool = False                       # kvlab: keep each sampled row of logits
@@ -168,18 +170,39 @@ class EngineConfig:
         # MLA layers call kvlab's Triton kernels whatever attention_backend says (it names the K/V kernels only)
         triton = self.attention_backend == "triton" or isinstance(self.model_config, DeepseekConfig)
         interpreter = triton and kernels.backend() == kernels.TRITON_INTERPRETER
-        dtype, line = resolve_dtype(self.dtype, checkpoint_dtype(self.model_dir), self.device, interpreter)
+        dtype, line = resolve_dtype(self.dtype, checkpoint_dtype(self.model_dir), self.device, interpreter,
+                                    self.model_config.model_type)
         set_(self, "dtype", dtype)
         set_(self, "dtype_log", line)
         set_(self, "max_model_len", verify_max_model_len(self.max_model_len, self.model_config))
         set_(self, "scheduler_config", SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                                        self.max_model_len, self.preemption_mode))
+        self._resolve_offloading_connector()
         if self.scheduler_config.needs_cpu_tier and not self.cpu_offload_blocks:
             raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: set cpu_offload_blocks")
         if self.cpu_offload_blocks and self.hybrid_kv_cache:
             raise KvlabValueError("cpu_offload_blocks: kvlab's CPU tier copies one block table per request, and this "
                                   "model's sliding-window layers get KV cache groups of their own; set "
                                   "disable_hybrid_kv_cache_manager=True to offload it")
+
+    def _resolve_offloading_connector(self) -> None:
+        """The CPU tier is a KV connector: ``kv_connector="OffloadingConnector"`` (with ``num_cpu_blocks`` in its
+        extra config) is the same engine as ``cpu_offload_blocks``; kvlab runs one connector at a time."""
+        kvt = self.kv_transfer_config
+        if kvt is None:
+            return
+        if not isinstance(kvt, KVTransferConfig):
+            raise KvlabValueError(f"kv_transfer_config must be a KVTransferConfig or None, got {kvt!r}")
+        if kvt.kv_connector == "OffloadingConnector":
+            blocks = kvt.get_from_extra_config("num_cpu_blocks", None)
+            positive_int("kv_connector_extra_config['num_cpu_blocks']", blocks)
+            if self.cpu_offload_blocks not in (0, blocks):
+                raise KvlabValueError(f"cpu_offload_blocks={self.cpu_offload_blocks} and the OffloadingConnector's "
+                                      f"num_cpu_blocks={blocks} disagree: give one of them")
+            object.__setattr__(self, "cpu_offload_blocks", blocks)
+        elif kvt.kv_connector is not None and self.cpu_offload_blocks:
+            raise KvlabValueError(f"cpu_offload_blocks: kvlab runs one KV connector per engine (vLLM's MultiConnector "
+                                  f"is not kept), and kv_transfer_config names {kvt.kv_connector!r}")
 
     @property
     def hybrid_kv_cache(self) -> bool:

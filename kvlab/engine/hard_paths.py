@@ -18,8 +18,8 @@ from typing import Any
 
 from kvlab import kernels
 from kvlab.engine.evaluation import hf_greedy, num_agreeing_tokens
-from kvlab.engine.kv_cache_interface import MLAAttentionSpec
 from kvlab.engine.toy import random_token_ids
+from kvlab.kv_cache_interface import MLAAttentionSpec
 from kvlab.units import cdiv
 
 #: The tiny model's tiles on the hard paths: 32 query tokens x 2 heads per program, keys 16 per tile.
@@ -42,6 +42,7 @@ class HardPathRun:
     split_decode_steps: int             # decode-only steps, each run with decode_kv_splits programs per sequence
     chunk_boundaries: list[int]         # positions where a prefill chunk started after earlier chunks
     steps: int
+    boundaries_by_prompt: tuple[tuple[int, ...], ...] = ()  # the same positions, prompt by prompt
 
     @property
     def equal(self) -> bool:
@@ -73,7 +74,9 @@ class HardPathRun:
         return {"prompt lengths": self.prompt_lens, "longest context": self.max_context,
                 "key tiles it spans": self.max_tiles, "blocks it spans": self.max_blocks,
                 "decode steps split": f"{self.split_decode_steps} x {self.decode_kv_splits} splits",
-                "chunk boundaries": self.chunk_boundaries, "tokens agreeing": self.agreeing_tokens,
+                "chunk boundaries, by prompt": {f"{n}-token prompt": list(b) for n, b in
+                                                zip(self.prompt_lens, self.boundaries_by_prompt, strict=True)},
+                "tokens agreeing": self.agreeing_tokens,
                 "identical": self.equal}
 
 
@@ -103,6 +106,7 @@ def compare_hard_paths(model_dir: str | os.PathLike, hf_model: Any, *, prompt_le
     engine.model_runner.decode_kv_splits = decode_kv_splits
     ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
     split_steps, boundaries, max_context = 0, [], 0
+    by_prompt: list[list[int]] = [[] for _ in prompts]
     while engine.has_unfinished_requests():
         engine.step()
         scheduled = engine.last_scheduler_output.scheduled
@@ -112,6 +116,8 @@ def compare_hard_paths(model_dir: str | os.PathLike, hf_model: Any, *, prompt_le
             prompt_len = len(prompts[ids.index(s.request_id)]) if s.request_id in ids else 0
             if 0 < s.num_computed_tokens < prompt_len:               # a chunk that continues a prefill
                 boundaries.append(s.num_computed_tokens)
+                by_prompt[ids.index(s.request_id)].append(s.num_computed_tokens)
     reference = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
     return HardPathRun(tuple(prompt_lens), [engine.outputs[i] for i in ids], reference, config.tile_n, block_size,
-                       decode_kv_splits, max_context, split_steps, boundaries, len(engine.history))
+                       decode_kv_splits, max_context, split_steps, boundaries, len(engine.history),
+                       tuple(tuple(b) for b in by_prompt))

@@ -23,17 +23,15 @@ import os
 import torch
 
 from kvlab.capacity.budget import KVCachePlan, plan_kv_cache
-from kvlab.capacity.hybrid import HybridKVCachePlan, get_kv_cache_groups, layer_specs, plan_hybrid_kv_cache
+from kvlab.capacity.hybrid import HybridKVCachePlan, get_kv_cache_groups, layer_name, plan_hybrid_kv_cache
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.engine.engine_config import EngineConfig
-from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
+from kvlab.engine.kv_cache_interface import KVCache, allocate_kv_cache, layer_tensors
 from kvlab.engine.registry import kv_cache_specs
 from kvlab.errors import KvlabValueError
-from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec, kv_dtype_name
 from kvlab.units import GiB, cdiv
 
-_SIZING_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                 torch.float8_e4m3fn: "fp8_e4m3"}
 #: The most memory a default-sized pool takes (a real checkpoint would otherwise ask for many GiB).
 DEFAULT_KV_CACHE_MEMORY_GIB = 1
 
@@ -49,14 +47,18 @@ def _device_memory_gib(device: torch.device) -> float:
 
 
 def kv_cache_groups(config: EngineConfig, cache_dtype: torch.dtype) -> tuple[KVCacheGroupSpec, ...]:
-    """The model's KV cache groups: vLLM's grouping of its layers, or one full-attention group for all of them
-    (a model without sliding windows, or ``disable_hybrid_kv_cache_manager``)."""
-    spec, block_size = config.model_config.spec, config.block_size
-    specs = layer_specs(spec, block_size, _SIZING_NAMES[cache_dtype])
-    if config.disable_hybrid_kv_cache_manager or not spec.num_sliding_layers:
-        page = next(iter(specs.values())).page_size_bytes
-        return (KVCacheGroupSpec(tuple(specs), FullAttentionSpec(block_size, page)),)
-    return get_kv_cache_groups(specs)
+    """The model's KV cache groups, made of its layers' specs (``kv_cache_specs``): vLLM's grouping of its layers,
+    or one group for all of them (a model without sliding windows, or ``disable_hybrid_kv_cache_manager``, which
+    gives sliding layers full attention's spec as vLLM's ``unify_hybrid_kv_cache_specs`` does)."""
+    specs = kv_cache_specs(config.model_config, config.block_size, cache_dtype)
+    named = {layer_name(i): spec for i, spec in enumerate(specs)}
+    if config.disable_hybrid_kv_cache_manager or not any(isinstance(s, SlidingWindowSpec) for s in specs):
+        first = specs[0]
+        full = first if isinstance(first, FullAttentionSpec) else FullAttentionSpec(
+            first.block_size, num_kv_heads=first.num_kv_heads, head_size=first.head_size, dtype=first.dtype,
+            head_size_v=first.head_size_v)
+        return (KVCacheGroupSpec(tuple(named), full),)
+    return get_kv_cache_groups(named)
 
 
 def layer_groups(groups: tuple[KVCacheGroupSpec, ...]) -> tuple[list[int], list[int]]:
@@ -80,7 +82,7 @@ def plan_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int
     hybrid = groups is not None and any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
     if hybrid:
         return _plan_hybrid_pool(config, cache_dtype, weights_bytes, groups)  # type: ignore[arg-type]
-    per_block = kv_bytes_per_token(spec, _SIZING_NAMES[cache_dtype]) * block_size
+    per_block = kv_bytes_per_token(spec, kv_dtype_name(cache_dtype)) * block_size
     num_gpu_blocks, memory_gib = config.num_gpu_blocks, config.kv_cache_memory_gib
     if num_gpu_blocks is None and memory_gib is None:
         wanted = 1 + config.max_num_seqs * cdiv(config.max_model_len, block_size)
@@ -89,7 +91,7 @@ def plan_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int
         memory_gib = num_gpu_blocks * per_block / GiB  # exact: GiB = 2**30
     plan = plan_kv_cache(
         spec, gpu_memory_gib=_device_memory_gib(config.device), weights_gib=weights_bytes / GiB,
-        kv_cache_memory_gib=memory_gib, kv_dtype=_SIZING_NAMES[cache_dtype],
+        kv_cache_memory_gib=memory_gib, kv_dtype=kv_dtype_name(cache_dtype),
         block_size=block_size, max_model_len=config.max_model_len,
     )
     if plan.num_blocks < 2:
@@ -115,7 +117,7 @@ def _plan_hybrid_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_by
         memory_gib = num_gpu_blocks * per_block / GiB
     plan = plan_hybrid_kv_cache(
         config.model_config.spec, max_model_len=config.max_model_len, block_size=config.block_size,
-        kv_dtype=_SIZING_NAMES[cache_dtype], max_num_batched_tokens=in_flight, async_scheduling=False,
+        kv_dtype=kv_dtype_name(cache_dtype), max_num_batched_tokens=in_flight, async_scheduling=False,
         gpu_memory_gib=_device_memory_gib(config.device), weights_gib=weights_bytes / GiB,
         kv_cache_memory_gib=memory_gib)
     assert plan.kv_cache_groups == groups
@@ -139,12 +141,12 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, dtype: torch.dtype
     """
     specs = kv_cache_specs(config.model_config, config.block_size, dtype)
     if groups is None:
-        return [spec.allocate(num_blocks, config.device) for spec in specs]
+        return [allocate_kv_cache(spec, num_blocks, config.device) for spec in specs]
     _, slots = layer_groups(groups)
     shared: dict[int, KVCache] = {}
     for layer, slot in enumerate(slots):  # the layers sharing a slot have pages of one size and shape
         if slot not in shared:
-            shared[slot] = specs[layer].allocate(num_blocks, config.device)
+            shared[slot] = allocate_kv_cache(specs[layer], num_blocks, config.device)
     return [shared[slot] for slot in slots]
 
 

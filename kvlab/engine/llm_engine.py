@@ -47,10 +47,9 @@ from kvlab.core.sched.scheduler import Scheduler
 from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches
 from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, kv_cache_groups, layer_groups, plan_pool
-from kvlab.engine.loader import load_model
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
-from kvlab.engine.registry import kv_cache_specs
+from kvlab.engine.registry import kv_cache_specs, load_model
 from kvlab.errors import CheckpointError, KvlabValueError, RequestStateError
 
 
@@ -114,21 +113,32 @@ class LLMEngine:
         self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
         #    --kv-events-config: the publisher vLLM's scheduler makes (EventPublisherFactory.create); see _publish.
         self.kv_event_publisher = _event_publisher(config)
-        # 7. Offload wiring: an optional CPU tier of cpu_offload_blocks blocks (kvlab.core.kv_offload).
+        # 7. KV connector: the CPU tier of cpu_offload_blocks blocks (kvlab.core.kv_offload), or one that moves KV
+        #    between engines (kv_transfer_config: kvlab.distributed.kv_transfer), as two halves, scheduler and worker.
         self.cpu_offload_blocks = config.cpu_offload_blocks
         self.cpu_kv_caches = (allocate_cpu_kv_caches(self.kv_caches, config.cpu_offload_blocks)
                               if config.cpu_offload_blocks else [])
-        self.connector = (OffloadingConnector(self.kv_cache_manager, CPUOffloadingManager(config.cpu_offload_blocks))
-                          if config.cpu_offload_blocks else None)
+        self.connector: Any = (OffloadingConnector(self.kv_cache_manager,
+                                                   CPUOffloadingManager(config.cpu_offload_blocks))
+                               if config.cpu_offload_blocks else None)
+        self.kv_connector_worker: Any = None
+        kvt = config.kv_transfer_config
+        if kvt is not None and kvt.kv_connector not in (None, "OffloadingConnector"):
+            from kvlab.distributed.kv_transfer.kv_connector.factory import create_connectors  # the one upward import
+
+            self.connector, self.kv_connector_worker = create_connectors(kvt, config.block_size, self.kv_caches,
+                                                                         self.kv_cache_manager)
         # 8. Scheduler: the token budget, queues and preemption over the manager.
         self.scheduler = Scheduler(self.kv_cache_manager, **dataclasses.asdict(config.scheduler_config),
-                                   connector=self.connector)
-        # 9. Executor: the model runner, behind the CPU tier's copies when there is one.
+                                   connector=self.connector,
+                                   kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "fail")
+        # 9. Executor: the model runner (with the connector's worker half), behind the CPU tier's copies if any.
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits,
                                         layer_groups=layer_groups(self.kv_cache_groups)[0],
                                         attention_backend=config.attention_backend)
-        self.executor = (self.model_runner if self.connector is None else
-                         OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector))
+        self.model_runner.kv_connector = self.kv_connector_worker
+        self.executor = (OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector)
+                         if config.cpu_offload_blocks else self.model_runner)
         # What the engine has served: metrics, per-step history, and each request's tokens and end.
         self.metrics = EngineMetrics()
         self.latency = LatencyMetrics()  # vLLM's time-to-first-token, inter-token and end-to-end histograms
@@ -137,6 +147,7 @@ class LLMEngine:
         self.outputs: dict[str, list[int]] = {}  # request id -> generated tokens (children included)
         self.finish_reasons: dict[str, str | None] = {}
         self.errors: dict[str, BaseException] = {}  # request id -> why it finished with "error"
+        self.kv_transfer_params: dict[str, dict[str, Any]] = {}  # request id -> what its KV connector returned
         self.last_scheduler_output: SchedulerOutput | None = None  # what the latest step computed
         self._request_ids = itertools.count()
         self._tokenizer: Any = None
@@ -194,12 +205,12 @@ class LLMEngine:
         return [int(t) for t in tokens]
 
     def _make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None,
-                      cache_salt: str | None) -> GenerationRequest:
+                      cache_salt: str | None, kv_transfer_params: dict[str, Any] | None = None) -> GenerationRequest:
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.outputs:
             raise RequestStateError(f"request id {request_id!r} was used already")
         request = GenerationRequest(request_id, self.encode(prompt), params, eos_token_id=self.config.eos_token_id,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, kv_transfer_params=kv_transfer_params)
         self.scheduler.check_admissible(request)
         return request
 
@@ -215,16 +226,20 @@ class LLMEngine:
         ignore_eos: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
         """Queue one prompt; return its request id. A request that could never fit is refused, changing nothing.
 
         ``cache_salt`` (vLLM's per-request ``cache_salt``) enters the hash of every block of the
         prompt, so only requests with the same salt share cached blocks: give each tenant its own.
         ``lora_name`` is refused: kvlab's engine has no LoRA adapters (see ``_refuse_lora``).
+        ``kv_transfer_params``: what the engine's KV connector reads (vLLM takes them from the request body):
+        ``{"do_remote_decode": True}`` on a prefill engine, the prefill's returned parameters on a decode
+        engine (``engine.kv_transfer_params[request_id]`` once it finished; ``kvlab.fleet.disagg``).
         """
         _refuse_lora(lora_name)
         params = SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
-        request = self._make_request(prompt, params, request_id, cache_salt)
+        request = self._make_request(prompt, params, request_id, cache_salt, kv_transfer_params)
         self._queue([request], n)
         return request.request_id
 
@@ -275,8 +290,15 @@ class LLMEngine:
         self._publish_kv_events()
         return done
 
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ones whose blocks a KV connector still holds (to send them)."""
+        return self.scheduler.has_requests()
+
     def shutdown(self) -> None:
-        """Stop the KV event publisher (its thread and sockets), as vLLM's ``Scheduler.shutdown`` does."""
+        """Stop the KV connector's threads and the KV event publisher, closing their sockets, as vLLM's shutdown
+        does (``Scheduler.shutdown`` stops the publisher); an engine with neither has nothing to stop."""
+        if self.kv_connector_worker is not None:
+            self.kv_connector_worker.shutdown()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
 
@@ -335,6 +357,8 @@ class LLMEngine:
                     self.metrics.record_finished(out.finish_reason)
             if out.error is not None:
                 self.errors[out.request_id] = out.error
+            if out.kv_transfer_params is not None:
+                self.kv_transfer_params[out.request_id] = out.kv_transfer_params
 
     def generate(
         self,

@@ -24,8 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvlab.engine.config import DecoderConfig, read_json
+from kvlab.engine.gemma3 import Gemma3ForCausalLM
 from kvlab.engine.model import LlamaForCausalLM, check_layer_count
-from kvlab.engine.registry import ModelConfig, model_family, read_model_config
 from kvlab.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,19 +143,6 @@ def check_before_loading(model_dir: str | os.PathLike, config: Any, build: Calla
     model.check_weights(header, sources={name: str(path) for name, path in sources.items()}, config_file=config_file)
 
 
-def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: ModelConfig | None = None) -> torch.nn.Module:
-    """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
-
-    The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
-    loads into ``LlamaForCausalLM`` (``load_llama``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM``
-    (``load_deepseek``). ``config`` is the checkpoint's config if the caller read it already
-    (``EngineConfig`` does). On CPU keep ``float32``: the Triton interpreter has no bf16 arithmetic.
-    """
-    config = config or read_model_config(model_dir)
-    return model_family(config.model_type).load(model_dir, dtype, config)
-
-
 def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
                config: DecoderConfig | None = None) -> LlamaForCausalLM:
     """A Llama-family checkpoint in kvlab's ``LlamaForCausalLM``.
@@ -175,6 +162,12 @@ def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
             mlp_bias="model.layers.0.mlp.gate_proj.bias" in names,
         )
 
+    return load_checked(model_dir, dtype, config, build)
+
+
+def load_checked(model_dir: str | os.PathLike, dtype: torch.dtype, config: Any,
+                 build: Callable[[], LlamaForCausalLM]) -> LlamaForCausalLM:
+    """``build()``'s model filled from the checkpoint, after ``check_before_loading`` on the meta device."""
     check_before_loading(model_dir, config, build)
     weights, sources = read_weights(model_dir)
     model = build()
@@ -182,3 +175,12 @@ def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model.load_weights(weights, sources={name: str(path) for name, path in sources.items()},
                        config_file=str(Path(model_dir) / "config.json"))
     return model.eval()
+
+
+def load_gemma3(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                config: DecoderConfig | None = None) -> Gemma3ForCausalLM:
+    """A ``gemma3_text`` checkpoint in ``Gemma3ForCausalLM``. Its biases follow ``attention_bias``, as in
+    transformers: a bias tensor the config does not ask for is refused as unused, not silently read."""
+    config = config or DecoderConfig.from_pretrained(model_dir)
+    bias = bool(config.spec.config.get("attention_bias"))
+    return load_checked(model_dir, dtype, config, lambda: Gemma3ForCausalLM(config, attention_bias=bias))

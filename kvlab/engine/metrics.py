@@ -38,6 +38,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
     "vllm:prefix_cache_queries": ("counter", "Prefix cache queries, in terms of number of queried tokens."),
     "vllm:prefix_cache_hits": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
+    "vllm:external_prefix_cache_queries": ("counter", "External prefix cache queries from KV connector cross-instance "
+                                                      "cache sharing, in terms of number of queried tokens."),
+    "vllm:external_prefix_cache_hits": ("counter", "External prefix cache hits from KV connector cross-instance cache "
+                                                   "sharing, in terms of number of cached tokens."),
     "vllm:num_preemptions": ("counter", "Cumulative number of preemption from the engine."),
     "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
 }
@@ -55,6 +59,8 @@ class EngineMetrics:
     kv_cache_usage_perc: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    external_prefix_cache_queries: int = 0  # tokens a KV connector was asked for, beyond the local hits
+    external_prefix_cache_hits: int = 0  # of those, tokens it loaded
     num_preemptions: int = 0
     generation_tokens: int = 0
     request_success: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
@@ -66,6 +72,9 @@ class EngineMetrics:
         self.kv_cache_usage_perc = stats.kv_cache_usage
         self.prefix_cache_queries += stats.prefix_cache_stats.queries
         self.prefix_cache_hits += stats.prefix_cache_stats.hits
+        if stats.connector_prefix_cache_stats is not None:  # vLLM counts new requests' lookups, not resumed ones'
+            self.external_prefix_cache_queries += stats.connector_prefix_cache_stats.queries
+            self.external_prefix_cache_hits += stats.connector_prefix_cache_stats.hits
         self.num_preemptions += stats.num_preempted_reqs
         self.generation_tokens += num_generated_tokens
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.engine.attention import Attention, AttentionMetadata
-from kvlab.engine.config import DecoderConfig
+from kvlab.engine.config import DecoderConfig, RopeConfig
 from kvlab.engine.kv_cache_interface import KVCache
 from kvlab.engine.rope import RotaryEmbedding
 from kvlab.errors import CheckpointError, KvlabValueError
@@ -57,10 +57,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Project to q, k, v; (Qwen3: normalise each head); rotate; paged attention; project out."""
+    """Project to q, k, v; (Qwen3, Gemma 3: normalise each head); rotate; paged attention; project out.
+
+    ``rope`` is the layer's rotation (by default ``config.rope``; Gemma 3's sliding layers have their own) and
+    ``norm`` the q/k norm's class (Gemma 3's scales by ``1 + weight``).
+    """
 
     def __init__(self, config: DecoderConfig, qkv_bias: bool = False, o_bias: bool = False,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, rope: RopeConfig | None = None,
+                 norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -70,10 +75,10 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.rope, self.head_dim)
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5,
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(rope or config.rope, self.head_dim)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=config.attention_scale,
                               sliding_window=sliding_window)
 
     def forward(
@@ -127,6 +132,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens] -> [num_tokens, hidden_size]``: the token embeddings (vLLM's name)."""
+        return self.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -141,7 +150,7 @@ class LlamaModel(nn.Module):
         if len(per_layer) != len(self.layers):
             raise KvlabValueError(f"attn_metadata has {len(per_layer)} entries; the model has {len(self.layers)} "
                                   "layers")
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.embed_input_ids(input_ids)
         for layer, kv_cache, metadata in zip(self.layers, kv_caches, per_layer, strict=True):
             hidden_states = layer(positions, hidden_states, kv_cache, metadata)
         return self.norm(hidden_states)

@@ -12,7 +12,9 @@ rest of the batch is sampled as usual.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,6 +23,7 @@ from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvlab.core.sequence import BlockCopy, compute_slot_mapping
 from kvlab.engine.attention import Attention, AttentionMetadata
 from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
+from kvlab.engine.kv_connector_model_runner import kv_connector_step, kv_layer_names
 from kvlab.engine.mla import MLAAttention
 from kvlab.engine.sampler import Sampler
 from kvlab.errors import KvlabValueError
@@ -163,9 +166,21 @@ class ModelRunner:
         """Every paged attention layer of the model (the knobs above are handed to each)."""
         return [m for m in self.model.modules() if isinstance(m, Attention | MLAAttention)]
 
-    @torch.inference_mode()
+    #: A KV connector's worker half (``kvlab.distributed.kv_transfer``), set by ``LLMEngine``; None: no connector.
+    kv_connector: Any = None
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Copy blocks, run the forward over the flat batch, sample where the scheduler asked."""
+        """Copy blocks, run the forward over the flat batch, sample where the scheduler asked; with a KV connector,
+        its loads, saves and report around that (``kvlab.engine.kv_connector_model_runner``)."""
+        if self.kv_connector is None:
+            return self._execute_model(scheduler_output)
+        layers = dict(zip(kv_layer_names(len(self.kv_caches)), self.kv_caches, strict=True))
+        with kv_connector_step(self.kv_connector, scheduler_output, layers) as kv_connector_output:
+            output = self._execute_model(scheduler_output)
+        return dataclasses.replace(output, kv_connector_output=kv_connector_output)
+
+    @torch.inference_mode()
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.drop(scheduler_output.finished_req_ids)
         copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
         if not scheduler_output.scheduled:

@@ -4,9 +4,13 @@ vLLM maps a checkpoint's ``architectures`` entry to a model class (``vllm/model_
 registry.py``), and each attention layer of that class answers ``get_kv_cache_spec``. kvlab keeps the
 same three facts per family in one ``ModelFamily``, keyed by ``model_type`` (the field transformers
 dispatches on): a Llama-family checkpoint gets ``DecoderConfig``, ``LlamaForCausalLM`` and a
-``FullAttentionSpec`` per layer; a DeepSeek-V3 one gets ``DeepseekConfig``, ``DeepseekV2ForCausalLM``
-and an ``MLAAttentionSpec`` per layer. ``LLMEngine`` asks this module and nothing else, so adding an
-architecture is one more entry here.
+``FullAttentionSpec`` per layer (a ``SlidingWindowSpec`` for a sliding-window layer); a Gemma 3 text
+checkpoint (``gemma3_text``) the same config class and specs with vLLM's ``Gemma3ForCausalLM``; a
+DeepSeek-V3 one gets ``DeepseekConfig``, ``DeepseekV2ForCausalLM`` and an ``MLAAttentionSpec`` per layer. The specs are
+``kvlab.kv_cache_interface``'s, the classes planning and the manager use. ``LLMEngine`` asks this module
+and nothing else, so adding an architecture is one more entry here. ``load_model`` dispatches here too:
+the loaders (``kvlab.engine.loader``, ``kvlab.engine.deepseek``) are leaves the registry calls, and never
+import it back.
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ from typing import Any
 
 import torch
 
-from kvlab.engine.config import SUPPORTED_MODEL_TYPES as LLAMA_MODEL_TYPES
-from kvlab.engine.config import DecoderConfig, config_from_pretrained
+from kvlab.engine.config import (
+    GEMMA3_MODEL_TYPES,
+    LLAMA_MODEL_TYPES,
+    DecoderConfig,
+    config_from_pretrained,
+    refuse_multimodal,
+)
 from kvlab.engine.deepseek_config import SUPPORTED_MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from kvlab.engine.deepseek_config import DeepseekConfig
-from kvlab.engine.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from kvlab.errors import KvlabValueError, UnknownNameError
+from kvlab.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
 ModelConfig = DecoderConfig | DeepseekConfig
 
@@ -36,7 +45,7 @@ class ModelFamily:
     model_types: tuple[str, ...]      # config.json's model_type values
     config_class: type                # from_dict / from_pretrained
     load: Callable[..., torch.nn.Module]                               # (model_dir, dtype, config) -> model
-    layer_spec: Callable[[Any, int, int, torch.dtype], FullAttentionSpec]  # (config, layer, block_size, dtype)
+    layer_spec: Callable[[Any, int, int, torch.dtype], AttentionSpec]  # (config, layer, block_size, dtype)
 
 
 def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig) -> torch.nn.Module:
@@ -45,15 +54,25 @@ def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: Decode
     return load_llama(model_dir, dtype, config)
 
 
+def _load_gemma3(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig) -> torch.nn.Module:
+    from kvlab.engine.loader import load_gemma3
+
+    return load_gemma3(model_dir, dtype, config)
+
+
 def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: DeepseekConfig) -> torch.nn.Module:
     from kvlab.engine.deepseek import load_deepseek
 
     return load_deepseek(model_dir, dtype, config)
 
 
-def _full_attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=config.num_key_value_heads,
-                             head_size=config.head_dim, dtype=dtype)
+def _attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype) -> AttentionSpec:
+    """A sliding-window layer's ``SlidingWindowSpec``, else a ``FullAttentionSpec`` (vLLM's ``Attention`` layer)."""
+    shape = {"num_kv_heads": config.num_key_value_heads, "head_size": config.head_dim, "dtype": dtype}
+    window = config.layer_sliding_window(layer)
+    if window is not None:
+        return SlidingWindowSpec(block_size, **shape, sliding_window=window)
+    return FullAttentionSpec(block_size, **shape)
 
 
 def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
@@ -61,7 +80,8 @@ def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.
 
 
 MODEL_FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily("LlamaForCausalLM", LLAMA_MODEL_TYPES, DecoderConfig, _load_llama, _full_attention_spec),
+    ModelFamily("LlamaForCausalLM", LLAMA_MODEL_TYPES, DecoderConfig, _load_llama, _attention_spec),
+    ModelFamily("Gemma3ForCausalLM", GEMMA3_MODEL_TYPES, DecoderConfig, _load_gemma3, _attention_spec),
     ModelFamily("DeepseekV2ForCausalLM", DEEPSEEK_MODEL_TYPES, DeepseekConfig, _load_deepseek, _mla_spec),
 )
 
@@ -72,7 +92,9 @@ def supported_model_types() -> list[str]:
 
 
 def model_family(model_type: object) -> ModelFamily:
-    """The family serving ``model_type``; an unknown one raises listing every supported type."""
+    """The family serving ``model_type``; an unknown one raises listing every supported type (a multimodal
+    wrapper, ``gemma3``, naming the text-only type to use)."""
+    refuse_multimodal(model_type)
     for family in MODEL_FAMILIES:
         if model_type in family.model_types:
             return family
@@ -91,7 +113,7 @@ def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     return config_from_pretrained(model_config_from_dict, model_dir)
 
 
-def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[FullAttentionSpec]:
+def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[AttentionSpec]:
     """One KV cache spec per layer (vLLM's ``get_kv_cache_spec``), layer 0 first.
 
     A family's ``layer_spec`` is asked layer by layer, so a model whose layers differ (a sliding
@@ -99,3 +121,17 @@ def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     """
     family = model_family(config.model_type)
     return [family.layer_spec(config, layer, block_size, dtype) for layer in range(config.num_hidden_layers)]
+
+
+def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               config: ModelConfig | None = None) -> torch.nn.Module:
+    """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
+
+    The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
+    loads into ``LlamaForCausalLM`` (``load_llama``), a Gemma 3 text one into ``Gemma3ForCausalLM``
+    (``load_gemma3``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM`` (``load_deepseek``). ``config`` is
+    the checkpoint's config if the caller read it already (``EngineConfig`` does). On CPU keep ``float32``:
+    the Triton interpreter has no bf16 arithmetic.
+    """
+    config = config or read_model_config(model_dir)
+    return model_family(config.model_type).load(model_dir, dtype, config)

@@ -118,6 +118,54 @@ def save_tiny_qwen(
     return save_seeded(model_class, config, path, seed, lambda model: sharpen(model, *gains))
 
 
+#: The tiny Gemma 3: ``TINY_LLAMA``'s shapes in six layers, two sliding then one full, twice (``sliding_window_pattern``
+#: 3, transformers' rule), a softmax scale from ``query_pre_attn_scalar`` (not ``head_dim``) and other rotary bases.
+TINY_GEMMA3 = dict(num_hidden_layers=6, sliding_window_pattern=3, query_pre_attn_scalar=24,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+
+
+def save_tiny_gemma3(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    sliding_window: int = 8,
+    layer_types: tuple[str, ...] | None = None,
+    final_logit_softcapping: float | None = None,
+    attention_gain: float = 8.0,
+    logit_gain: float = 20.0,
+) -> Path:
+    """Write a seeded tiny Gemma 3 text model (``Gemma3ForCausalLM``, ``model_type`` "gemma3_text").
+
+    ``TINY_GEMMA3``'s layers (or ``layer_types``). Gemma's norms are stored as offsets from 1 and transformers
+    initialises them to 0; here each gets a seeded offset, so a norm read as ``weight`` instead of ``1 + weight``,
+    or one norm used in another's place, changes the tokens. The q/k norms then scale by ``attention_gain ** 0.5``
+    each (q and k are normed, so their projections cannot sharpen attention) and the final norm by ``logit_gain``.
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    gains = positive_number("attention_gain", attention_gain), positive_number("logit_gain", logit_gain)
+    types = {"layer_types": list(layer_types)} if layer_types else {}
+    config = Gemma3TextConfig(**{**TINY_LLAMA, **TINY_GEMMA3, **types}, sliding_window=positive_int(
+        "sliding_window", sliding_window), final_logit_softcapping=final_logit_softcapping, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)
+    return save_seeded(Gemma3ForCausalLM, config, path, seed, lambda model: sharpen_gemma(model, *gains, seed=seed))
+
+
+def sharpen_gemma(model: torch.nn.Module, attention_gain: float, logit_gain: float, seed: int = 0) -> None:
+    """Give every Gemma norm an offset drawn from ``seed``, then sharpen attention and logits (in place;
+    ``save_tiny_gemma3`` says why)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(0.25 * torch.randn(param.shape, generator=generator))
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.mul_(attention_gain**0.5).add_(attention_gain**0.5 - 1)
+        model.model.norm.weight.mul_(logit_gain).add_(logit_gain - 1)
+
+
 def save_seeded(model_class: Any, config: Any, path: str | os.PathLike, seed: int,
                 sharpen: Callable[[Any], None]) -> Path:
     """Build ``model_class(config)`` from a seeded generator, ``sharpen`` it in place, ``save_pretrained`` to ``path``.

@@ -26,6 +26,7 @@ from kvlab.exercises.core import (
     show_solution,
     solution,
 )
+from kvlab.exercises.predictions import PREDICTIONS, Prediction, get_prediction, list_predictions, predict
 from kvlab.exercises.state import restore_kvlab_state
 
 # Each notebook's exercises live in kvlab/exercises/nbXX.py and register themselves on import.
@@ -40,14 +41,19 @@ __all__ = [
     "CheckResult",
     "Exercise",
     "Mistake",
+    "PREDICTIONS",
+    "Prediction",
     "Question",
     "SelfTest",
     "ask",
     "check",
     "describe",
     "get_exercise",
+    "get_prediction",
     "hint",
     "list_exercises",
+    "list_predictions",
+    "predict",
     "restore_kvlab_state",
     "self_test",
     "show_solution",

@@ -26,7 +26,7 @@ import random
 import sys
 import textwrap
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvlab._validate import positive_number
@@ -161,17 +161,24 @@ class Note(str):
 _hints_shown: dict[str, int] = {}  # UI progress only: which hint each exercise reached
 
 
+def _hints(exercise_id: str) -> Sequence[str]:
+    """The hints of an exercise or of a prediction."""
+    from kvlab.exercises.predictions import PREDICTIONS
+
+    return PREDICTIONS[exercise_id].hints if exercise_id in PREDICTIONS else get_exercise(exercise_id).hints
+
+
 def hint(exercise_id: str, number: int | None = None) -> Note:
-    """The next hint for an exercise (or hint ``number``, counting from 1)."""
-    exercise = get_exercise(exercise_id)
-    total = len(exercise.hints)
+    """The next hint for an exercise or a prediction (or hint ``number``, counting from 1)."""
+    hints = _hints(exercise_id)
+    total = len(hints)
     if number is None:
         number = min(_hints_shown.get(exercise_id, 0) + 1, total)
     if not 1 <= number <= total:
         raise KvlabValueError(f"number must be between 1 and {total} for {exercise_id}, got {number}")
     _hints_shown[exercise_id] = max(number, _hints_shown.get(exercise_id, 0))
     more = " (that was the last one)" if number == total else f" ({total - number} more)"
-    return Note(f"**Hint {number} of {total}** for `{exercise_id}`{more}: {exercise.hints[number - 1]}")
+    return Note(f"**Hint {number} of {total}** for `{exercise_id}`{more}: {hints[number - 1]}")
 
 
 def solution(exercise_id: str) -> Callable[..., Any]:
@@ -188,7 +195,12 @@ def show_solution(exercise_id: str) -> Note:
 
 
 def describe(exercise_id: str) -> Note:
-    """The task and signature of an exercise, as the notebook shows them."""
+    """The task and signature of an exercise (the question and the form of a prediction), as the notebook shows them."""
+    from kvlab.exercises.predictions import PREDICTIONS
+
+    if exercise_id in PREDICTIONS:
+        p = PREDICTIONS[exercise_id]
+        return Note(f"**{p.id} (predict, then run): {p.title}**\n\n{p.question}\n\nThe form of an answer: `{p.form}`")
     exercise = get_exercise(exercise_id)
     return Note(
         f"**{exercise.id}: {exercise.title}**\n\n{exercise.task}\n\n```python\n{exercise.signature}\n```"

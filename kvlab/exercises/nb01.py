@@ -9,6 +9,7 @@ from kvlab.capacity.models import ModelSpec, get_model
 from kvlab.capacity.sizing import KV_DTYPE_BYTES, blocks_for_tokens, kv_bytes, kv_bytes_per_token, tail_waste
 from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
+from kvlab.exercises.predictions import Prediction, register_prediction
 from kvlab.units import KiB, format_bytes
 
 
@@ -38,82 +39,52 @@ def _random_config(rng: random.Random, sliding: bool = False) -> dict[str, Any]:
     return cfg
 
 
-# ----------------------------------------------------------------- 01.bytes_per_token
+# ----------------------------------------------------------------- 01.bytes_per_token (a prediction)
+
+PER_TOKEN_PARTS = (("gemma-2-9b", "bf16"), ("gpt-oss-20b", "fp8"), ("qwen3-8b", "nvfp4"))
 
 
-def bytes_per_token(config: dict, kv_dtype: str = "bf16") -> int:
-    """Reference: bytes of KV one token takes (TP=1), from a raw config.json dict."""
-    return kv_bytes_per_token(ModelSpec.from_hf_config(config), kv_dtype)
+def _per_token_parts(per_token: Any) -> dict[str, int]:
+    """{"model, dtype": bytes} for each part, from ``per_token(config, kv_dtype)``."""
+    return {f"{name}, {dtype}": int(per_token(_preset_config(name), dtype)) for name, dtype in PER_TOKEN_PARTS}
 
 
-def _mistaken_per_token(config: dict, kv_dtype: str, *, f: int | None = None, implied_head_dim: bool = False) -> int:
-    """bytes_per_token with one factor taken the wrong way: f forced, or D = hidden_size // heads."""
-    spec = ModelSpec.from_hf_config(config)
-    head_dim = config["hidden_size"] // config["num_attention_heads"] if implied_head_dim else spec.head_dim
-    return int((f or spec.kv_factor) * spec.num_layers * spec.num_kv_heads * head_dim * KV_DTYPE_BYTES[kv_dtype])
+def _per_token_with(config: dict, kv_dtype: str, *, f: int = 2, heads: str = "num_key_value_heads",
+                    implied_head_dim: bool = False, b: float | None = None) -> float:
+    """f x L x Hkv x D x b with one factor read the wrong way."""
+    head_dim = (config["hidden_size"] // config["num_attention_heads"] if implied_head_dim
+                else config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    return f * config["num_hidden_layers"] * config[heads] * head_dim * (b or KV_DTYPE_BYTES[kv_dtype])
 
 
-def _explain_per_token(case: Case, expected: Any, actual: Any) -> str | None:
-    config, kv_dtype = case.args
-    if type(actual) not in (int, float):
-        return "return a number of bytes (an int)"
-    mla = bool(config.get("kv_lora_rank"))
-    if mla and actual == 2 * expected:
-        return "MLA stores one latent per token and layer: f = 1, not 2"
-    if mla:
-        return "for MLA, Hkv = 1 and D = kv_lora_rank + qk_rope_head_dim; num_key_value_heads does not apply"
-    if 2 * actual == expected:
-        return "every layer stores a K *and* a V for each KV head: f = 2 (only MLA's single latent has f = 1)"
-    if config.get("head_dim") and actual == _mistaken_per_token(config, kv_dtype, implied_head_dim=True):
-        return (f"this config gives head_dim = {config['head_dim']}, which is not hidden_size // num_attention_heads"
-                f" = {config['hidden_size'] // config['num_attention_heads']}: when head_dim is there, use it")
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    if kv_heads != heads and actual * kv_heads == expected * heads:
-        return "use num_key_value_heads (the KV heads), not num_attention_heads"
-    if "num_key_value_heads" not in config:
-        return "a config without num_key_value_heads is MHA: one KV head per query head"
-    return None
+PER_TOKEN_MISTAKES = (
+    Mistake(lambda: _per_token_parts(lambda c, d: _per_token_with(c, d, implied_head_dim=True)),
+            "D is head_dim when the config gives one (gemma-2-9b: 256, gpt-oss-20b: 64); hidden_size // "
+            "num_attention_heads is only the fallback when it does not"),
+    Mistake(lambda: _per_token_parts(lambda c, d: _per_token_with(c, d, f=1)),
+            "every layer stores a K *and* a V for each KV head: f = 2 (only MLA's latent has f = 1)"),
+    Mistake(lambda: _per_token_parts(lambda c, d: _per_token_with(c, d, heads="num_attention_heads")),
+            "the cache holds the KV heads (num_key_value_heads), not the query heads"),
+    Mistake(lambda: _per_token_parts(lambda c, d: _per_token_with(c, d, b=0.5 if d == "nvfp4" else None)),
+            "nvfp4 is not half a byte: two 4-bit values per byte plus one 1-byte scale per 16 values, 0.5625"),
+)
 
-
-register(Exercise(
+register_prediction(Prediction(
     id="01.bytes_per_token",
-    title="bytes per token from a pasted config.json",
-    task=(
-        "Given a Hugging Face config.json as a dict and a KV dtype, return the bytes one token's "
-        "K and V take over all layers on one GPU. Read num_hidden_layers, num_attention_heads, "
-        "num_key_value_heads (absent: MHA), head_dim (absent: hidden_size // num_attention_heads). "
-        "A config with kv_lora_rank is MLA: it stores one latent of kv_lora_rank + qk_rope_head_dim "
-        "values per layer. Bytes per element: kvlab.capacity.sizing.KV_DTYPE_BYTES[kv_dtype]."
+    title="bytes per token of three models this notebook did not compute",
+    question=(
+        "Before running anything, predict the bytes of KV one token costs on one GPU (TP=1) for gemma-2-9b in bf16, "
+        "gpt-oss-20b in fp8 and qwen3-8b in nvfp4, from the config fields printed above (sliding windows do not "
+        "change the cost of one token). Then run the cell: kvlab computes the same from the same files."
     ),
-    signature="def bytes_per_token(config: dict, kv_dtype: str = 'bf16') -> int:",
-    reference=bytes_per_token,
-    shown=plain.bytes_per_token,
-    edge_cases=[
-        Case((_preset_config("llama-2-7b"), "bf16"), probes="MHA written out: f x L x Hkv x D x b"),
-        Case((_preset_config("llama-3-70b"), "fp8"), probes="GQA: the KV heads, not the query heads"),
-        Case(({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}, "fp16"),
-             probes="num_key_value_heads and head_dim absent: MHA with head_dim = hidden_size / heads"),
-        Case((_preset_config("gemma-2-9b"), "bf16"),
-             probes="gemma-2-9b gives head_dim = 256, while hidden_size // num_attention_heads = 224"),
-        Case((_preset_config("gpt-oss-20b"), "fp8"),
-             probes="gpt-oss-20b gives head_dim = 64, while hidden_size // num_attention_heads = 45"),
-        Case((_preset_config("deepseek-v3"), "bf16"), probes="MLA: one latent (f = 1, Hkv = 1, D = 512 + 64)"),
-        Case((_preset_config("qwen3-8b"), "nvfp4"), probes="nvfp4 costs 0.5625 bytes per element, not 1"),
-    ],
-    random_case=lambda rng: Case((_random_config(rng), rng.choice(sorted(KV_DTYPE_BYTES))),
-                                 probes="a random config and dtype"),
-    explain=_explain_per_token,
+    form='{"gemma-2-9b, bf16": 123, "gpt-oss-20b, fp8": 456, "qwen3-8b, nvfp4": 789}: one int per model',
+    run=lambda: {f"{name}, {dtype}": kv_bytes_per_token(get_model(name), dtype) for name, dtype in PER_TOKEN_PARTS},
+    runs="kv_bytes_per_token(get_model(name), kv_dtype), for each model",
+    mistakes=PER_TOKEN_MISTAKES,
     hints=[
-        "Start from the tensor shapes: in every layer, each token stores vectors of D values for each of the "
-        "Hkv KV heads. Find f, L, Hkv, D and b one at a time; the answer is their product.",
-        "f counts the tensors per layer: K and V, so 2. Hkv is num_key_value_heads; a config without it is MHA, "
-        "with one KV head per query head.",
-        "D is head_dim when the config gives one. Only when it does not is it hidden_size // num_attention_heads: "
-        "some models (gemma-2-9b, gpt-oss-20b) choose a head_dim of their own.",
-        "A config with kv_lora_rank is MLA: one latent per layer and token, so f = 1, Hkv = 1 and "
-        "D = kv_lora_rank + qk_rope_head_dim.",
-        "b = KV_DTYPE_BYTES[kv_dtype] can be a fraction (nvfp4: 0.5625): multiply first, convert to int last.",
+        "Write f, L, Hkv, D and b for each model before multiplying: which config field gives each?",
+        "Two of these configs give a head_dim that is not hidden_size / num_attention_heads. Which one counts?",
+        "b comes from the dtype: bf16 2 bytes, fp8 1, and nvfp4 a little more than half a byte (section 4).",
     ],
 ))
 
@@ -210,7 +181,7 @@ register(Exercise(
         "alternates, Qwen2/Qwen3 follow use_sliding_window, and any other config with a sliding_window slides "
         "in every layer.",
         "A sliding layer keeps min(tokens, sliding_window) tokens; a full-attention layer keeps all of them.",
-        "Reuse your bytes_per_token: per-layer bytes = bytes_per_token(config, kv_dtype) // num_hidden_layers.",
+        "One token in one layer costs f x Hkv x D x b: section 2's formula without the L.",
     ],
 ))
 
@@ -263,6 +234,7 @@ register(Exercise(
     ),
     signature="def tp_group_bytes(config: dict, kv_dtype: str, tp: int) -> int:",
     reference=tp_group_bytes,
+    shown=plain.tp_group_bytes,
     edge_cases=[
         Case((_preset_config("llama-3-70b"), "bf16", 8),
              probes="8 KV heads over 8 GPUs: one head each, so the group holds what TP=1 did"),

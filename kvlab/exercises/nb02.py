@@ -6,82 +6,64 @@ import math
 import random
 from typing import Any
 
-from kvlab.capacity.budget import PRESETS, max_concurrency, num_gpu_blocks, plan_kv_cache, plan_preset
+from kvlab.capacity.budget import PRESETS, num_gpu_blocks, plan_kv_cache, plan_preset
 from kvlab.capacity.budget import max_model_len_for as _max_model_len_for
 from kvlab.capacity.models import ModelSpec, get_model, list_models, weights_bytes
 from kvlab.capacity.sizing import kv_bytes_per_token
 from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
+from kvlab.exercises.predictions import Prediction, log_line_numbers, register_prediction
 from kvlab.sim.fragmentation import simulate
 from kvlab.sim.workloads import sharegpt_like
-from kvlab.units import GiB, KiB, cdiv, format_bytes
+from kvlab.units import GiB, cdiv, format_bytes
 
-# ----------------------------------------------------------------- 02.num_blocks
+# ----------------------------------------------------------------- 02.num_blocks (a prediction)
 
-
-def num_blocks_and_concurrency(available_bytes: int, bytes_per_token: int, block_size: int,
-                               max_model_len: int) -> tuple[int, int]:
-    """Reference: vLLM's num_gpu_blocks and the floor of its maximum concurrency."""
-    blocks = num_gpu_blocks.__wrapped__(available_bytes, bytes_per_token * block_size)  # a negative budget: 0 blocks
-    return blocks, math.floor(max_concurrency(blocks, max_model_len, block_size))
+_LOG_CASE = dict(gpu_memory_gib=80, kv_cache_memory_gib=20, max_model_len=9000)  # Llama-3-8B, bf16, blocks of 16
 
 
-def _explain_blocks(case: Case, expected: Any, actual: Any) -> str | None:
-    if not (type(actual) in (list, tuple) and len(actual) == 2 and all(type(x) is int for x in actual)):
-        return "return a tuple of two ints: (num_blocks, concurrency)"
-    available, per_token, block_size, length = case.args
-    if actual[0] < 0:
-        return "with nothing available there are no blocks: clamp at 0, never a negative count"
-    if actual[0] == expected[0] - 1:
-        return "vLLM's num_gpu_blocks and its 'Maximum concurrency' both count the null block: do not subtract it"
-    if actual[0] == expected[0] and actual[1] == max(available, 0) // (per_token * length) != expected[1]:
-        return "a request takes whole blocks: ceil(max_model_len / block_size) of them, not max_model_len tokens"
-    return None
+def _log_line(*, unit: int = GiB, per_request: Any = cdiv, blocks_less: int = 0, tokens: str = "int(X x M)",
+              floor_x: bool = False) -> str:
+    """The KV line of _LOG_CASE reasoned one step the wrong way (by default, the right way)."""
+    per_token, block_size, length = kv_bytes_per_token(get_model("llama-3-8b")), 16, _LOG_CASE["max_model_len"]
+    num_blocks = _LOG_CASE["kv_cache_memory_gib"] * unit // (per_token * block_size) - blocks_less
+    x = num_blocks / per_request(length, block_size)
+    x = math.floor(x) if floor_x else x
+    n = num_blocks * block_size if tokens == "blocks" else int(x * length)
+    return f"GPU KV cache size: {n:,} tokens, Maximum concurrency for {length:,} tokens per request: {x:.2f}x"
 
 
-def _random_budget(rng: random.Random) -> Case:
-    per_token = rng.choice([32 * KiB, 64 * KiB, 128 * KiB, 160 * KiB, 320 * KiB, 70272])
-    available = rng.randint(-GiB, 200 * GiB)
-    return Case((available, per_token, rng.choice([16, 32, 64, 128]), rng.randint(1, 200_000)),
-                probes="a random budget")
+LOG_MISTAKES = (
+    Mistake(lambda: _log_line(unit=10**9), "kv_cache_memory_gib is in GiB (2**30 bytes), not GB (10**9): the pool is "
+                                           "7 % larger than 20 GB"),
+    Mistake(lambda: _log_line(per_request=lambda m, b: m // b),
+            "a request of 9,000 tokens takes ceil(9000 / 16) = 563 blocks: its last block is partly filled, but whole"),
+    Mistake(lambda: _log_line(blocks_less=1),
+            "vLLM's line counts every block, the null block included: do not subtract it here"),
+    Mistake(lambda: _log_line(tokens="blocks"),
+            "the token count is int(X x max_model_len), the tokens that many requests hold; it equals num_blocks x "
+            "block_size only when max_model_len is a multiple of the block size"),
+    Mistake(lambda: _log_line(floor_x=True), "vLLM prints the ratio with two decimals; it does not round it down to "
+                                             "whole requests"),
+)
 
-
-_A = plan_preset("A")
-
-register(Exercise(
+register_prediction(Prediction(
     id="02.num_blocks",
-    title="Blocks and concurrency from a KV budget",
-    task=(
-        "Given the bytes left for the KV cache, the KV bytes of one token, the block size and max_model_len, "
-        "return `(num_blocks, concurrency)` as vLLM computes them: the pool is cut into whole blocks of "
-        "`block_size` tokens, and the concurrency vLLM logs is the number of blocks divided by the blocks one "
-        "request of max_model_len tokens needs, rounded down. Like vLLM's own figures, count every block "
-        "(the null block included). `available_bytes` is negative when the weights and activations already take "
-        "more than the budget: then there are no blocks, and the concurrency is 0."
+    title="the KV line vLLM prints at start-up",
+    question=(
+        "Llama-3-8B (bf16 KV, 128 KiB per token) is started with kv_cache_memory_gib=20 (the pool's size, given "
+        "directly), blocks of 16 tokens and max_model_len=9000. Predict, number for number, the line vLLM 0.33.0 logs: "
+        "`GPU KV cache size: N tokens, Maximum concurrency for M tokens per request: X.XXx`."
     ),
-    signature=("def num_blocks_and_concurrency(available_bytes: int, bytes_per_token: int, block_size: int, "
-               "max_model_len: int) -> tuple[int, int]:"),
-    reference=num_blocks_and_concurrency,
-    shown=plain.num_blocks_and_concurrency,
-    edge_cases=[
-        Case((_A.available_bytes, _A.kv_bytes_per_token, 64, 8192),
-             probes="preset A: 20 MiB blocks, 128 of them per 8K request"),
-        Case((8 * GiB, 128 * KiB, 16, 4096), probes="8 GiB in 2 MiB blocks: vLLM counts all 4096 and logs 16.00x"),
-        Case((8 * GiB, 128 * KiB, 64, 1025),
-             probes="max_model_len one token past a block boundary: the request takes 17 whole blocks"),
-        Case((-5 * GiB, 320 * KiB, 64, 8192), probes="weights exceed the budget: available is negative"),
-        Case((1000, 128 * KiB, 16, 100), probes="less than one block of memory"),
-        Case((_A.available_bytes, _A.kv_bytes_per_token, 64, 131072), probes="preset C: one request does not fit"),
-    ],
-    random_case=_random_budget,
-    explain=_explain_blocks,
+    form='"GPU KV cache size: 123,456 tokens, Maximum concurrency for 9,000 tokens per request: 12.34x"',
+    run=lambda: plan_kv_cache("llama-3-8b", **_LOG_CASE).startup_log()[0],
+    runs='plan_kv_cache("llama-3-8b", gpu_memory_gib=80, kv_cache_memory_gib=20, max_model_len=9000).startup_log()',
+    normal=log_line_numbers,
+    mistakes=LOG_MISTAKES,
     hints=[
-        "First the size of one block in bytes: block_size tokens, each bytes_per_token. The pool is as many whole "
-        "blocks as fit into available_bytes (round down).",
-        "A request of max_model_len tokens holds whole blocks, so round its block count up (kvlab.units.cdiv "
-        "divides rounding up).",
-        "The concurrency is the pool's blocks shared by requests of that many blocks, rounded down. Check the "
-        "corner first: a negative budget holds no blocks at all.",
+        "First the pool: how many whole blocks of 16 tokens x 128 KiB fit into 20 GiB?",
+        "Then one request: how many blocks does a request of 9,000 tokens hold? X is the pool's blocks over that.",
+        "N is not the pool's slots here: section 3 says how vLLM turns X back into tokens.",
     ],
 ))
 

@@ -9,6 +9,7 @@ from kvlab.core.block_pool import BlockPool
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
 from kvlab.core.sequence import Sequence
+from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.sim.block_scenarios import parallel_sampling, random_workload, record, walk_free_queue
 from kvlab.sim.prefix_sim import admit
@@ -171,6 +172,7 @@ register(Exercise(
     ),
     signature="def free_queue_order(queue: list[int], table: list[int], cached: set[int]) -> list[int]:",
     reference=free_queue_order,
+    shown=plain.free_queue_order,
     edge_cases=[
         Case(([3, 4, 5], [0, 1, 2], {0, 1}), probes="walk 2: block 2 to the head; cached 1 then 0 to the tail"),
         Case(([7], [1, 2, 3, 4], {1, 2}),
@@ -249,6 +251,7 @@ register(Exercise(
     ),
     signature="def sampling_blocks(n: int, prompt_tokens: int, new_tokens: int, block_size: int) -> tuple[int, int]:",
     reference=sampling_blocks,
+    shown=plain.sampling_blocks,
     edge_cases=[
         Case((4, 40, 1, 16), probes="section 6's case: 3 prompt blocks, the partly filled one copied by 3 samples"),
         Case((3, 32, 1, 16), probes="a prompt that fills its last block: nothing partly filled, nothing copied"),

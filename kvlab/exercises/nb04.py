@@ -7,72 +7,84 @@ from typing import Any
 
 from kvlab.capacity.models import get_model
 from kvlab.capacity.sizing import kv_bytes
-from kvlab.core.hashing import get_request_block_hasher, hash_block_tokens, sha256
 from kvlab.core.kv_cache_manager import KVCacheManager, find_longest_cache_hit
 from kvlab.core.request import Request
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises import plain
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
+from kvlab.exercises.predictions import Prediction, register_prediction
 from kvlab.sim.prefix_sim import admit
 from kvlab.units import cdiv, format_bytes
 
-# ----------------------------------------------------------------- 04.chained_hashes
+# ----------------------------------------------------------------- 04.chained_hashes (a prediction)
+
+_A70 = list(range(70))  # request A of section 1: 70 tokens, four full blocks of 16 and 6 tokens of a fifth
+CHAIN_PARTS = {
+    "A again": _A70,
+    "B: token 20 changed": _A70[:20] + [999] + _A70[21:],
+    "D: A without its first 16 tokens": _A70[16:],
+}
 
 
-def chained_hashes(token_ids: list[int], block_size: int, none_hash: bytes) -> list[bytes]:
-    """Reference: the sha256 chain of the full blocks of ``token_ids``, seeded with ``none_hash``."""
-    return get_request_block_hasher(block_size, sha256, none_hash)(Request("exercise", token_ids))
+def _shared_with_a(hash_block: Any) -> dict[str, list[int]]:
+    """For each request, the indices of its blocks whose hash is one of A's, with ``hash_block(parent, tokens)``;
+    a ``hash_block`` that returns None for a partial block's parent-less tokens skips it."""
+    def chain(tokens: list[int], partial: bool) -> list[Any]:
+        hashes, parent = [], None
+        for start in range(0, len(tokens) if partial else len(tokens) - 15, 16):
+            parent = hash_block(parent, tuple(tokens[start:start + 16]))
+            hashes.append(parent)
+        return hashes
+
+    partial = getattr(hash_block, "partial", False)
+    a = set(chain(_A70, partial))
+    return {name: [i for i, h in enumerate(chain(tokens, partial)) if h in a] for name, tokens in CHAIN_PARTS.items()}
 
 
-def _blocks(token_ids: list[int], block_size: int) -> list[list[int]]:
-    return [token_ids[i:i + block_size] for i in range(0, len(token_ids) - block_size + 1, block_size)]
+def _chained_hashes_in_kvlab() -> dict[str, list[int]]:
+    manager = KVCacheManager(16, 16, hash_seed="04")
+    requests = {name: Request(name, tokens) for name, tokens in {"A": _A70, **CHAIN_PARTS}.items()}
+    for request in requests.values():
+        manager.get_computed_blocks(request)  # the first look hashes the request's full blocks
+    a = set(requests["A"].block_hashes)
+    return {name: [i for i, h in enumerate(requests[name].block_hashes) if h in a] for name in CHAIN_PARTS}
 
 
-def _explain_chain(case: Case, expected: Any, actual: Any) -> str | None:
-    token_ids, block_size, none_hash = case.args
-    if type(actual) not in (list, tuple) or not all(type(h) is bytes for h in actual):
-        return "return a list of bytes, one hash per full block (hash_block_tokens returns bytes)"
-    if len(actual) > len(expected):
-        return "only full blocks are hashed: a trailing partial block has no hash yet (its tokens may still change)"
-    blocks = _blocks(token_ids, block_size)
-    if actual and expected and actual[0] == hash_block_tokens(sha256, None, blocks[0]) != expected[0]:
-        return "the first block's parent is the none_hash argument, not kvlab's process-wide NONE_HASH"
-    if len(actual) == len(expected) > 1 and actual[1:] == [hash_block_tokens(sha256, none_hash, b) for b in blocks[1:]]:
-        return "each block's hash must chain from the previous block's hash, not start again from none_hash"
-    return None
+def _each_block_alone(parent: Any, tokens: tuple) -> Any:
+    return tokens
 
 
-def _random_chain_case(rng: random.Random) -> Case:
-    block_size = rng.choice([2, 4, 16])
-    token_ids = [rng.randrange(50) for _ in range(rng.randint(1, 5 * block_size))]
-    return Case((token_ids, block_size, rng.randbytes(32)), probes="random tokens, block size and seed")
+def _partial_hashed(parent: Any, tokens: tuple) -> Any:
+    return (parent, tokens)
 
 
-register(Exercise(
+_partial_hashed.partial = True  # type: ignore[attr-defined]
+
+CHAIN_MISTAKES = (
+    Mistake(lambda: _shared_with_a(_each_block_alone),
+            "a block's hash folds in its parent's hash, so it names the whole prefix: the same 16 tokens after "
+            "another prefix (or at another position) get another hash"),
+    Mistake(lambda: _shared_with_a(_partial_hashed),
+            "only full blocks are hashed: A's fifth block, 6 of 16 tokens, has no hash, so nothing can match it"),
+    Mistake(lambda: {**_shared_with_a(lambda parent, tokens: (parent, tokens)), "B: token 20 changed": []},
+            "a change in block 1 leaves block 0 alone: block 0's hash depends only on the blocks up to it"),
+)
+
+register_prediction(Prediction(
     id="04.chained_hashes",
-    title="a request's chained block hashes",
-    task=(
-        "Return one hash per *full* block of `token_ids`, in order. Block i's hash is "
-        "`hash_block_tokens(sha256, parent, block_i_tokens)` (both from `kvlab.core.hashing`), where the parent is "
-        "the previous block's hash, and for the first block the `none_hash` you are given (the seed of the "
-        "chain). A trailing partial block gets no hash."
+    title="which block hashes two requests share",
+    question=(
+        "Request A holds tokens 0..69 (block size 16). For each request below, predict the indices of its blocks "
+        "whose hash is one of A's hashes: A sent again; B, A's tokens with token 20 replaced; D, A's tokens from 16 "
+        "on (D's first block holds exactly A's second block's tokens). Then run the cell: kvlab hashes all of them."
     ),
-    signature="def chained_hashes(token_ids: list[int], block_size: int, none_hash: bytes) -> list[bytes]:",
-    reference=chained_hashes,
-    edge_cases=[
-        Case(([1, 2, 3, 4, 5, 6, 7, 8], 4, b"seed"), probes="two full blocks: the second chains from the first"),
-        Case(([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, b"seed"), probes="a trailing partial block is not hashed"),
-        Case(([1, 2, 3], 4, b"seed"), probes="fewer tokens than one block: no hash at all"),
-        Case(([7, 7, 7, 7, 7, 7, 7, 7], 4, b"seed"), probes="the same tokens twice: two different hashes"),
-        Case(([1, 2, 3], 1, b"other seed"), probes="block size 1, and a seed that is not kvlab's NONE_HASH"),
-    ],
-    random_case=_random_chain_case,
-    explain=_explain_chain,
+    form='{"A again": [0, 1], "B: token 20 changed": [...], "D: A without its first 16 tokens": [...]}: block indices',
+    run=_chained_hashes_in_kvlab,
+    runs="KVCacheManager(16, 16).get_computed_blocks(request) for each request, then request.block_hashes against A's",
+    mistakes=CHAIN_MISTAKES,
     hints=[
-        "Walk the token list in steps of block_size and stop before a block that would be short: how many full "
-        "blocks are there?",
-        "Each block's hash takes two inputs besides the hash function: its parent's hash and its own tokens. The "
-        "first block's parent is the none_hash you are given.",
-        "Keep the last hash you computed in a variable: it is the next block's parent. A block's hash depends on "
-        "every block before it only through that one value.",
+        "Which of each request's blocks are full? Only those get a hash.",
+        "A block's hash takes its parent's hash as an input. If a block's parent differs, what about the block?",
+        "Token 20 is in block 1. Which of B's blocks have every token up to their end equal to A's?",
     ],
 ))
 
@@ -124,6 +136,7 @@ register(Exercise(
     signature=("def longest_cached_prefix(block_hashes: list[bytes], cached: set[bytes], num_tokens: int, "
                "block_size: int) -> int:"),
     reference=longest_cached_prefix,
+    shown=plain.longest_cached_prefix,
     edge_cases=[
         Case(([b"a", b"b", b"c"], {b"a", b"b", b"c"}, 50, 16), probes="every full block cached, 2 tokens beyond"),
         Case(([b"a", b"b", b"c"], {b"a", b"b", b"c"}, 48, 16),
@@ -204,6 +217,7 @@ register(Exercise(
     ),
     signature="def chat_turn_hits(cached_tokens: list[int], prompt: list[int], block_size: int) -> int:",
     reference=chat_turn_hits,
+    shown=plain.chat_turn_hits,
     edge_cases=[
         Case((_TURN_1, _TURN_1 + _QUESTION, 16),
              probes="turn 2 repeats turn 1 and its reply: turn 1's three full blocks hit, its partial block does not"),

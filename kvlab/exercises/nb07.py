@@ -13,6 +13,7 @@ from kvlab.capacity.playbook import Deployment, Workload, rank_levers
 from kvlab.capacity.source_deployments import reproduce
 from kvlab.core.kv_cache_metrics import STEPS_BUCKETS, Histogram, nearest_rank
 from kvlab.core.kv_cache_metrics import pool_too_small as _pool_too_small
+from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.sim.serving_sim import ChatWorkload, simulate_chat
 from kvlab.units import GiB
@@ -66,6 +67,7 @@ register(Exercise(
     ),
     signature="def pool_too_small(reuse_gaps: list[float], idle_before_evict: list[float]) -> bool:",
     reference=pool_too_small,
+    shown=plain.pool_too_small,
     edge_cases=[
         Case(([2, 3, 40], [5, 6, 7]), probes="one long gap: p90 is 40, the median idle time 6"),
         Case(([2, 3, 4], [5, 6, 7]), probes="every gap shorter than the typical idle time"),

@@ -10,15 +10,18 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
 from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
+from kvlab.exercises.predictions import Prediction, register_prediction
 from kvlab.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvlab.sim.hybrid_hits import hit_walkthrough
 from kvlab.units import cdiv
 
-# ----------------------------------------------------------------- 08.freed_blocks
+# ----------------------------------------------------------------- 08.freed_blocks (a prediction)
+
+FREED_PARTS = {"token 6, W = 4": (6, 4), "token 7, W = 4": (7, 4), "token 40, W = 8": (40, 8)}  # blocks of 4
 
 
 def freed_blocks(num_computed_tokens: int, sliding_window: int, block_size: int) -> list[int]:
-    """Reference, kvlab's SlidingWindowManager: compute the tokens, allocate the next one, read the null blocks."""
+    """kvlab's SlidingWindowManager: compute the tokens, allocate the next one, read which entries are null."""
     manager = KVCacheManager(cdiv(num_computed_tokens + 1, block_size) + 2, block_size, hash_seed="08",
                              kv_cache_groups=[SlidingWindowSpec(block_size, sliding_window=sliding_window)])
     request = Request("r", [5] * (num_computed_tokens + 1))
@@ -29,54 +32,35 @@ def freed_blocks(num_computed_tokens: int, sliding_window: int, block_size: int)
     return [i for i, block in enumerate(manager.get_blocks("r")) if block.is_null]
 
 
-def _explain_freed(case: Case, expected: Any, actual: Any) -> str | None:
-    computed, window, block_size = case.args
-    if type(actual) not in (list, tuple):
-        return "return the list of logical block indices that are freed (replaced by the null block)"
-    actual = list(actual)
-    fewer = list(range(max(0, computed - window) // block_size))
-    partial = list(range(cdiv(max(0, computed - window + 1), block_size)))
-    if actual == fewer != expected:
-        return ("the window includes the query itself: the token at position p sees p - W + 1 .. p, so W - 1 "
-                "earlier tokens, and everything before p - W + 1 is skipped")
-    if actual == partial != expected:
-        return "a block is freed only when every token in it is outside the window; one still partly inside stays"
-    return None
+def _freed_parts(skipped: Any, rounding: Any = lambda s: s // 4) -> dict[str, list[int]]:
+    """Each part's freed blocks when the next token is taken to skip ``skipped(p, W)`` tokens."""
+    return {name: list(range(rounding(max(skipped(p, w), 0)))) for name, (p, w) in FREED_PARTS.items()}
 
 
-def _random_freed_case(rng: random.Random) -> Case:
-    block_size = rng.choice([2, 4, 16])
-    return Case((rng.randint(0, 12 * block_size), rng.randint(1, 6 * block_size), block_size),
-                probes="a random request, window and block size")
+FREED_MISTAKES = (
+    Mistake(lambda: _freed_parts(lambda p, w: p - w),
+            "the window includes the query itself: the token at position p sees p - W + 1 .. p (W tokens, itself "
+            "among them), so everything before p - W + 1 is skipped, not only what is before p - W"),
+    Mistake(lambda: _freed_parts(lambda p, w: p - w + 1, lambda s: cdiv(s, 4)),
+            "a block is freed only when every token in it is outside the window; one still partly inside stays"),
+)
 
-
-register(Exercise(
+register_prediction(Prediction(
     id="08.freed_blocks",
     title="which blocks a sliding-window layer frees",
-    task=(
-        "A request has `num_computed_tokens` tokens in a sliding-window group of window `sliding_window` (W) and "
-        "`block_size` tokens per block; the query at position p sees keys p - W + 1 .. p. Its next token, at position "
-        "`num_computed_tokens`, is about to be computed. Which of its logical blocks does vLLM's "
-        "`SlidingWindowManager` free (and replace by the null block) first? Return their indices in ascending order."
+    question=(
+        "A request in a sliding-window group (blocks of 4 tokens) has computed p tokens, and allocate_slots now "
+        "makes room for the next one, at position p. Which logical blocks of its table has the window's manager "
+        "replaced by the null block? Predict for p = 6 and p = 7 with a window W of 4, and p = 40 with W = 8."
     ),
-    signature="def freed_blocks(num_computed_tokens: int, sliding_window: int, block_size: int) -> list:",
-    reference=freed_blocks,
-    edge_cases=[
-        Case((7, 4, 4), probes="the docstring's example: tokens 0..3 are skipped for token 7, one block goes"),
-        Case((6, 4, 4), probes="token 6 still sees token 3, so block 0 stays"),
-        Case((40, 8, 4), probes="40 computed, window 8: token 40 sees 33..40, blocks 0..7 end before 33"),
-        Case((3, 8, 4), probes="shorter than the window: nothing is freed"),
-        Case((0, 4, 4), probes="nothing computed yet"),
-        Case((9, 1, 4), probes="a window of one token: every earlier full block goes"),
-        Case((100, 16, 16), probes="window and block of 16: token 100 sees 85..100, blocks 0..4 go"),
-    ],
-    random_case=_random_freed_case,
-    explain=_explain_freed,
+    form='{"token 6, W = 4": [...], "token 7, W = 4": [...], "token 40, W = 8": [...]}: logical block indices',
+    run=lambda: {name: freed_blocks(p, w, 4) for name, (p, w) in FREED_PARTS.items()},
+    runs="KVCacheManager(..., kv_cache_groups=[SlidingWindowSpec(4, sliding_window=W)]): allocate_slots for p tokens, "
+         "then for one more, and read which entries of get_blocks('r') are the null block",
+    mistakes=FREED_MISTAKES,
     hints=[
-        "First count the tokens the next token no longer sees: all positions before p - W + 1, with p the next "
-        "token's position.",
-        "Only whole blocks are freed: a block holding any position the window still reaches stays.",
-        "A count of skipped tokens s frees the blocks that end at or before s: s // block_size of them, from block 0.",
+        "Which keys does the query at position p see? Count them: the window holds W tokens, the query among them.",
+        "Every token before the window's first position is skipped. Which blocks hold only skipped tokens?",
     ],
 ))
 
@@ -225,6 +209,7 @@ register(Exercise(
     signature=("def blocks_per_group(num_tokens: int, num_hit_tokens: int, sliding_window: int, block_size: int, "
                "hits_are_free: bool) -> list:"),
     reference=blocks_per_group,
+    shown=plain.blocks_per_group,
     edge_cases=[
         Case((40, 0, 8, 4, False), probes="no hit: both groups need all ten blocks for this chunk"),
         Case((40, 32, 8, 4, False), probes="32 hit tokens held by another request: two new blocks each"),
@@ -244,60 +229,53 @@ register(Exercise(
 ))
 
 
-# ----------------------------------------------------------------- 08.chunked_local_freed (transfer)
+# ----------------------------------------------------------------- 08.chunked_local_freed (a prediction, transfer)
+
+CHUNKED_PARTS = {"token 13, chunk 8": (13, 8), "token 8, chunk 8": (8, 8), "token 30, chunk 10": (30, 10)}
 
 
 def chunked_local_freed(num_computed_tokens: int, attention_chunk_size: int, block_size: int) -> list[int]:
-    """Reference: vLLM's ``ChunkedLocalAttentionManager.get_num_skipped_tokens``, in whole blocks."""
-    skipped = num_computed_tokens // attention_chunk_size * attention_chunk_size
+    """vLLM's ``ChunkedLocalAttentionManager.get_num_skipped_tokens``, in whole blocks (kvlab does not model the
+    manager itself: this is its rule as 0.33.0 writes it)."""
+    skipped = num_computed_tokens // attention_chunk_size * attention_chunk_size  # the next token's chunk starts here
     return list(range(skipped // block_size))
 
 
-def _explain_chunked(case: Case, expected: Any, actual: Any) -> str | None:
-    computed, chunk, block_size = case.args
-    if type(actual) not in (list, tuple):
-        return "return the list of logical block indices that are freed"
-    if list(actual) == freed_blocks(computed, chunk, block_size) != expected:
-        return ("a chunked layer is not a sliding window: the next token sees the tokens of its own chunk only, "
-                "from the chunk's start, however few they are")
-    if list(actual) == list(range(max(0, computed // chunk - 1) * chunk // block_size)) != expected:
-        return "once a chunk is complete, the next token starts a new chunk and sees none of it"
-    return None
+def _chunked_parts(skipped: Any, rounding: Any = lambda s: s // 4) -> dict[str, list[int]]:
+    return {name: list(range(rounding(max(skipped(p, c), 0)))) for name, (p, c) in CHUNKED_PARTS.items()}
 
 
-def _random_chunked_case(rng: random.Random) -> Case:
-    block_size = rng.choice([2, 4, 16])
-    chunk = block_size * rng.randint(1, 4) + rng.choice([0, 0, 1])
-    return Case((rng.randint(0, 10 * chunk), chunk, block_size), probes="a random request and chunk size")
+CHUNKED_MISTAKES = (
+    Mistake(lambda: _chunked_parts(lambda p, c: p - c + 1),
+            "a chunked layer is not a sliding window: the next token sees the tokens of its own chunk only, from the "
+            "chunk's start, however few they are"),
+    Mistake(lambda: _chunked_parts(lambda p, c: (p // c - 1) * c),
+            "once a chunk is complete, the next token starts a new chunk and sees none of the old one"),
+    Mistake(lambda: _chunked_parts(lambda p, c: p // c * c, lambda s: cdiv(s, 4)),
+            "a block is freed only when every token in it is before the chunk's start; one that holds the start "
+            "stays"),
+)
 
-
-register(Exercise(
+register_prediction(Prediction(
     id="08.chunked_local_freed",
     title="what a chunked local attention layer frees",
-    task=(
+    question=(
         "Llama 4 alternates full attention with chunked local attention: the sequence is cut into chunks of "
-        "`attention_chunk_size` tokens, and a token attends only to the tokens of its own chunk up to itself. vLLM "
-        "manages such layers like a sliding window (a `ChunkedLocalAttentionManager`, null blocks for what is "
-        "skipped). A request has `num_computed_tokens` tokens; which of its logical blocks (of `block_size` tokens) "
-        "can be freed before its next token is computed? Return their indices in ascending order."
+        "attention_chunk_size tokens, and a token attends only to the tokens of its own chunk up to itself. vLLM "
+        "manages such layers like a sliding window (a ChunkedLocalAttentionManager, null blocks for what is "
+        "skipped). A request has computed p tokens (blocks of 4); which logical blocks can go before the token at "
+        "position p is computed? Predict for p = 13 and p = 8 with chunks of 8, and p = 30 with chunks of 10."
     ),
-    signature="def chunked_local_freed(num_computed_tokens: int, attention_chunk_size: int, block_size: int) -> list:",
-    reference=chunked_local_freed,
-    edge_cases=[
-        Case((13, 8, 4), probes="vLLM's example: token 13 is in chunk 8..15, so tokens 0..7 go: two blocks"),
-        Case((8, 8, 4), probes="the first chunk is complete: token 8 starts a new one and sees none of it"),
-        Case((7, 8, 4), probes="token 7 is still in the first chunk: nothing goes"),
-        Case((30, 10, 4), probes="token 30 starts a chunk: 30 tokens go, block 7 (28..31) stays"),
-        Case((100, 16, 16), probes="a chunk of one block"),
-    ],
-    random_case=_random_chunked_case,
-    explain=_explain_chunked,
+    form='{"token 13, chunk 8": [...], "token 8, chunk 8": [...], "token 30, chunk 10": [...]}: block indices',
+    run=lambda: {name: chunked_local_freed(p, c, 4) for name, (p, c) in CHUNKED_PARTS.items()},
+    runs="vLLM 0.33.0's rule, ChunkedLocalAttentionManager.get_num_skipped_tokens (p // chunk * chunk tokens), "
+         "in whole blocks",
+    mistakes=CHUNKED_MISTAKES,
     transfer=True,
     hints=[
-        "Where does the chunk of the next token (position num_computed_tokens) start?",
-        "Every token before that start is invisible to the next token, and to every later one.",
-        "As for a sliding window, only whole blocks are freed: a block holding any position of the current chunk "
-        "stays.",
+        "Where does the chunk of the token at position p start?",
+        "Every token before that start is invisible to this token and to every later one.",
+        "As for a sliding window, only whole blocks are freed.",
     ],
 ))
 

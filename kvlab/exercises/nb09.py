@@ -15,6 +15,7 @@ from kvlab.capacity.mla import MLADims, absorb_crossover, mla_attention_cost, ml
 from kvlab.capacity.models import ModelSpec, get_model
 from kvlab.capacity.parallel import plan_parallel
 from kvlab.capacity.sizing import KV_DTYPE_BYTES, kv_bytes_per_token, kv_heads_per_rank, mha_ratio
+from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.units import KiB, format_bytes
 
@@ -71,6 +72,7 @@ register(Exercise(
     ),
     signature="def latent_and_mha_bytes(config: dict, kv_dtype: str) -> tuple[int, int]:",
     reference=latent_and_mha_bytes,
+    shown=plain.latent_and_mha_bytes,
     edge_cases=[
         Case((_deepseek_config(), "bf16"), probes="DeepSeek-V3 in bf16: the source's 68.625 KiB per token"),
         Case((_deepseek_config(), "fp8"), probes="an FP8 latent cache: one byte per value"),
@@ -95,7 +97,7 @@ register(Exercise(
 
 
 def absorbed_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """Reference: one head's ``q_nope [T, P]`` taken into latent space by its ``W_UK [L, P]``: ``[T, L]``."""
+    """Reference: one head's ``q_nope [T, P]`` taken into latent space by its ``W_UK [Lkv, P]``: ``[T, Lkv]``."""
     return q_nope @ w_uk.T
 
 
@@ -150,8 +152,8 @@ register(Exercise(
     signature="def absorbed_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:",
     reference=absorbed_query,
     edge_cases=[
-        _query_case(random.Random(1), 1, 32, 16, probes="one decode token of the tiny model's head (L 32, P 16)"),
-        _query_case(random.Random(2), 5, 512, 128, probes="DeepSeek-V3's sizes (L 512, P 128), five query tokens"),
+        _query_case(random.Random(1), 1, 32, 16, probes="one decode token of the tiny model's head (Lkv 32, P 16)"),
+        _query_case(random.Random(2), 5, 512, 128, probes="DeepSeek-V3's sizes (Lkv 512, P 128), five query tokens"),
         _query_case(random.Random(3), 3, 24, 24, probes="a latent as wide as the nope part: the shapes do not tell"),
         _query_case(random.Random(4), 2, 40, 8, loud=30.0, probes="large queries: nothing to normalise"),
     ],
@@ -317,6 +319,7 @@ register(Exercise(
     ),
     signature="def kv_bytes_per_gpu(config: dict, tp: int, kv_dtype: str) -> int:",
     reference=kv_bytes_per_gpu,
+    shown=plain.kv_bytes_per_gpu,
     edge_cases=[
         Case((_deepseek_config(), 8, "bf16"), probes="DeepSeek-V3 at TP=8: still 68.625 KiB on every GPU"),
         Case(({k: v for k, v in get_model("llama-3-70b").config.items() if not k.startswith("_")}, 8, "bf16"),

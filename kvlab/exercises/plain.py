@@ -10,19 +10,14 @@ from __future__ import annotations
 from kvlab.capacity.sizing import KV_DTYPE_BYTES
 
 
-def bytes_per_token(config: dict, kv_dtype: str = "bf16") -> int:
-    """f x L x Hkv x D x b, read straight from the config."""
-    b, layers = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"]
-    if config.get("kv_lora_rank"):  # MLA: one latent per layer and token, no separate V
-        return int(1 * layers * 1 * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b)
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return int(2 * layers * kv_heads * head_dim * b)
-
-
 def request_bytes(config: dict, tokens: int, kv_dtype: str = "bf16") -> int:
     """Which layers slide, how many tokens each keeps, times one token's bytes in one layer."""
-    layers, window = config["num_hidden_layers"], config.get("sliding_window")
+    layers, window, b = config["num_hidden_layers"], config.get("sliding_window"), KV_DTYPE_BYTES[kv_dtype]
+    if config.get("kv_lora_rank"):  # MLA: one latent per layer and token, no separate V
+        per_layer = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b
+    else:  # f x Hkv x D x b: a K and a V per KV head
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_layer = 2 * (config.get("num_key_value_heads") or config["num_attention_heads"]) * head_dim * b
     if config.get("layer_types"):  # the config says, layer by layer
         sliding = [kind == "sliding_attention" for kind in config["layer_types"]]
     elif not window or config.get("use_sliding_window") is False:  # no window, or one switched off (Qwen2.5)
@@ -33,8 +28,7 @@ def request_bytes(config: dict, tokens: int, kv_dtype: str = "bf16") -> int:
         sliding = [i >= config.get("max_window_layers", layers) for i in range(layers)]
     else:  # Mistral-style: every layer
         sliding = [True] * layers
-    held = sum(min(tokens, window) if slides else tokens for slides in sliding)
-    return bytes_per_token(config, kv_dtype) // layers * held
+    return int(per_layer) * sum(min(tokens, window) if slides else tokens for slides in sliding)
 
 
 def hybrid_hit(num_prompt_tokens: int, sliding_window: int, block_size: int, evicted_sliding: list,
@@ -70,3 +64,94 @@ def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int
     usable = max(num_blocks - 1, 0)  # block 0 is the null block: it never holds KV
     blocks_each = usable // concurrency  # whole blocks per request
     return blocks_each * block_size  # a multiple of block_size
+
+
+def tp_group_bytes(config: dict, kv_dtype: str, tp: int) -> int:
+    """One rank's share of the KV heads (never less than a whole head), times the tp ranks of the group."""
+    b, layers = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):  # MLA: the latent serves every head, so every rank keeps all of it
+        return tp * int(layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b)
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads_per_rank = max(kv_heads // tp, 1)  # past tp = kv_heads, heads are copied, not cut
+    return tp * int(2 * layers * heads_per_rank * head_dim * b)
+
+
+def free_queue_order(queue: list[int], table: list[int], cached: set[int]) -> list[int]:
+    """KVCacheManager.free hands the blocks over tail first; BlockPool.free_blocks sorts them into two groups."""
+    to_head, to_tail = [], []
+    for block in reversed(table):  # tail first: the prompt's first block comes last
+        (to_tail if block in cached else to_head).append(block)  # a hash may still serve a hit: keep it longest
+    return to_head + list(queue) + to_tail  # prepend_n puts its group in front as is; append_n adds behind the tail
+
+
+def sampling_blocks(n: int, prompt_tokens: int, new_tokens: int, block_size: int) -> tuple[int, int]:
+    """The full prompt blocks stay shared; the partly filled one is copied by every writer but the last."""
+    full, partial = divmod(prompt_tokens, block_size)
+    if new_tokens == 0:  # right after the fork: everything shared, nothing copied
+        return full + (1 if partial else 0), 0
+    copies = n - 1 if partial else 0  # the last writer finds the partial block its own (ref_cnt 1)
+    own = -(-(prompt_tokens + new_tokens) // block_size) - full  # each sample's blocks past the shared full ones
+    return full + n * own, copies
+
+
+def longest_cached_prefix(block_hashes: list[bytes], cached: set[bytes], num_tokens: int, block_size: int) -> int:
+    """Walk the hashes from the start, stop at the first miss, and never reach the last token."""
+    max_blocks = (num_tokens - 1) // block_size  # the last token is always computed: it gives the next logits
+    hits = 0
+    for block_hash in block_hashes[:max_blocks]:
+        if block_hash not in cached:  # a miss: every later hash chains through this block
+            break
+        hits += 1
+    return hits * block_size
+
+
+def chat_turn_hits(cached_tokens: list[int], prompt: list[int], block_size: int) -> int:
+    """Compare block by block from the start: equal blocks after an equal prefix have equal chained hashes."""
+    cached_blocks = len(cached_tokens) // block_size  # the earlier request cached its full blocks only
+    max_blocks = (len(prompt) - 1) // block_size  # at most len(prompt) - 1 tokens may hit
+    hits = 0
+    while hits < min(cached_blocks, max_blocks):
+        block = slice(hits * block_size, (hits + 1) * block_size)
+        if cached_tokens[block] != prompt[block]:  # this block's hash differs, and so does every later one's
+            break
+        hits += 1
+    return hits * block_size
+
+
+def blocks_per_group(num_tokens: int, num_hit_tokens: int, sliding_window: int, block_size: int,
+                     hits_are_free: bool) -> list[int]:
+    """New blocks for what the hit does not cover, plus, for hits sitting in the free queue, the ones kept."""
+    required = -(-num_tokens // block_size)  # blocks the chunk ends at, in both groups
+    hits = num_hit_tokens // block_size  # blocks the prefix cache supplies
+    skipped = max(0, num_hit_tokens - sliding_window + 1) // block_size  # hit blocks wholly before the window
+    kept = [hits - skipped, hits]  # the hit blocks each group takes: [window group, full attention]
+    return [required - hits + (k if hits_are_free else 0) for k in kept]  # a hit in the free queue costs a block
+
+
+def pool_too_small(reuse_gaps: list[float], idle_before_evict: list[float]) -> bool:
+    """Blocks are evicted sooner than they are asked for again: the p90 reuse gap beats the median idle time."""
+    if not reuse_gaps or not idle_before_evict:  # nothing reused, or nothing evicted: nothing to compare
+        return False
+    gaps, idle = sorted(reuse_gaps), sorted(idle_before_evict)
+    p90 = gaps[-(-9 * len(gaps) // 10) - 1]  # nearest rank: the smallest value with 90 % at or below it
+    p50 = idle[-(-len(idle) // 2) - 1]
+    return p90 > p50
+
+
+def kv_bytes_per_gpu(config: dict, tp: int, kv_dtype: str) -> int:
+    """f x L x Hkv x D x b with the KV heads one GPU of the tp ranks keeps (MLA: the whole latent)."""
+    b, layers = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):  # one latent per layer and token, on every rank
+        return int(layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b)
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return int(2 * layers * max(kv_heads // tp, 1) * head_dim * b)
+
+
+def latent_and_mha_bytes(config: dict, kv_dtype: str) -> tuple[int, int]:
+    """One latent of kv_lora_rank + qk_rope_head_dim per layer, against a K and a V for every head."""
+    b, layers, heads = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"], config["num_attention_heads"]
+    latent = layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b  # f = 1, Hkv = 1
+    mha = 2 * layers * heads * config["v_head_dim"] * b  # the MHA form: a K and a V of v_head_dim per head
+    return int(latent), int(mha)

@@ -37,7 +37,8 @@ from typing import Any
 
 from kvlab.exercises.canonical import short_repr
 
-GUARDED = ("kvlab", "kvlab.errors", "kvlab.units", "kvlab.data", "kvlab.machine", "kvlab._validate")
+GUARDED = ("kvlab", "kvlab.errors", "kvlab.units", "kvlab.data", "kvlab.machine", "kvlab._validate",
+           "kvlab.kv_cache_interface")
 GUARDED_PACKAGES = ("kvlab.capacity", "kvlab.core", "kvlab.sim")
 #: Values that differ between processes by design, so a fresh process cannot vouch for them.
 PER_PROCESS = {("kvlab.core.hashing", "NONE_HASH")}  # random unless PYTHONHASHSEED is set, as in vLLM

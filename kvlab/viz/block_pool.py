@@ -161,8 +161,24 @@ def _groups(snap: PoolSnapshot) -> list[_Group]:
     return found
 
 
+def _by_pool_position(groups: list[_Group]) -> list[_Group]:
+    """The tables in the order of the blocks they alone hold, so that their own arrows run up without crossing;
+    a table that holds no block of its own keeps its place among those before it (a stable sort)."""
+    holders: dict[int, int] = {}
+    for group in groups:
+        for block_id in set(group.entries):
+            holders[block_id] = holders.get(block_id, 0) + 1
+    keys, last = [], -1.0
+    for group in groups:
+        own = [b for b in group.entries if holders[b] == 1]
+        last = min(own) if own else last
+        keys.append(last)
+    return [g for _, g in sorted(zip(keys, groups, strict=True), key=lambda pair: pair[0])]
+
+
 def _shelves(groups: list[_Group]) -> list[list[_Group]]:
-    """Tables packed left to right onto shelves of the drawing's width, in order."""
+    """Tables packed left to right onto shelves of the drawing's width, in the pool's order."""
+    groups = _by_pool_position(groups)
     shelves: list[list[_Group]] = [[]]
     used = 0.0
     for group in groups:
@@ -269,13 +285,35 @@ def _draw_copies(canvas: Canvas, pool: _PoolGeometry, copies: Sequence[tuple[int
         canvas.text(apex[0], apex[1] - 3, f"copy {src} → {dst}", 11, COPY_COLOUR, valign="bottom", bold=True)
 
 
+def _bundles(shelf: list[_Group]) -> dict[int, int]:
+    """Blocks held by two or more entries of this shelf, each with its bus level (0 nearest the tables)."""
+    count: dict[int, int] = {}
+    for group in shelf:
+        for block_id in group.entries:
+            count[block_id] = count.get(block_id, 0) + 1
+    shared = sorted(b for b, n in count.items() if n > 1)
+    return {b: level for level, b in enumerate(shared)}
+
+
+BUS_PITCH = 10  # px between the buses of two shared blocks
+JOINT_R = 3.2  # a dot where a stub joins its bus (no dot: the lines only cross)
+
+
 def _draw_shelf(canvas: Canvas, snap: PoolSnapshot, shelf: list[_Group], pool: _PoolGeometry, top: float,
                 below: bool, colours: dict[str, str]) -> float:
-    """One shelf of block tables at ``top``, arrows to the pool above (``below``) or under it; returns its bottom."""
+    """One shelf of block tables at ``top``, arrows to the pool above (``below``) or under it; returns its bottom.
+
+    An entry whose block no other table of the shelf holds gets its own arrow. The entries of a shared
+    block are bundled: a short stub from each, in its table's colour, meets a bus, and one arrow runs
+    from the bus to the block, so a fork's tables do not cross a dozen arrows on their way up.
+    """
     cells_top = top if below else top + LABEL_H
     cells_bottom = cells_top + TABLE_H
     _side_label(canvas, (cells_top + cells_bottom) / 2, ("block", "tables"))
-    holders = {b.block_id: list(b.holders) for b in snap.blocks}
+    bundles = _bundles(shelf)
+    edge = cells_top if below else cells_bottom  # where arrows leave the tables
+    toward = -1 if below else 1  # the pool's direction, in y
+    stubs: dict[int, list[float]] = {b: [] for b in bundles}
     x = X0
     for group in shelf:
         colour = colours[group.name]
@@ -284,11 +322,13 @@ def _draw_shelf(canvas: Canvas, snap: PoolSnapshot, shelf: list[_Group], pool: _
             canvas.rect(cx, cells_top, cx + TABLE_W, cells_bottom, colour, "#374151")
             canvas.text(cx + TABLE_W / 2, (cells_top + cells_bottom) / 2, str(block_id), 14, INK, bold=True)
             bx0, by0, bx1, by1 = pool.box(block_id)
-            share = holders.get(block_id) or [group.name]
-            k = share.index(group.name) if group.name in share else 0
-            spread = (k - (len(share) - 1) / 2) * min(8.0, (pool.cell_w - 10) / max(len(share), 1))
-            tail = (cx + TABLE_W / 2, cells_top if below else cells_bottom)
-            canvas.arrow(tail, ((bx0 + bx1) / 2 + spread, by1 if below else by0), colour)
+            if block_id in bundles:
+                bus_y = edge + toward * (10 + BUS_PITCH * bundles[block_id])
+                canvas.line((cx + TABLE_W / 2, edge), (cx + TABLE_W / 2, bus_y), colour, 2.2)
+                canvas.dot((cx + TABLE_W / 2, bus_y), JOINT_R, INK)
+                stubs[block_id].append(cx + TABLE_W / 2)
+            else:
+                canvas.arrow((cx + TABLE_W / 2, edge), ((bx0 + bx1) / 2, by1 if below else by0), colour)
             first = logical * snap.block_size
             last = min(first + snap.block_size, snap.num_tokens[group.name]) - 1
             canvas.point("tables", cx + TABLE_W / 2, (cells_top + cells_bottom) / 2,
@@ -301,6 +341,12 @@ def _draw_shelf(canvas: Canvas, snap: PoolSnapshot, shelf: list[_Group], pool: _
         canvas.text(x, label_y, swatch + f"<b>{html.escape(group.name)}</b>" + html.escape(group.label[len(
             group.name):]), 13, INK, anchor="left", valign="top")
         x += group.width + GROUP_GAP
+    for block_id, xs in stubs.items():  # each shared block: a bus under its entries, one arrow to the block
+        bx0, by0, bx1, by1 = pool.box(block_id)
+        bus_y, mid = edge + toward * (10 + BUS_PITCH * bundles[block_id]), (bx0 + bx1) / 2
+        canvas.line((min(*xs, mid), bus_y), (max(*xs, mid), bus_y), INK, 2.2)
+        canvas.dot((mid, bus_y), JOINT_R, INK)
+        canvas.arrow((mid, bus_y), (mid, by1 if below else by0), INK)
     return cells_bottom + LABEL_H + 4 if below else cells_bottom
 
 
@@ -333,26 +379,9 @@ def draw_free_queue(canvas: Canvas, blocks: Sequence[BlockView], free_queue: Seq
     return top + rows * (TABLE_H + LABEL_H)
 
 
-def figure_pool(
-    snap: PoolSnapshot, title: str = "", caption: str = "", shelves: int | None = None,
-    colours: dict[str, str] | None = None, copies: Sequence[tuple[int, int]] = (), tokens: str = "words",
-    copy_key: bool = True,
-) -> go.Figure:
-    """The pool, the block tables and the free queue of one snapshot, sized to read when projected.
-
-    ``shelves`` reserves room for that many shelves of tables (so a step-through keeps one
-    height); ``colours`` fixes each sequence's colour (default: in the order they appear);
-    ``copies`` are the step's copy-on-write copies, drawn as arcs; ``tokens`` is "words" or "ids";
-    ``copy_key=False`` leaves the arc out of the key (for a story without copy-on-write).
-    """
-    if tokens not in TOKEN_MODES:
-        token_label(0, tokens)  # raises the named error
-    names = list(snap.tables)
-    colours = {**{n: SEQUENCE_COLOURS[i % len(SEQUENCE_COLOURS)] for i, n in enumerate(names)}, **(colours or {})}
-    canvas = Canvas(WIDTH)
-    y = _heading(canvas, title, caption)
-    pool_probe = _pool_geometry(snap, 0)
-    y = _legend(canvas, y, pool_probe.slots, colours, copy_key)
+def _draw_state(canvas: Canvas, snap: PoolSnapshot, y: float, colours: dict[str, str],
+                copies: Sequence[tuple[int, int]], tokens: str, shelves: int | None, free_queue: bool = True) -> float:
+    """The pool, its block tables and (``free_queue``) the free queue from ``y`` down; returns the y below."""
     packed = _shelves(_groups(snap))
     upper = packed[1] if len(packed) > 1 else []
     upper_room = (LABEL_H + TABLE_H) + ARROW_GAP
@@ -369,10 +398,61 @@ def figure_pool(
     else:
         canvas.text(X0, y + TABLE_H / 2, "no live sequence", 13, MUTED, anchor="left")
         y += TABLE_H + LABEL_H + 4
-    y = draw_free_queue(canvas, snap.blocks, snap.free_queue, snap.block_size, y + 12, colours)
+    if free_queue:
+        y = draw_free_queue(canvas, snap.blocks, snap.free_queue, snap.block_size, y + 12, colours)
     if (shelves or 1) > 1 and not upper:
         y += upper_room  # a stepper keeps one height: the unused room goes below the drawing
+    return y
+
+
+def _colours_for(snap: PoolSnapshot, colours: dict[str, str] | None) -> dict[str, str]:
+    names = list(snap.tables)
+    return {**{n: SEQUENCE_COLOURS[i % len(SEQUENCE_COLOURS)] for i, n in enumerate(names)}, **(colours or {})}
+
+
+def figure_pool(
+    snap: PoolSnapshot, title: str = "", caption: str = "", shelves: int | None = None,
+    colours: dict[str, str] | None = None, copies: Sequence[tuple[int, int]] = (), tokens: str = "words",
+    copy_key: bool = True,
+) -> go.Figure:
+    """The pool, the block tables and the free queue of one snapshot, sized to read when projected.
+
+    ``shelves`` reserves room for that many shelves of tables (so a step-through keeps one
+    height); ``colours`` fixes each sequence's colour (default: in the order they appear);
+    ``copies`` are the step's copy-on-write copies, drawn as arcs; ``tokens`` is "words" or "ids";
+    ``copy_key=False`` leaves the arc out of the key (for a story without copy-on-write).
+    """
+    if tokens not in TOKEN_MODES:
+        token_label(0, tokens)  # raises the named error
+    colours = _colours_for(snap, colours)
+    canvas = Canvas(WIDTH)
+    y = _heading(canvas, title, caption)
+    y = _legend(canvas, y, _pool_geometry(snap, 0).slots, colours, copy_key)
+    y = _draw_state(canvas, snap, y, colours, copies, tokens, shelves)
     return canvas.figure(y + PAD, parts=("pool", "tables", "queue"))
+
+
+def figure_before_after(scenario: Scenario, before: Step, after: Step, title: str = "",
+                        tokens: str = "words") -> go.Figure:
+    """Two steps of one scenario, one above the other, each under its own line: what a write changed
+    (copy-on-write's copy drawn in the second). The free queue is left out, so that the pair fits one screen."""
+    if tokens not in TOKEN_MODES:
+        token_label(0, tokens)
+    steps = record(scenario)
+    colours = assign_colours(steps)
+    canvas = Canvas(WIDTH)
+    y = _heading(canvas, title or f"{scenario.name} · before and after step {after.index}", "")
+    y = _legend(canvas, y, _pool_geometry(after.snapshot, 0).slots, colours, bool(after.copies))
+    for word, step in (("before", before), ("after", after)):
+        line = f"<b>{word}</b> (step {step.index} of {step.total}): {html.escape(step.text)}"
+        lines = wrap(line, WIDTH - 2 * PAD, 13)
+        canvas.rect(PAD, y, WIDTH - PAD, y + 1, "#CBD5E1", "#CBD5E1", width=0)
+        y += 6
+        for k, text in enumerate(lines):  # wrap() keeps the tags whole: the first line opens and closes <b>
+            canvas.text(PAD, y + k * 13 * 1.35, text, 13, "#1F2937", anchor="left", valign="top")
+        y += len(lines) * 13 * 1.35
+        y = _draw_state(canvas, step.snapshot, y, colours, step.copies, tokens, None, free_queue=False) + 8
+    return canvas.figure(y + PAD, parts=("pool", "tables"))
 
 
 def figure_step(scenario: Scenario, step: Step, caption: bool = True, tokens: str = "words") -> go.Figure:

@@ -81,6 +81,17 @@ class Canvas:
                       bold=bold_first and k == 0)
         return y + len(lines) * size * 1.35
 
+    def line(self, start: tuple[float, float], end: tuple[float, float], colour: str, width: float = 1.8) -> None:
+        """A straight line without a head."""
+        self.shapes.append(dict(type="line", x0=start[0], y0=start[1], x1=end[0], y1=end[1],
+                                line=dict(color=colour, width=width)))
+
+    def dot(self, centre: tuple[float, float], radius: float, colour: str) -> None:
+        """A filled circle."""
+        x, y = centre
+        self.shapes.append(dict(type="circle", x0=x - radius, x1=x + radius, y0=y - radius, y1=y + radius,
+                                fillcolor=colour, line=dict(color=colour, width=0), layer="above"))
+
     def arrow(self, tail: tuple[float, float], head: tuple[float, float], colour: str, width: float = 1.8,
               dash: str | None = None) -> None:
         """A straight arrow from ``tail`` to ``head`` (dashed: a line shape with the head drawn apart)."""

@@ -8,6 +8,11 @@ decides how long a killed mutant takes, never whether it is killed.
 
 import os
 
+# Imported here, as pytest loads this plugin (-p), before any conftest: the root conftest.py makes pytest put the
+# repository first on sys.path, where kvlab would then be found instead of the scratch copy. Once imported from
+# the scratch copy, every later ``import kvlab...`` finds it in sys.modules, and its subpackages under its __path__.
+import kvlab  # noqa: F401,E402
+
 
 def _prefixes(name):
     return [p for p in os.environ.get(name, "").split(os.pathsep) if p]

@@ -89,3 +89,12 @@ def test_an_mla_engine_on_a_cpu_runs_the_interpreter_so_half_dtypes_are_refused_
         pytest.skip("the MLA kernels compile natively here")
     with pytest.raises(KvlabValueError, match="dtype='bfloat16': Triton's interpreter"):
         LLMEngine(tiny_deepseek_dir, num_gpu_blocks=16, attention_backend="torch", dtype="bfloat16", device="cpu")
+
+
+def test_gemma3_never_computes_in_float16_as_vllm_refuses_it():
+    """vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS``: ``auto`` skips float16 for Gemma 3, an explicit one is refused."""
+    assert resolve_dtype("auto", torch.float16, CPU, False, "gemma3_text") == (
+        torch.bfloat16, "Casting torch.float16 to torch.bfloat16.")
+    assert resolve_dtype("auto", torch.float16, CPU, False, "llama") == (torch.float16, None)
+    with pytest.raises(KvlabValueError, match="'gemma3_text' does not support float16"):
+        resolve_dtype("half", torch.bfloat16, CPU, False, "gemma3_text")

@@ -32,6 +32,10 @@ def test_the_run_covers_many_tiles_several_blocks_split_decodes_and_chunk_edges_
     assert hard_run.max_tiles >= 3 and hard_run.max_blocks >= 3
     assert hard_run.split_decode_steps >= 2 and hard_run.decode_kv_splits > 1
     assert hard_run.boundaries_inside_a_tile and all(p % hard_run.block_size for p in hard_run.boundaries_inside_a_tile)
+    # prompt by prompt: the 150-token prompt cut at 44, 88, 132; the 70-token one starts with what its first step left
+    assert hard_run.boundaries_by_prompt[0] == (44, 88, 132)
+    assert sorted(sum(hard_run.boundaries_by_prompt, ())) == sorted(hard_run.chunk_boundaries)
+    assert hard_run.summary()["chunk boundaries, by prompt"]["150-token prompt"] == [44, 88, 132]
 
 
 def test_the_kernel_without_the_rescale_fails_the_comparison(tiny_llama_dir, hf_model):

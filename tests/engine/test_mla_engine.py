@@ -17,10 +17,10 @@ from kvlab.engine import LLMEngine, load_model, mla
 from kvlab.engine.deepseek import DeepseekV2ForCausalLM
 from kvlab.engine.evaluation import hf_greedy
 from kvlab.engine.hard_paths import MLA_HARD_PATH_CONFIG, compare_hard_paths
-from kvlab.engine.kv_cache_interface import MLAAttentionSpec
 from kvlab.engine.registry import supported_model_types
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import CheckpointError, KvlabValueError
+from kvlab.kv_cache_interface import MLAAttentionSpec
 from kvlab.units import cdiv
 
 
@@ -51,7 +51,7 @@ def test_the_pool_holds_one_latent_per_token_and_layer_exactly_as_planned(tiny_d
 def test_for_either_family_the_allocated_pool_is_the_planned_pool(family, tiny_llama_dir, tiny_deepseek_dir):
     eng = LLMEngine(tiny_llama_dir if family == "llama" else tiny_deepseek_dir, kv_cache_memory_gib=0.001)
     assert eng.kv_cache_bytes == eng.plan.kv_pool_bytes == eng.num_gpu_blocks * eng.plan.bytes_per_block
-    assert eng.plan.kv_bytes_per_token == sum(s.bytes_per_token for s in eng.kv_cache_specs)
+    assert eng.plan.kv_bytes_per_token * eng.block_size == sum(s.page_size_bytes for s in eng.kv_cache_specs)
 
 
 def test_an_fp8_latent_cache_is_a_quarter_of_float32_and_still_serves(tiny_deepseek_dir, hf_deepseek):
@@ -208,3 +208,16 @@ def test_the_throughput_measurement_times_the_mla_kernels(tiny_deepseek_dir):
     assert speed["mla_kernel_seconds"] == speed["kernel_seconds"] > 0
     # per layer: a latent write every step, a decode launch every step but the prefill
     assert speed["kernel_calls"] == 2 * speed["steps"] + 2 * (speed["steps"] - 1)
+
+
+def test_the_engine_allocates_from_the_same_spec_classes():
+    """``page_size_bytes`` is a property of the spec, and the engine's tensors hold exactly that many bytes."""
+    from kvlab.engine.kv_cache_interface import allocate_kv_cache, layer_tensors
+    from kvlab.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    assert isinstance(AttentionSpec.page_size_bytes, property)
+    for spec in (FullAttentionSpec(16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16),
+                 SlidingWindowSpec(16, num_kv_heads=2, head_size=8, dtype="fp8", sliding_window=32),
+                 MLAAttentionSpec(block_size=16, head_size=24, dtype="fp32")):
+        tensors = layer_tensors(allocate_kv_cache(spec, 3, device="meta"))
+        assert sum(t.numel() * t.element_size() for t in tensors) == 3 * spec.page_size_bytes

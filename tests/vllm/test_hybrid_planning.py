@@ -82,3 +82,35 @@ def test_a_requests_blocks_and_the_concurrency_are_vllms(model, max_model_len):
     num_blocks = 40 * 2**30 // planning._get_kv_cache_bytes_per_block(theirs, KVCacheLayout.LBNHC)
     assert plan.num_blocks == num_blocks and plan.max_concurrency == num_blocks / sum(per_request)
     assert plan.kv_cache_size_tokens == int(num_blocks / sum(per_request) * max_model_len)
+
+
+@pytest.mark.parametrize("model", [*MODELS[:2], get_model("llama-3-8b"), get_model("deepseek-v3")],
+                         ids=lambda m: m.name)
+def test_each_layers_spec_is_vllms_field_for_field(model):
+    """kvlab's one spec hierarchy has vLLM's classes, fields and ``page_size_bytes`` (kvlab names the dtype)."""
+    import vllm.v1.kv_cache_interface as interface
+
+    mla = model.attention == "mla"
+    for name, ours in layer_specs(model, 16).items():
+        theirs = interface.MLAAttentionSpec(  # as MLAAttention.get_kv_cache_spec makes it
+            block_size=16, num_kv_heads=1, head_size=model.head_dim, max_tp_shards=1, dtype=torch.bfloat16,
+        ) if mla else vllm_specs(model, 16)[name]
+        assert type(ours).__name__ == type(theirs).__name__
+        fields = ("block_size", "num_kv_heads", "head_size", "head_size_v", "page_size_bytes", "max_tp_shards",
+                  *(("sliding_window",) if hasattr(theirs, "sliding_window") and not mla else ()))
+        assert [getattr(ours, f, None) for f in fields] == [getattr(theirs, f) for f in fields]
+        assert ours.dtype == "bf16" and theirs.dtype == torch.bfloat16
+
+
+def test_the_layout_tests_spec_classes_are_vllms():
+    """The names ``tests/test_architecture.py`` allows once each are classes of 0.33.0's kv_cache_interface.py."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    import vllm.v1.kv_cache_interface as interface
+
+    source = (Path(__file__).parents[1] / "test_architecture.py").read_text()
+    names = next(ast.literal_eval(node.value) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assign)
+                 and [getattr(t, "id", None) for t in node.targets] == ["VLLM_SPEC_CLASSES"])
+    assert names and [name for name in names if not inspect.isclass(getattr(interface, name, None))] == []

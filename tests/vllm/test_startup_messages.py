@@ -80,3 +80,26 @@ def test_the_default_batched_tokens_are_get_batch_defaults(gpu, monkeypatch):
     tokens, _ = arg_utils.EngineArgs.get_batch_defaults(world_size=1)
     assert default_max_num_batched_tokens(gpu) == tokens[UsageContext.LLM_CLASS]
     assert default_max_num_batched_tokens(gpu, api_server=True) == tokens[UsageContext.OPENAI_API_SERVER]
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma3", "gemma2", "glm4", "llama", "qwen3"])
+def test_the_float16_refusal_is_vllms_table_and_message(model_type):
+    """``_check_valid_dtype``: the families that may not compute in float16, refused with vLLM's own words."""
+    import torch
+    from vllm.config import model as vllm_model
+
+    from kvlab.engine.dtype import FLOAT16_NOT_SUPPORTED_MODELS, resolve_dtype
+    from kvlab.errors import KvlabValueError
+
+    assert FLOAT16_NOT_SUPPORTED_MODELS == vllm_model._FLOAT16_NOT_SUPPORTED_MODELS
+    cpu = torch.device("cpu")
+    if model_type not in FLOAT16_NOT_SUPPORTED_MODELS:
+        vllm_model._check_valid_dtype(model_type, torch.float16)
+        assert resolve_dtype("float16", torch.bfloat16, cpu, False, model_type)[0] == torch.float16
+        return
+    with pytest.raises(ValueError) as theirs:
+        vllm_model._check_valid_dtype(model_type, torch.float16)
+    with pytest.raises(KvlabValueError) as ours:
+        resolve_dtype("float16", torch.bfloat16, cpu, False, model_type)
+    assert str(theirs.value) in str(ours.value)
+    assert resolve_dtype("auto", torch.float16, cpu, False, model_type)[0] == torch.bfloat16  # fp16 skipped

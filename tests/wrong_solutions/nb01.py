@@ -9,12 +9,6 @@ def _heads_and_dim(config):
     return heads, dim
 
 
-def mla_as_gqa(config, kv_dtype="bf16"):
-    """Treats every model as MHA/GQA: misses MLA's single latent."""
-    heads, dim = _heads_and_dim(config)
-    return int(2 * config["num_hidden_layers"] * heads * dim * KV_DTYPE_BYTES[kv_dtype])
-
-
 def query_heads(config, kv_dtype="bf16"):
     """Counts query heads instead of KV heads."""
     if config.get("kv_lora_rank"):
@@ -75,13 +69,34 @@ def one_gpu_only(config, kv_dtype, tp):
     return _right_per_token(config, kv_dtype) * _kv_heads_on_one_gpu(config, tp) // _kv_heads_on_one_gpu(config, 1)
 
 
-WRONG = {
+def _predicted(per_token):
+    """A learner's prediction for 01.bytes_per_token's three models, worked out with ``per_token``."""
+    from kvlab.capacity.models import get_model
+    from kvlab.exercises.nb01 import PER_TOKEN_PARTS
+
+    return {f"{name}, {dtype}": per_token(dict(get_model(name).config), dtype) for name, dtype in PER_TOKEN_PARTS}
+
+
+def nvfp4_as_half_a_byte(config, kv_dtype="bf16"):
+    """Takes nvfp4 at its 4 bits, forgetting the scales."""
+    heads, dim = _heads_and_dim(config)
+    b = 0.5 if kv_dtype == "nvfp4" else KV_DTYPE_BYTES[kv_dtype]
+    return int(2 * config["num_hidden_layers"] * heads * dim * b)
+
+
+# Predictions: (what a learner predicts, text the verdict must hold). The issue's quoted mistakes: head_dim taken
+# as hidden_size // num_attention_heads (gemma-2-9b 224, gpt-oss-20b 45), K only, query heads, nvfp4 as 0.5 bytes.
+WRONG_PREDICTIONS = {
     "01.bytes_per_token": [
-        (mla_as_gqa, "MLA"),
-        (query_heads, "use num_key_value_heads"),
-        (forgets_v, "a K *and* a V"),
-        (implied_head_dim, "this config gives head_dim = 256"),
+        (_predicted(implied_head_dim), "D is head_dim when the config gives one"),
+        (_predicted(forgets_v), "a K *and* a V"),
+        (_predicted(query_heads), "not the query heads"),
+        (_predicted(nvfp4_as_half_a_byte), "nvfp4 is not half a byte"),
     ],
+}
+
+
+WRONG = {
     "01.request_bytes": [
         (ignores_window, "sliding-window layers keep only the last sliding_window tokens"),
         (window_everywhere, "half the layers slide"),

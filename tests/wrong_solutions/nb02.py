@@ -13,12 +13,6 @@ def minus_null_block(available_bytes, bytes_per_token, block_size, max_model_len
     return max(blocks, 0), max(blocks, 0) // _ceil_div(max_model_len, block_size)
 
 
-def bytes_not_blocks(available_bytes, bytes_per_token, block_size, max_model_len):
-    """Divides bytes by a request's bytes, forgetting that a request takes whole blocks."""
-    blocks = max(available_bytes, 0) // (bytes_per_token * block_size)
-    return blocks, max(available_bytes, 0) // (bytes_per_token * max_model_len)
-
-
 def counts_the_null_block(num_blocks, block_size, concurrency):
     """Shares every block, the null block included."""
     return (num_blocks // concurrency) * block_size
@@ -70,11 +64,31 @@ def floor_blocks_per_request(config, gpu_memory_gib, weights_gib, tp, kv_dtype, 
     return blocks // (max_model_len // block_size)
 
 
-WRONG = {
+def _line(num_blocks_and_concurrency, unit=2**30, tokens_as_slots=False):
+    """The learner's KV line for 02.num_blocks's deployment (Llama-3-8B, 20 GiB, blocks of 16, 9,000 tokens)."""
+    blocks, _ = num_blocks_and_concurrency(20 * unit, 128 * 1024, 16, 9000)
+    x = blocks / _ceil_div(9000, 16)
+    tokens = blocks * 16 if tokens_as_slots else int(x * 9000)
+    return f"GPU KV cache size: {tokens:,} tokens, Maximum concurrency for 9,000 tokens per request: {x:.2f}x"
+
+
+def _right(available_bytes, bytes_per_token, block_size, max_model_len):
+    blocks = max(available_bytes, 0) // (bytes_per_token * block_size)
+    return blocks, blocks // _ceil_div(max_model_len, block_size)
+
+
+WRONG_PREDICTIONS = {
     "02.num_blocks": [
-        (minus_null_block, "count the null block"),
-        (bytes_not_blocks, "whole blocks"),
+        (_line(_right, unit=10**9), "in GiB (2**30 bytes), not GB"),
+        (_line(minus_null_block), "the null block included"),
+        (_line(_right, tokens_as_slots=True), "int(X x max_model_len)"),
+        ("GPU KV cache size: 163,985 tokens, Maximum concurrency for 9,000 tokens per request: 18.22x",
+         "ceil(9000 / 16) = 563"),  # 562 blocks per request: the partly filled last block dropped
+        ("GPU KV cache size: 163,840 tokens", "write the whole line"),
     ],
+}
+
+WRONG = {
     "02.max_model_len_for": [
         (counts_the_null_block, "null block"),
         (divides_tokens, "multiple of block_size"),

@@ -55,11 +55,25 @@ def every_matching_block(cached_tokens, prompt, block_size):
     return n * block_size
 
 
-WRONG = {
+def _shared(hashes_of):
+    """A learner's prediction for 04.chained_hashes, worked out with ``hashes_of(token_ids, block_size, seed)``."""
+    from kvlab.exercises.nb04 import CHAIN_PARTS
+
+    a = set(hashes_of(list(range(70)), 16, b"seed"))
+    return {name: [i for i, h in enumerate(hashes_of(tokens, 16, b"seed")) if h in a]
+            for name, tokens in CHAIN_PARTS.items()}
+
+
+WRONG_PREDICTIONS = {
     "04.chained_hashes": [
-        (unchained, "must chain from the previous block's hash"),
-        (hashes_partial_block, "only full blocks are hashed"),
+        (_shared(unchained), "folds in its parent's hash"),
+        (_shared(hashes_partial_block), "only full blocks are hashed"),
+        ({"A again": [0, 1, 2, 3], "B: token 20 changed": [], "D: A without its first 16 tokens": []},
+         "leaves block 0 alone"),
     ],
+}
+
+WRONG = {
     "04.longest_cached_prefix": [
         (no_last_token_rule, "at most num_tokens - 1 tokens may hit"),
         (does_not_stop_at_miss, "stop at the first miss"),

@@ -76,11 +76,36 @@ def window_of_cdiv_w_blocks(num_prompt_tokens, sliding_window, block_size, evict
         length = window
 
 
-WRONG = {
+def _freed(freed_blocks):
+    from kvlab.exercises.nb08 import FREED_PARTS
+
+    return {name: freed_blocks(p, w, 4) for name, (p, w) in FREED_PARTS.items()}
+
+
+def _chunked(chunked_local_freed):
+    from kvlab.exercises.nb08 import CHUNKED_PARTS
+
+    return {name: chunked_local_freed(p, c, 4) for name, (p, c) in CHUNKED_PARTS.items()}
+
+
+def frees_the_chunk_start_block(num_computed_tokens, attention_chunk_size, block_size):
+    """Frees the block that holds the chunk's start too."""
+    return list(range(cdiv(num_computed_tokens // attention_chunk_size * attention_chunk_size, block_size)))
+
+
+WRONG_PREDICTIONS = {
     "08.freed_blocks": [
-        (window_without_the_query, "the window includes the query itself"),
-        (frees_partly_visible_blocks, "a block is freed only when every token in it is outside the window"),
+        (_freed(window_without_the_query), "the window includes the query itself"),
+        (_freed(frees_partly_visible_blocks), "a block is freed only when every token in it is outside the window"),
     ],
+    "08.chunked_local_freed": [
+        (_chunked(chunk_as_window), "not a sliding window"),
+        (_chunked(keeps_the_last_chunk), "once a chunk is complete"),
+        (_chunked(frees_the_chunk_start_block), "one that holds the start stays"),
+    ],
+}
+
+WRONG = {
     "08.hybrid_hit": [
         (window_of_cdiv_w_blocks, "not cdiv(W, block_size)"),
         (smaller_of_the_two, "not always a hit"),
@@ -89,9 +114,5 @@ WRONG = {
     "08.blocks_per_group": [
         (free_hits_cost_nothing, "costs a free block too"),
         (window_only_during_prefill, "needs a slot for every new token of this allocation"),
-    ],
-    "08.chunked_local_freed": [
-        (chunk_as_window, "not a sliding window"),
-        (keeps_the_last_chunk, "once a chunk is complete"),
     ],
 }

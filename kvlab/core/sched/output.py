@@ -2,9 +2,13 @@
 
 Mirrors ``vllm/v1/core/sched/output.py`` (``SchedulerOutput``), with the request and sampling
 types the step carries (vLLM's ``vllm/sampling_params.py``, ``vllm/v1/outputs.py``'s
-``ModelRunnerOutput``, ``vllm/v1/engine`` 's ``RequestOutput`` and ``vllm/v1/metrics/stats.py``'s
-``SchedulerStats``; vLLM 0.33.0). ``Executor`` is the one method the scheduler's caller needs
-from whatever runs the model: ``kvlab.engine.ModelRunner`` or ``NoComputeExecutor``.
+``ModelRunnerOutput`` and ``KVConnectorOutput``, ``vllm/v1/engine`` 's ``RequestOutput`` and
+``vllm/v1/metrics/stats.py``'s ``SchedulerStats``; vLLM 0.33.0). ``Executor`` is the one method the
+scheduler's caller needs from whatever runs the model: ``kvlab.engine.ModelRunner`` or
+``NoComputeExecutor``. ``SchedulerKVConnector`` is the scheduler side of a KV connector (vLLM's
+``KVConnectorBase_V1`` in ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``, role
+``SCHEDULER``): the scheduler is handed one, as it is handed an executor, and never imports its class
+(``kvlab.distributed.kv_transfer`` holds the connectors; ``kvlab.core.kv_offload`` the CPU tier's).
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class GenerationRequest(Request):
         eos_token_id: Iterable[int] = (),
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(request_id, prompt_token_ids, cache_salt=cache_salt, lora_name=lora_name)
         self.sampling_params = sampling_params or SamplingParams()
@@ -119,6 +124,14 @@ class GenerationRequest(Request):
         self.num_pending_forks = self.sampling_params.n - 1  # children still to fork (n > 1)
         self.parent_id: str | None = None
         self.stop_reason: str | None = None
+        # What a KV connector needs to move this request's KV between engines (vLLM's ``kv_transfer_params``,
+        # which the OpenAI server reads from the request body): a copy, since connectors write into it.
+        if kv_transfer_params is not None and (not isinstance(kv_transfer_params, dict) or not all(
+                isinstance(k, str) for k in kv_transfer_params)):
+            raise KvlabValueError(f"kv_transfer_params must be a dict with string keys or None, got "
+                                  f"{kv_transfer_params!r}")
+        self.kv_transfer_params: dict[str, Any] | None = (None if kv_transfer_params is None
+                                                          else dict(kv_transfer_params))
 
     @property
     def max_tokens(self) -> int:
@@ -175,7 +188,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str]
     finished_req_ids: set[str]  # finished since the previous step (the executor may drop their state)
     blocks_to_copy: list[BlockCopy]  # copy-on-write copies to make on every layer's K and V, before the forward
-    kv_connector_metadata: Any = None  # the CPU tier's copies this step (core.kv_offload), before the forward
+    kv_connector_metadata: Any = None  # what the KV connector's worker side loads and saves in this step
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -194,23 +207,46 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens - self.num_prefill_tokens
 
 
+@dataclasses.dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker side reports after a step (vLLM's ``KVConnectorOutput``, ``vllm/v1/outputs.py``).
+
+    ``finished_sending``: requests whose blocks the connector kept after they finished (to send them)
+    and no longer needs; ``finished_recving``: requests whose asynchronous load ended, well or not;
+    ``invalid_block_ids``: blocks a load failed to fill (their requests recompute from the first of
+    them, or fail, by ``kv_load_failure_policy``); ``failed_recving``: failed loads named by request.
+    """
+
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    invalid_block_ids: set[int] = dataclasses.field(default_factory=set)
+    failed_recving: set[str] = dataclasses.field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids or self.failed_recving)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelRunnerOutput:
     """The tokens an executor sampled, by request id (prefill chunks that do not finish sample none).
 
     ``errors`` is kvlab's addition: requests the executor could not sample (non-finite logits, say),
     with the exception that says why. Each finishes with ``FINISHED_ERROR``; the others go on.
+    ``kv_connector_output``: the KV connector's report on this step, when the engine has one.
     """
 
     sampled_token_ids: dict[str, int]
     errors: dict[str, BaseException] = dataclasses.field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request: its new token, and whether (and why) it finished.
 
-    A request that finished with ``FINISHED_ERROR`` (finish reason ``"error"``) carries the exception.
+    A request that finished with ``FINISHED_ERROR`` (finish reason ``"error"``) carries the exception;
+    one whose KV a connector will send on carries the connector's ``kv_transfer_params`` (vLLM's
+    ``EngineCoreOutput.kv_transfer_params``): what the next engine needs to pull it.
     """
 
     request_id: str
@@ -218,6 +254,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     error: BaseException | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # what the KV connector returned when the request finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,12 +271,36 @@ class SchedulerStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_block_copies: int
+    # A KV connector's lookups this step, in tokens beyond the local hits (vllm:external_prefix_cache_queries, _hits).
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
 
 
 class Executor(Protocol):
     """Anything that turns a ``SchedulerOutput`` into sampled tokens."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class SchedulerKVConnector(Protocol):
+    """The scheduler side of a KV connector: the calls ``Scheduler`` makes, where vLLM 0.33.0's makes them.
+
+    ``get_num_new_matched_tokens`` after the local prefix lookup (tokens beyond it the connector can
+    load, or None to ask again later, and whether the load is asynchronous); ``update_state_after_alloc``
+    once blocks are allocated for them; ``build_connector_meta`` at the end of ``schedule()`` (the worker
+    side's orders for this step); ``update_connector_output`` with the worker's report; ``request_finished``
+    before a finished request's blocks are freed (True: free them only once the worker reports the
+    request in ``finished_sending``; and the ``kv_transfer_params`` for its output). It never touches tensors.
+    """
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]: ...
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None: ...
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any: ...
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None: ...
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]: ...
 
 
 @checked

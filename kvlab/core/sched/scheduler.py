@@ -27,11 +27,24 @@ it (``KVCacheManager.copy_on_write``) and the step's ``blocks_to_copy`` tells th
 copy the KV tensors before the forward. V1 itself instead runs ``n`` independent requests
 that share the prompt's full blocks through the prefix cache.
 
-Optional, for notebook 07: a ``connector`` (``kvlab.core.kv_offload.OffloadingConnector``) called
-where vLLM calls its KV connector, so that a waiting request also finds blocks in a CPU tier
-(``get_num_new_matched_tokens``, loaded before the forward), and ``preemption_mode="swap"``,
-which V1 dropped: a preempted request's KV is copied to the CPU tier and copied back when it
-resumes, instead of recomputed. ``num_recomputed_tokens`` counts what preemption cost.
+Optional: a KV ``connector`` (the scheduler side of one, ``SchedulerKVConnector``), called where
+vLLM 0.33.0's scheduler calls it (notebook 11). After the local prefix lookup,
+``get_num_new_matched_tokens`` says how many more tokens it can load; ``allocate_slots`` takes them as
+``num_external_computed_tokens`` (``delay_cache_blocks`` while the load is asynchronous), then
+``update_state_after_alloc``; a request loading asynchronously waits in ``WAITING_FOR_REMOTE_KVS``, in
+``kv_holding_waiting`` (drained before ``waiting``), until the worker reports it in ``finished_recving``;
+``build_connector_meta`` closes ``schedule()``; a finished request goes through ``request_finished``
+first, and when the connector asks to delay, its blocks are freed only once the worker reports it in
+``finished_sending``. A load that fails (``invalid_block_ids``) is recomputed from the first bad block
+or fails the request, by ``kv_load_failure_policy`` ("recompute" or vLLM's default "fail"). The
+connector's lookups are counted apart (``connector_prefix_cache_stats``, exported as
+``vllm:external_prefix_cache_queries`` and ``vllm:external_prefix_cache_hits``). Notebook 07's CPU
+tier is one such connector (``kvlab.core.kv_offload.OffloadingConnector``), with
+``preemption_mode="swap"``, which V1 dropped: a preempted request's KV is copied to the CPU tier and
+copied back when it resumes, instead of recomputed. ``num_recomputed_tokens`` counts what preemption cost.
+Where kvlab's connector path is simpler than vLLM's: no deferred loads or frees (kvlab has one batch in
+flight), no reservation of blocks for in-flight asynchronous loads (``_inflight_prefill_reserved_blocks``),
+one KV cache group, and ``build_connector_meta`` sees ``num_computed_tokens`` already advanced.
 
 The scheduler never touches tensors: an executor turns each ``SchedulerOutput`` into sampled
 tokens, and ``kvlab.core.sched.loop.step`` drives the two (``NoComputeExecutor`` there invents
@@ -45,7 +58,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from kvlab._validate import checked
+from kvlab._validate import checked, one_of
+from kvlab.core.cache_stats import PrefixCacheStats
 from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.kv_cache_utils import KVCacheBlocks
 from kvlab.core.request import RequestStatus
@@ -57,6 +71,7 @@ from kvlab.core.sched.config import (
 )
 from kvlab.core.sched.output import (
     GenerationRequest,
+    KVConnectorOutput,
     ModelRunnerOutput,
     RequestOutput,
     SamplingParams,
@@ -67,6 +82,10 @@ from kvlab.core.sched.output import (
 )
 from kvlab.core.sequence import BlockCopy
 from kvlab.errors import KvlabValueError, RequestFailedError, RequestStateError
+from kvlab.units import cdiv
+
+#: What a scheduler does with a request whose KV a connector failed to load (vLLM's ``kv_load_failure_policy``).
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @checked
@@ -82,6 +101,7 @@ class Scheduler:
         max_model_len: int | None = None,
         connector: Any = None,
         preemption_mode: str = "recompute",
+        kv_load_failure_policy: str = "fail",
     ) -> None:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise KvlabValueError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
@@ -93,8 +113,10 @@ class Scheduler:
         self.max_num_scheduled_tokens = config.max_num_batched_tokens
         self.num_usable_blocks = kv_cache_manager.block_pool.num_usable_blocks
         self.max_model_len = config.max_model_len or self.num_usable_blocks * self.block_size
-        self.requests: dict[str, GenerationRequest] = {}
+        self.requests: dict[str, GenerationRequest] = {}  # live requests, and finished ones whose frees wait
         self.waiting: deque[GenerationRequest] = deque()
+        # Waiting requests that hold blocks (a connector's load in flight or just done): always drained first.
+        self.kv_holding_waiting: deque[GenerationRequest] = deque()
         self.running: list[GenerationRequest] = []
         self.finished_req_ids: set[str] = set()
         self.num_steps = 0
@@ -108,6 +130,13 @@ class Scheduler:
         self.connector = connector
         self.num_recomputed_tokens = 0  # tokens computed again after a preemption
         self._computed_before_preemption: dict[str, int] = {}
+        # A KV connector's asynchronous loads (vLLM's names), and what to do when one fails.
+        one_of("kv_load_failure_policy", kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
+        self.recompute_kv_load_failures = kv_load_failure_policy == "recompute"
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        self.connector_prefix_cache_stats = PrefixCacheStats() if connector is not None else None
+        self.num_kv_load_failures = 0  # requests whose load failed (kvlab's counter)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -152,10 +181,18 @@ class Scheduler:
                    for g in self.kv_cache_manager.kv_cache_groups)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.kv_holding_waiting or self.running)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.kv_holding_waiting) + len(self.running)
+
+    def has_finished_requests(self) -> bool:
+        """Finished requests the executor has not heard of yet, or whose blocks a connector still holds."""
+        return bool(self.finished_req_ids) or len(self.requests) > self.get_num_unfinished_requests()
+
+    def has_requests(self) -> bool:
+        """Anything left to step for (vLLM's ``has_requests``): unfinished requests, or frees still to come."""
+        return self.has_unfinished_requests() or self.has_finished_requests()
 
     # ----------------------------------------------------------------- one step
 
@@ -193,34 +230,66 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
 
-        # 2. WAITING requests, oldest first, but only in a step that preempted nothing.
-        while not preempted and self.waiting and token_budget > 0:
-            request = self.waiting[0]
+        # 2. WAITING requests, oldest first, but only in a step that preempted nothing; those holding blocks
+        #    (a connector's load) first. A request that cannot go yet is skipped and keeps its place.
+        skipped_holding: list[GenerationRequest] = []
+        skipped_waiting: list[GenerationRequest] = []
+        while not preempted and token_budget > 0:
+            queue = self.kv_holding_waiting or self.waiting
+            if not queue:
+                break
+            request = queue[0]
             if self._num_seq_slots_used() + request.num_pending_forks + 1 > self.max_num_running_reqs:
                 break
-            hit_blocks, num_hit_tokens, _ = self.kv_cache_manager.get_computed_blocks(request)
-            num_external_tokens = 0
-            if self.connector is not None:  # as vLLM: the connector sees a block-aligned hit, and may supersede
-                partial_tail = num_hit_tokens % self.block_size  # a partial tail only by loading strictly more
-                num_external_tokens = self.connector.get_num_new_matched_tokens(request, num_hit_tokens - partial_tail)
-                if partial_tail and num_external_tokens > partial_tail:
-                    hit_blocks = KVCacheBlocks(tuple(group[:-1] for group in hit_blocks.blocks))
-                    num_hit_tokens -= partial_tail
-                elif partial_tail:
-                    num_external_tokens = 0
-            num_computed_tokens = num_hit_tokens + num_external_tokens
-            num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not self._remote_kvs_ready(request):
+                (skipped_holding if self._holds_kv_blocks(request) else skipped_waiting).append(queue.popleft())
+                continue
+            load_kv_async = False
+            num_external_tokens = queries = 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit_tokens, _ = self.kv_cache_manager.get_computed_blocks(request)
+                if self.connector is not None:  # as vLLM: the connector sees a block-aligned hit, and may supersede
+                    partial_tail = num_hit_tokens % self.block_size  # a partial tail only by loading strictly more
+                    external, load_kv_async = self.connector.get_num_new_matched_tokens(
+                        request, num_hit_tokens - partial_tail)
+                    if external is None:  # the connector cannot tell yet: ask again next step
+                        skipped_waiting.append(queue.popleft())
+                        continue
+                    if partial_tail and external > partial_tail:
+                        hit_blocks = KVCacheBlocks(tuple(group[:-1] for group in hit_blocks.blocks))
+                        num_hit_tokens -= partial_tail
+                        num_external_tokens = external
+                    elif partial_tail:
+                        load_kv_async = False
+                    else:
+                        num_external_tokens = external
+                    queries = request.num_tokens - num_hit_tokens
+                num_computed_tokens = num_hit_tokens + num_external_tokens
+            else:  # back from a connector's load: its blocks are held, nothing to look up
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.empty_kv_cache_blocks, 0
+                num_computed_tokens = request.num_computed_tokens
+            # A load in flight computes nothing yet: its blocks only are allocated.
+            num_new_tokens = 0 if load_kv_async else min(request.num_tokens - num_computed_tokens, token_budget)
             # As vLLM 0.33.0 (scheduler_reserve_full_isl): admitted only if the whole prompt fits, not just this chunk.
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, num_hit_tokens, hit_blocks, num_external_computed_tokens=num_external_tokens,
-                full_sequence_must_fit=True, has_scheduled_reqs=bool(self.running))
+                delay_cache_blocks=load_kv_async, full_sequence_must_fit=True, has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
                 break  # the pool is full: the queue waits, in order
             if self.connector is not None:
-                self.connector.update_state_after_alloc(request, num_hit_tokens, num_external_tokens)
+                self.connector.update_state_after_alloc(request, self._blocks_of(request.request_id),
+                                                        num_external_tokens)
+                if queries:
+                    self.connector_prefix_cache_stats.record(queries, num_external_tokens, request.num_preemptions > 0)
+            if load_kv_async:  # vLLM: the request waits, holding its blocks, until the worker reports the load done
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                request.num_computed_tokens = num_computed_tokens
+                queue.popleft()
+                skipped_holding.append(request)
+                continue
             previously = self._computed_before_preemption.pop(request.request_id, 0)
             self.num_recomputed_tokens += max(previously - num_computed_tokens, 0)
-            self.waiting.popleft()
+            queue.popleft()
             self.running.append(request)
             admitted.append(request)
             (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
@@ -228,6 +297,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed_tokens
             num_new_tokens_of[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+        self.kv_holding_waiting.extendleft(reversed(skipped_holding))  # back at the front, in their order
+        self.waiting.extendleft(reversed(skipped_waiting))
 
         assert token_budget >= 0 and len(self.running) <= self.max_num_running_reqs
         # Partial prefix hits' copies (vLLM 0.33.0's copy-on-write): the executor makes them before the forward,
@@ -252,6 +323,42 @@ class Scheduler:
     def _num_seq_slots_used(self) -> int:
         """Sequences running, counting the children a running parent will fork."""
         return len(self.running) + sum(r.num_pending_forks for r in self.running)
+
+    def _blocks_of(self, request_id: str) -> KVCacheBlocks:
+        """A request's blocks in every group (none if it holds none), as the connector's calls take them."""
+        if request_id not in self.kv_cache_manager.req_to_blocks:
+            return self.kv_cache_manager.empty_kv_cache_blocks
+        return KVCacheBlocks(tuple(self.kv_cache_manager.get_blocks_per_group(request_id)))
+
+    @staticmethod
+    def _holds_kv_blocks(request: GenerationRequest) -> bool:
+        """vLLM's test: computed tokens, or a load in flight (whose count a failure may have reset to 0)."""
+        return request.num_computed_tokens > 0 or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def _remote_kvs_ready(self, request: GenerationRequest) -> bool:
+        """vLLM's ``_update_waiting_for_remote_kv``: once the load is reported done, cache what arrived and wait
+        as an ordinary request; False while it runs.
+
+        A load that failed keeps the tokens before its first bad block (``_handle_invalid_blocks`` cut
+        ``num_computed_tokens`` there), or frees everything when none is left. A whole prompt loaded still
+        computes its last token, for the logits of the next one.
+        """
+        request_id = request.request_id
+        if request_id not in self.finished_recving_kv_req_ids:
+            return False
+        if request_id in self.failed_recving_kv_req_ids:
+            self.failed_recving_kv_req_ids.remove(request_id)
+            if request.num_computed_tokens:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            else:
+                self.kv_cache_manager.free(request)
+        else:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens = request.num_tokens - 1
+        self.finished_recving_kv_req_ids.remove(request_id)
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        return True
 
     def _preempt_request(self, request: GenerationRequest) -> None:
         """Free the request's blocks and put it back at the front of the waiting queue, to recompute.
@@ -300,7 +407,7 @@ class Scheduler:
                 group_block_ids=tables if len(tables) > 1 else (),
             ))
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
+        output = SchedulerOutput(
             step=self.num_steps,
             scheduled=scheduled,
             scheduled_new_req_ids=[r.request_id for r in scheduled_new],
@@ -309,8 +416,10 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in preempted],
             finished_req_ids=finished,
             blocks_to_copy=copies + hit_copies,
-            kv_connector_metadata=None if self.connector is None else self.connector.build_connector_meta(),
         )
+        if self.connector is not None:  # the last call of schedule(), as in vLLM: the worker's orders for this step
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
 
     def _fork_children(self, parent: GenerationRequest) -> tuple[tuple[str, SamplingParams], ...]:
         """Fork the parent's ``n - 1`` children now that its prompt is cached: they share every block."""
@@ -345,16 +454,20 @@ class Scheduler:
         a request left without its token would never be scheduled again. A token for a request
         that finished meanwhile (aborted during the step) is dropped, as vLLM drops it.
         """
-        if self.connector is not None:
-            self.connector.complete_step()  # the executor made this step's CPU-tier copies
+        kv_output = model_runner_output.kv_connector_output
+        failed_kv_loads: set[str] = set()  # requests this step's output must skip: their loads failed
+        if kv_output is not None and kv_output.failed_recving:
+            failed_kv_loads |= self._handle_failed_recving(kv_output.failed_recving)
+        if kv_output is not None and kv_output.invalid_block_ids:
+            failed_kv_loads |= self._handle_invalid_blocks(kv_output.invalid_block_ids, scheduler_output)
         expected = dict.fromkeys(i for s in scheduler_output.scheduled if s.sample
-                                 for i in (s.request_id, *(child for child, _ in s.forked)))
+                                 for i in (s.request_id, *(child for child, _ in s.forked)) if i not in failed_kv_loads)
         sampled = model_runner_output.sampled_token_ids
         errors = dict(model_runner_output.errors)
         outputs = []
         for request_id, token_id in sampled.items():
             request = self.requests.get(request_id)
-            if request is None or request.is_finished() or request_id in errors:
+            if request is None or request.is_finished() or request_id in errors or request_id in failed_kv_loads:
                 continue
             problem = _token_problem(token_id, request_id in expected)
             if problem:
@@ -362,17 +475,100 @@ class Scheduler:
                 continue
             request.append_output_token_ids(token_id)
             stopped = self._check_stop(request)
-            if stopped:
-                self._free_request(request)
-            outputs.append(RequestOutput(request_id, (token_id,), stopped, request.get_finished_reason()))
+            kv_transfer_params = self._free_request(request) if stopped else None
+            outputs.append(RequestOutput(request_id, (token_id,), stopped, request.get_finished_reason(),
+                                         kv_transfer_params=kv_transfer_params))
         for request_id in [i for i in expected if i not in sampled and i not in errors]:
             errors[request_id] = RequestFailedError(request_id, "the executor returned no token for it in a step "
                                                                 "that samples it")
+        if failed_kv_loads and not self.recompute_kv_load_failures:  # policy "fail": the request ends with an error
+            for request_id in failed_kv_loads:
+                errors.setdefault(request_id, RequestFailedError(request_id, "its KV failed to load "
+                                                                             "(kv_load_failure_policy='fail')"))
         for request_id, error in errors.items():
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished():
                 outputs += self._finish(request, RequestStatus.FINISHED_ERROR, error)
+        if kv_output is not None:
+            self._update_from_kv_xfer_finished(kv_output)
         return outputs
+
+    # ----------------------------------------------------------------- a KV connector's reports
+
+    def _update_from_kv_xfer_finished(self, kv_output: KVConnectorOutput) -> None:
+        """vLLM's: a load reported done lets its request be scheduled; a send reported done frees the blocks."""
+        self.connector.update_connector_output(kv_output)
+        for request_id in kv_output.finished_recving or ():
+            request = self.requests[request_id]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(request_id)
+            else:  # aborted while loading: its blocks waited for the load to end
+                assert request.is_finished()
+                self._free_blocks(request)
+        for request_id in kv_output.finished_sending or ():
+            self._free_blocks(self.requests[request_id])
+
+    def _handle_failed_recving(self, failed_req_ids: set[str]) -> set[str]:
+        """Loads that failed whole: recompute from nothing (policy "recompute"), else fail the requests."""
+        affected = set()
+        for request_id in failed_req_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                affected.add(request_id)
+                self.num_kv_load_failures += 1
+                if self.recompute_kv_load_failures:
+                    request.num_computed_tokens = 0
+                    self.failed_recving_kv_req_ids.add(request_id)
+        return set() if self.recompute_kv_load_failures else affected
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int], scheduler_output: SchedulerOutput) -> set[str]:
+        """vLLM's ``_handle_invalid_blocks``: each request holding a block a load failed to fill computes again
+        from its first such block (policy "recompute") or fails ("fail").
+
+        Asynchronous loads (not cached yet) learn it before they leave ``WAITING_FOR_REMOTE_KVS``; a synchronous
+        load ran in this step, so its request skips this step's token. Returns the requests this step's output
+        must skip.
+        """
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        loading = [r for r in self.kv_holding_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        async_failed, _ = self._truncate_at_invalid_blocks(loading, invalid_block_ids, num_scheduled, evict=False)
+        sync_failed, to_evict = self._truncate_at_invalid_blocks(self.running, invalid_block_ids, num_scheduled,
+                                                                 evict=True)
+        self.num_kv_load_failures += len(async_failed) + len(sync_failed)
+        if not self.recompute_kv_load_failures:
+            self.kv_cache_manager.block_pool.evict_blocks(to_evict, notify=False)
+            return async_failed | sync_failed
+        self.failed_recving_kv_req_ids |= async_failed
+        return sync_failed
+
+    def _truncate_at_invalid_blocks(self, requests: Iterable[GenerationRequest], invalid_block_ids: set[int],
+                                    num_scheduled: dict[str, int], evict: bool) -> tuple[set[str], set[int]]:
+        """vLLM's ``_update_requests_with_invalid_blocks`` (one group): cut each affected request's
+        ``num_computed_tokens`` back to its first invalid block; a block shared with an earlier request of
+        the batch is recomputed by that one only. Returns the affected ids and the blocks to evict."""
+        affected, to_evict, marked = set(), set(), set()
+        for request in requests:
+            block_ids = self.kv_cache_manager.get_block_ids_per_group(request.request_id)[0]
+            computed = request.num_computed_tokens - num_scheduled.get(request.request_id, 0)
+            is_affected = truncated = False
+            for index, block_id in enumerate(block_ids[:cdiv(computed, self.block_size)]):
+                if block_id not in invalid_block_ids:
+                    continue
+                is_affected = True
+                if block_id in marked:
+                    continue
+                marked.add(block_id)
+                if truncated:
+                    continue
+                truncated = True
+                request.num_computed_tokens = index * self.block_size
+                if evict:
+                    to_evict.update(block_ids[index:])
+            if is_affected:
+                if not truncated:
+                    request.num_computed_tokens = computed
+                affected.add(request.request_id)
+        return affected, to_evict
 
     @checked
     def fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> ModelRunnerOutput:
@@ -398,7 +594,8 @@ class Scheduler:
         """Finish requests from outside a step (vLLM's ``finish_requests``: an abort), freeing their blocks.
 
         Unknown or finished ids are ignored, as in vLLM; a parent takes its samples not yet forked
-        along. Returns one output per request finished (vLLM returns the requests).
+        along. A request whose KV a connector is still loading keeps its blocks until the load is reported
+        done. Returns one output per request finished (vLLM returns the requests).
         """
         if not isinstance(finished_status, RequestStatus) or not RequestStatus.is_finished(finished_status):
             raise KvlabValueError(f"finished_status must be a finished RequestStatus, got {finished_status!r}")
@@ -413,8 +610,13 @@ class Scheduler:
     def _finish(self, request: GenerationRequest, status: RequestStatus, error: BaseException | None = None
                 ) -> list[RequestOutput]:
         """Finish a running or waiting request with ``status``; its samples not yet forked finish with it."""
+        delay_free = False
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # vLLM: the load still writes into its blocks
+            delay_free = request.request_id not in self.finished_recving_kv_req_ids
+            self.finished_recving_kv_req_ids.discard(request.request_id)
+            self.failed_recving_kv_req_ids.discard(request.request_id)
         request.status = status
-        self._free_request(request)
+        self._free_request(request, delay_free)  # its kv_transfer_params are dropped, as vLLM's finish_requests does
         n, pending = request.sampling_params.n, request.num_pending_forks
         request.num_pending_forks = 0
         ids = [request.request_id, *(child_request_id(request.request_id, k) for k in range(n - pending, n))]
@@ -431,18 +633,35 @@ class Scheduler:
             return True
         return False
 
-    def _free_request(self, request: GenerationRequest) -> None:
-        """Take a finished request out of its queue and free everything it holds."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: GenerationRequest, delay_free_blocks: bool = False) -> dict[str, Any] | None:
+        """Take a finished request out of its queue and free everything it holds; return the connector's
+        ``kv_transfer_params``.
+
+        The connector sees the request first (``request_finished``, with the blocks of its computed
+        tokens) and may keep its blocks, to send them: they are freed when the worker reports the request
+        in ``finished_sending`` (``_free_blocks``), and the request stays in ``requests`` until then.
+        """
+        for queue in (self.running, self.waiting, self.kv_holding_waiting):
+            if request in queue:
+                queue.remove(request)
+                break
         self._pending_copies.pop(request.request_id, None)
         self._computed_before_preemption.pop(request.request_id, None)
+        kv_transfer_params = None
         if self.connector is not None:
-            self.connector.request_finished(request)
+            held = self.kv_cache_manager.req_to_blocks.get(request.request_id, ())
+            block_ids = [b.block_id for b in held[:cdiv(request.num_computed_tokens, self.block_size)]]
+            connector_delay, kv_transfer_params = self.connector.request_finished(request, block_ids)
+            delay_free_blocks |= connector_delay
         self.finished_req_ids.add(request.request_id)
+        if not delay_free_blocks:
+            self._free_blocks(request)
+        return kv_transfer_params
+
+    def _free_blocks(self, request: GenerationRequest) -> None:
+        """Give a finished request's blocks back and forget it (at once, or when its connector is done)."""
+        assert request.is_finished()
+        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 
     def make_stats(self) -> SchedulerStats:
@@ -453,7 +672,7 @@ class Scheduler:
         return SchedulerStats(
             step=out.step,
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.kv_holding_waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preempted_reqs=len(out.preempted_req_ids),
@@ -461,7 +680,15 @@ class Scheduler:
             num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens,
             num_block_copies=len(out.blocks_to_copy),
+            connector_prefix_cache_stats=self._take_connector_prefix_cache_stats(),
         )
+
+    def _take_connector_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """This step's connector lookups, then a fresh count (vLLM's ``make_stats`` takes them so too)."""
+        stats = self.connector_prefix_cache_stats
+        if stats is not None:
+            self.connector_prefix_cache_stats = PrefixCacheStats()
+        return stats
 
 
 def _token_problem(token_id: object, expected: bool) -> str | None:
