@@ -93,6 +93,18 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
     fleet.replica, fleet.serving        fleet over core managers, replicas as processes on ZMQ and HTTP (no-compute,
                                         or ``LLMEngine``s publishing their events), driven in real time
 10  engine.kv_events_config             ``KVEventsConfig`` (``vllm/config/kv_events.py``), the engine's events config
+11  distributed.parallel_state          ``GroupCoordinator`` (a ``device_group`` and a gloo ``cpu_group``),
+                                        ``init_distributed_environment``, ``initialize_model_parallel``
+                                        (``vllm/distributed/parallel_state.py``)
+11  engine.linear,                      ``ColumnParallelLinear``, ``RowParallelLinear``, ``QKVParallelLinear``'s split
+    engine.vocab_parallel_embedding     (``vllm/model_executor/layers/linear.py``), ``VocabParallelEmbedding``,
+                                        ``ParallelLMHead`` (``vocab_parallel_embedding.py``)
+11  engine.worker, engine.worker_proc,  ``Worker`` (``vllm/v1/worker/gpu_worker.py``), ``MultiprocExecutor`` and
+    engine.multiproc_executor,          ``WorkerProc`` (``vllm/v1/executor/multiproc_executor.py``),
+    engine.uniproc_executor,            ``ExecutorWithExternalLauncher`` (``uniproc_executor.py``); torchrun's
+    engine.launch                       entry point
+11  engine.tensor_parallel,             kvlab's own: TP measured against one rank and the formula; a step's
+    capacity.tp_cost                    collectives counted and modelled on NVLink and PCIe
 11  distributed.kv_transfer             ``KVConnectorBase_V1`` and its roles, ``ExampleConnector``, the factory
                                         (``vllm/distributed/kv_transfer/kv_connector/``); ``P2pGlooConnector`` is
                                         kvlab's own, on the NIXL connector's handshake

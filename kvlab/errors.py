@@ -110,3 +110,27 @@ class ReplicaDiedError(KvlabError):
     def __init__(self, replica: int, reason: str) -> None:
         self.replica = replica
         super().__init__(f"replica {replica}: {reason}")
+
+
+class RankFailedError(KvlabError):
+    """A tensor-parallel rank raised, exited or stopped answering; every rank was stopped and the engine with them.
+
+    ``rank`` is the rank that failed first, ``reason`` what it reported (or how it ended); ``reports`` holds
+    every rank's report, first failure first, ``tracebacks`` the tracebacks they sent, ``exit_codes`` how each
+    process ended.
+    """
+
+    def __init__(self, rank: int | None, reason: str, reports: dict[int, str] | None = None,
+                 tracebacks: dict[int, str] | None = None, exit_codes: dict[int, int | None] | None = None) -> None:
+        self.rank, self.reason = rank, reason
+        self.reports = dict(reports or {})
+        self.tracebacks, self.exit_codes = dict(tracebacks or {}), dict(exit_codes or {})
+        who = "a rank" if rank is None else f"rank {rank}"
+        others = "; ".join(f"rank {r}: {_first_line(text)}" for r, text in self.reports.items() if r != rank)
+        super().__init__(f"{who} failed: {reason}" + (f" (then {others})" if others else "")
+                         + ". Every rank was stopped: build a new engine to go on")
+
+
+def _first_line(text: str, limit: int = 120) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."

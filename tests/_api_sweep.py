@@ -266,6 +266,8 @@ def _samples() -> dict[str, Callable[[], Any]]:
         "hash_fn_name": lambda: "sha256",
         "bits": lambda: 16,
         "num_gpu_blocks": lambda: 64,
+        "tp": lambda: 8,
+        "num_seqs": lambda: 64,
         "generation_request": lambda: GenerationRequest("g0", list(range(10))),
     }
 

@@ -7,7 +7,10 @@ MLA: ``load_deepseek`` builds a DeepSeek-V3-style decoder over one latent cache 
 (``allocate_mla_kv_caches``); ``save_tiny_deepseek`` writes its small seeded checkpoint. The registry
 (``model_family``, ``kv_cache_specs``) says, per ``model_type``, which config, model and KV cache spec
 (``FullAttentionSpec``, ``MLAAttentionSpec``: ``kvlab.kv_cache_interface``'s) ``LLMEngine`` and ``load_model``
-use; ``allocate_kv_cache`` makes a layer's tensors from its spec.
+use; ``allocate_kv_cache`` makes a layer's tensors from its spec. Tensor parallelism
+(``LLMEngine(..., tensor_parallel_size=N)``): the sharded layers (``linear``, ``vocab_parallel_embedding``), one
+rank's ``Worker`` and the loop every rank runs (``worker``), the executors that start or join the ranks
+(``multiproc_executor``, ``uniproc_executor``) and torchrun's entry point (``launch``).
 """
 from __future__ import annotations
 

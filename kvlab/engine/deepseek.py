@@ -16,30 +16,41 @@ same numbers as transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlab.distributed.parallel_state import GroupCoordinator
 from kvlab.engine.attention import AttentionMetadata
 from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.deepseek_rope import DeepseekRotaryEmbedding
+from kvlab.engine.linear import ColumnParallelLinear, RowParallelLinear, divide, single_rank
 from kvlab.engine.loader import check_before_loading, read_weights
 from kvlab.engine.mla import MLAAttention
 from kvlab.engine.model import LlamaForCausalLM, RMSNorm
+from kvlab.engine.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from kvlab.errors import KvlabValueError
 
 
 class DeepseekV2MLP(nn.Module):
-    """SwiGLU ``down(silu(gate(x)) * up(x))``: the dense layers' MLP, and the shared experts."""
+    """SwiGLU ``down(silu(gate(x)) * up(x))``: the dense layers' MLP, and each expert.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    Under tensor parallelism each rank keeps ``intermediate_size / tp`` of it (gate and up column-parallel,
+    down row-parallel); an expert leaves its partial sum unreduced (``reduce_results=False``) and the MoE
+    sums every expert's before one all-reduce, as vLLM's ``DeepseekV2MoE`` does.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_group: GroupCoordinator | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, tp_group)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp_group, reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -77,12 +88,14 @@ class DeepseekV2MoE(nn.Module):
     """Routed experts (``experts.<e>.*_proj``, as DeepSeek's checkpoints and transformers' files name them),
     each over the tokens routed to it, plus the shared ones, always on."""
 
-    def __init__(self, config: DeepseekConfig) -> None:
+    def __init__(self, config: DeepseekConfig, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
-        self.gate = DeepseekV2Gate(config)
-        self.experts = nn.ModuleList(DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size)
+        self.tp_group = tp_group or single_rank()
+        self.gate = DeepseekV2Gate(config)  # replicated: every rank routes every token the same way
+        self.experts = nn.ModuleList(DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size, tp_group, False)
                                      for _ in range(config.n_routed_experts))
-        self.shared_experts = DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.shared_experts = DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                                            tp_group, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         weights, experts = self.gate(x)                                                    # [T, k] each
@@ -91,28 +104,38 @@ class DeepseekV2MoE(nn.Module):
             token, slot = torch.where(experts == e)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             routed[token] += y.to(routed.dtype)            # each token once per expert (index_add_ is slow on CPU)
-        return routed + self.shared_experts(x)
+        return self.tp_group.all_reduce(routed + self.shared_experts(x))  # one all-reduce for all the experts
 
 
 class DeepseekV2MLAAttention(nn.Module):
-    """Project to the query, the latent and ``k_pe``; normalise; rotate; MLA over the cache; project out."""
+    """Project to the query, the latent and ``k_pe``; normalise; rotate; MLA over the cache; project out.
 
-    def __init__(self, config: DeepseekConfig) -> None:
+    Under tensor parallelism the heads split (``q_b_proj`` / ``q_proj`` and ``kv_b_proj`` column-parallel,
+    ``o_proj`` row-parallel), but the latent does not: ``kv_a_proj_with_mqa`` is replicated, every rank
+    computes and caches the whole ``c_kv`` and ``k_pe`` of every token (vLLM's ``MLAAttentionSpec``,
+    ``max_tp_shards = 1``). So each rank's cache is as large as one GPU's without TP.
+    """
+
+    def __init__(self, config: DeepseekConfig, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
         d, h = config.mla, config.hidden_size
-        self.dims = d
+        tp_group = tp_group or single_rank()
+        local = divide(d.num_heads, tp_group.world_size, "num_attention_heads / tensor_parallel_size")
+        self.dims = dataclasses.replace(d, num_heads=local)  # this rank's heads
+        n = d.num_heads  # the layers below take the whole model's sizes and keep this rank's part
         if d.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, d.q_lora_rank, bias=False)
+            self.q_a_proj = nn.Linear(h, d.q_lora_rank, bias=False)  # replicated
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(d.q_lora_rank, d.num_heads * d.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(d.q_lora_rank, n * d.qk_head_dim, False, tp_group)
         else:
-            self.q_proj = nn.Linear(h, d.num_heads * d.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, d.latent_size, bias=False)
+            self.q_proj = ColumnParallelLinear(h, n * d.qk_head_dim, False, tp_group)
+        self.kv_a_proj_with_mqa = nn.Linear(h, d.latent_size, bias=False)  # replicated: the latent is whole
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, h, bias=False)
+        self.kv_b_proj = ColumnParallelLinear(d.kv_lora_rank, n * (d.qk_nope_head_dim + d.v_head_dim), False,
+                                              tp_group)  # rows are head-major: a row slice is a head slice
+        self.o_proj = RowParallelLinear(n * d.v_head_dim, h, False, tp_group)
         self.rotary_emb = DeepseekRotaryEmbedding(config.rope, d.qk_rope_head_dim)
-        self.mla_attn = MLAAttention(d, config.scale)
+        self.mla_attn = MLAAttention(self.dims, config.scale)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -134,13 +157,14 @@ class DeepseekV2MLAAttention(nn.Module):
 class DeepseekV2DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x += mla(norm(x)); x += mlp_or_moe(norm(x))``."""
 
-    def __init__(self, config: DeepseekConfig, layer: int) -> None:
+    def __init__(self, config: DeepseekConfig, layer: int, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DeepseekV2MLAAttention(config)
+        self.self_attn = DeepseekV2MLAAttention(config, tp_group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe = config.is_moe_layer(layer)
-        self.mlp = DeepseekV2MoE(config) if moe else DeepseekV2MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = DeepseekV2MoE(config, tp_group) if moe else \
+            DeepseekV2MLP(config.hidden_size, config.intermediate_size, tp_group)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -152,10 +176,11 @@ class DeepseekV2DecoderLayer(nn.Module):
 class DeepseekV2Model(nn.Module):
     """Embedding, the decoder layers (layer ``i`` owns ``kv_caches[i]``), final norm."""
 
-    def __init__(self, config: DeepseekConfig) -> None:
+    def __init__(self, config: DeepseekConfig, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, tp_group)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -171,14 +196,15 @@ class DeepseekV2Model(nn.Module):
 class DeepseekV2ForCausalLM(nn.Module):
     """The decoder plus the language-model head; ``forward`` then ``compute_logits``, as in vLLM."""
 
-    def __init__(self, config: DeepseekConfig) -> None:
+    def __init__(self, config: DeepseekConfig, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config)
+        self.tp_group = tp_group or single_rank()
+        self.model = DeepseekV2Model(config, self.tp_group)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp_group)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -193,7 +219,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
 
 def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                  config: DeepseekConfig | None = None) -> DeepseekV2ForCausalLM:
+                  config: DeepseekConfig | None = None, tp_group: Any = None, *, check: bool = True,
+                  load: bool = True) -> DeepseekV2ForCausalLM | None:
     """Build the decoder ``config.json`` describes and fill it from the checkpoint's safetensors.
 
     ``config`` is the checkpoint's ``DeepseekConfig`` if the caller read it already. The routers stay
@@ -201,8 +228,11 @@ def load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float
     correction bias in float32 too). On CPU keep ``float32``: the Triton interpreter has no bf16.
     """
     config = config or DeepseekConfig.from_pretrained(model_dir)
-    check_before_loading(model_dir, config, lambda: DeepseekV2ForCausalLM(config))
-    model = DeepseekV2ForCausalLM(config)
+    if check:
+        check_before_loading(model_dir, config, lambda: DeepseekV2ForCausalLM(config, tp_group))
+    if not load:
+        return None
+    model = DeepseekV2ForCausalLM(config, tp_group)
     model.to(dtype)
     for module in model.modules():
         if isinstance(module, DeepseekV2Gate):

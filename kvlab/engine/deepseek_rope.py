@@ -110,8 +110,8 @@ def yarn_inv_freq(rope: DeepseekRope, dim: int) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)  # CPU: as rope.py
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
     keep = 1 - ramp                                        # 1: keep the original frequency (high frequencies)
     return interpolation * (1 - keep) + extrapolation * keep, attention_factor

@@ -25,6 +25,12 @@ with ``enable_kv_cache_events`` the pool queues its KV cache events and ``LLMEng
 ``dtype`` plays vLLM's ``--dtype`` (``ModelConfig.dtype``), resolved as ``kvlab.engine.dtype`` says:
 ``"auto"`` is the checkpoint's dtype where the device computes it, except that a float32 checkpoint
 stays float32 (vLLM downcasts it to bf16) and Triton's interpreter computes in float32 only.
+
+``tensor_parallel_size`` (vLLM's ``ParallelConfig``) splits the model over that many ranks, each a process
+(``kvlab.engine.worker``); ``distributed_executor_backend`` says who starts them: ``"uni"`` (one rank, this
+process), ``"mp"`` (the engine spawns them, the default past one rank) or ``"external_launcher"`` (torchrun
+did, and this process is rank 0). A model whose heads do not split evenly is refused as vLLM's
+``ModelConfig.verify_with_parallel_config`` and ``QKVParallelLinear`` refuse it, naming both numbers.
 """
 
 from __future__ import annotations
@@ -39,11 +45,14 @@ import torch
 from kvlab import kernels
 from kvlab._validate import fraction_in_unit_interval, non_negative_int, one_of, positive_int, positive_number
 from kvlab.core.sched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, SchedulerConfig
+from kvlab.engine.config import GEMMA3_MODEL_TYPES
 from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.dtype import checkpoint_dtype, resolve_dtype
 from kvlab.engine.kv_events_config import KVEventsConfig
 from kvlab.engine.kv_transfer_config import KVTransferConfig
+from kvlab.engine.linear import qkv_partition
 from kvlab.engine.registry import ModelConfig, read_model_config
+from kvlab.engine.vocab_parallel_embedding import pad_vocab_size
 from kvlab.errors import KvlabValueError, UnknownNameError
 
 #: kv_cache_dtype -> torch dtype of the cache tensors (None: the model's own dtype).
@@ -56,6 +65,10 @@ DEFAULT_MAX_MODEL_LEN = 2048
 #: attention_backend names (``kvlab.engine.attention.BACKEND_KERNELS`` says which kernels each calls).
 ATTENTION_BACKENDS = ("triton", "torch")
 PRESCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+#: distributed_executor_backend names (vLLM's, less Ray): one process, spawned ranks, ranks torchrun started.
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
+#: The most ranks a CPU engine spawns (each is a process with its own torch, a few hundred MB); on GPUs, one per GPU.
+MAX_CPU_TENSOR_PARALLEL_SIZE = 8
 
 
 def engine_device(device: str | torch.device | None = None) -> torch.device:
@@ -112,6 +125,37 @@ def verify_max_model_len(max_model_len: int | None, model_config: ModelConfig) -
     return max_model_len
 
 
+def _verify_tensor_parallel(model_config: ModelConfig, tp: int) -> None:
+    """Refuse a model whose heads, MLP or vocabulary do not split over ``tp`` ranks as vLLM splits them.
+
+    The error names the config field and ``tensor_parallel_size`` (``qkv_partition`` for the heads).
+    """
+    if tp == 1:
+        return
+    if model_config.model_type in GEMMA3_MODEL_TYPES:
+        raise KvlabValueError(f"tensor_parallel_size={tp}: kvlab's Gemma 3 decoder ({model_config.model_type}) runs "
+                              "on one rank (vLLM shards it; kvlab shards the Llama family and DeepSeek-V3). Use "
+                              "tensor_parallel_size=1")
+    if isinstance(model_config, DeepseekConfig):
+        heads = model_config.mla.num_heads
+        if heads % tp:
+            raise KvlabValueError(f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}: every "
+                                  "rank must hold the same number of MLA heads (the latent itself is never split)")
+        sizes = {"intermediate_size": model_config.intermediate_size,
+                 "moe_intermediate_size": model_config.moe_intermediate_size,
+                 "moe_intermediate_size x n_shared_experts":
+                     model_config.moe_intermediate_size * model_config.n_shared_experts}
+    else:
+        qkv_partition(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
+        sizes = {"intermediate_size": model_config.intermediate_size}
+    sizes[f"vocab_size padded to 64 ({model_config.vocab_size} -> {pad_vocab_size(model_config.vocab_size)})"] = \
+        pad_vocab_size(model_config.vocab_size)
+    for field, size in sizes.items():
+        if size % tp:
+            raise KvlabValueError(f"{field}={size} is not divisible by tensor_parallel_size={tp}: each rank holds "
+                                  "an equal slice of it")
+
+
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise KvlabValueError(f"{name} must be True or False, got {value!r}")
@@ -149,6 +193,9 @@ class EngineConfig:
     attention_backend: str | None = None            # AttentionConfig.backend: "triton", "torch", None: by hardware
     dtype: Any = "auto"                             # ModelConfig.dtype: "auto", "float32", "bfloat16", "float16"
     kv_events_config: KVEventsConfig | dict[str, Any] | None = None  # VllmConfig.kv_events_config
+    tensor_parallel_size: int = 1                   # ParallelConfig.tensor_parallel_size
+    distributed_executor_backend: str | None = None  # ParallelConfig.distributed_executor_backend: None: by tp
+    distributed_timeout_seconds: float = 60.0       # ParallelConfig.distributed_timeout_seconds (vLLM: torch's)
     dtype_log: str | None = dataclasses.field(init=False, repr=False)
     model_config: ModelConfig = dataclasses.field(init=False, repr=False)
     scheduler_config: SchedulerConfig = dataclasses.field(init=False, repr=False)
@@ -180,6 +227,21 @@ class EngineConfig:
         self._resolve_offloading_connector()
         if self.scheduler_config.needs_cpu_tier and not self.cpu_offload_blocks:
             raise KvlabValueError("preemption_mode='swap' needs a CPU tier to swap to: set cpu_offload_blocks")
+        _verify_tensor_parallel(self.model_config, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            if self.device.type == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
+                raise KvlabValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs; torch "
+                                      f"sees {torch.cuda.device_count()}")
+            if self.cpu_offload_blocks:
+                raise KvlabValueError("cpu_offload_blocks: kvlab's CPU tier lives in one process; with "
+                                      "tensor_parallel_size > 1 each rank holds its own cache. Use one of them")
+            if self.keep_logits:
+                raise KvlabValueError("keep_logits: with tensor_parallel_size > 1 the logits stay in the ranks' "
+                                      "processes; keep them on a one-rank engine")
+            if self.kv_transfer_config is not None and self.kv_transfer_config.kv_connector is not None:
+                raise KvlabValueError(f"kv_transfer_config names {self.kv_transfer_config.kv_connector!r}: kvlab's "
+                                      "connectors move one process's cache; with tensor_parallel_size > 1 each rank "
+                                      "holds its own (vLLM gives every rank a worker half). Use one of them")
         if self.cpu_offload_blocks and self.hybrid_kv_cache:
             raise KvlabValueError("cpu_offload_blocks: kvlab's CPU tier copies one block table per request, and this "
                                   "model's sliding-window layers get KV cache groups of their own; set "
@@ -225,6 +287,22 @@ class EngineConfig:
         if self.kv_cache_memory_gib is not None:
             positive_number("kv_cache_memory_gib", self.kv_cache_memory_gib)
         non_negative_int("cpu_offload_blocks", self.cpu_offload_blocks)
+        tp = positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if tp > MAX_CPU_TENSOR_PARALLEL_SIZE and not torch.cuda.is_available():
+            raise KvlabValueError(f"tensor_parallel_size={tp}: a CPU engine starts at most "
+                                  f"{MAX_CPU_TENSOR_PARALLEL_SIZE} ranks (each is a process with its own torch)")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "mp" if tp > 1 else "uni"
+        one_of("distributed_executor_backend", backend, EXECUTOR_BACKENDS)
+        if backend == "uni" and tp > 1:
+            raise KvlabValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={tp} needs "
+                                  "'mp' (the engine starts the ranks) or 'external_launcher' (torchrun did)")
+        object.__setattr__(self, "distributed_executor_backend", backend)
+        positive_number("distributed_timeout_seconds", self.distributed_timeout_seconds)
+        if self.distributed_timeout_seconds > 24 * 3600:
+            raise KvlabValueError(f"distributed_timeout_seconds={self.distributed_timeout_seconds}: at most a day "
+                                  "(a collective that waits longer has a dead peer)")
         fraction_in_unit_interval("kv_cache_metrics_sample", self.kv_cache_metrics_sample)
         for name in ("enable_prefix_caching", "kv_cache_metrics", "keep_logits", "disable_hybrid_kv_cache_manager"):
             _flag(name, getattr(self, name))

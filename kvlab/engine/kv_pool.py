@@ -14,6 +14,10 @@ the tensors, layer slot by layer slot, as vLLM's do, since a block id belongs to
 time. So the pool holds ``layers_per_group`` K and V tensors, not one per layer, and a block
 costs that many pages. ``disable_hybrid_kv_cache_manager`` gives every layer full attention's
 allocation instead (one group, one tensor per layer), while the layers still attend in windows.
+
+Under tensor parallelism (``tensor_parallel_size``) everything here is one rank's: every rank allocates the
+same number of blocks (one scheduler, one block table for all), each of its own size, ``max(1, Hkv / tp)``
+KV heads per layer, or MLA's whole latent.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def kv_cache_groups(config: EngineConfig, cache_dtype: torch.dtype) -> tuple[KVC
     """The model's KV cache groups, made of its layers' specs (``kv_cache_specs``): vLLM's grouping of its layers,
     or one group for all of them (a model without sliding windows, or ``disable_hybrid_kv_cache_manager``, which
     gives sliding layers full attention's spec as vLLM's ``unify_hybrid_kv_cache_specs`` does)."""
-    specs = kv_cache_specs(config.model_config, config.block_size, cache_dtype)
+    specs = kv_cache_specs(config.model_config, config.block_size, cache_dtype, config.tensor_parallel_size)  # a rank's
     named = {layer_name(i): spec for i, spec in enumerate(specs)}
     if config.disable_hybrid_kv_cache_manager or not any(isinstance(s, SlidingWindowSpec) for s in specs):
         first = specs[0]
@@ -82,7 +86,8 @@ def plan_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int
     hybrid = groups is not None and any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
     if hybrid:
         return _plan_hybrid_pool(config, cache_dtype, weights_bytes, groups)  # type: ignore[arg-type]
-    per_block = kv_bytes_per_token(spec, kv_dtype_name(cache_dtype)) * block_size
+    tp = config.tensor_parallel_size
+    per_block = kv_bytes_per_token(spec, kv_dtype_name(cache_dtype), tp) * block_size  # on one rank
     num_gpu_blocks, memory_gib = config.num_gpu_blocks, config.kv_cache_memory_gib
     if num_gpu_blocks is None and memory_gib is None:
         wanted = 1 + config.max_num_seqs * cdiv(config.max_model_len, block_size)
@@ -92,7 +97,7 @@ def plan_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_bytes: int
     plan = plan_kv_cache(
         spec, gpu_memory_gib=_device_memory_gib(config.device), weights_gib=weights_bytes / GiB,
         kv_cache_memory_gib=memory_gib, kv_dtype=kv_dtype_name(cache_dtype),
-        block_size=block_size, max_model_len=config.max_model_len,
+        block_size=block_size, max_model_len=config.max_model_len, tp=tp,
     )
     if plan.num_blocks < 2:
         raise KvlabValueError(
@@ -119,7 +124,7 @@ def _plan_hybrid_pool(config: EngineConfig, cache_dtype: torch.dtype, weights_by
         config.model_config.spec, max_model_len=config.max_model_len, block_size=config.block_size,
         kv_dtype=kv_dtype_name(cache_dtype), max_num_batched_tokens=in_flight, async_scheduling=False,
         gpu_memory_gib=_device_memory_gib(config.device), weights_gib=weights_bytes / GiB,
-        kv_cache_memory_gib=memory_gib)
+        kv_cache_memory_gib=memory_gib, tp=config.tensor_parallel_size)
     assert plan.kv_cache_groups == groups
     if plan.num_blocks < 2:
         raise KvlabValueError(f"the KV pool would hold {plan.num_blocks} block(s) of {per_block} bytes; it needs at "
@@ -139,7 +144,7 @@ def allocate_kv_caches(config: EngineConfig, num_blocks: int, dtype: torch.dtype
     ``KVCacheTensor(shared_by=...)``): ``kv_caches[i]`` of two layers in different groups may be the
     same tensors.
     """
-    specs = kv_cache_specs(config.model_config, config.block_size, dtype)
+    specs = kv_cache_specs(config.model_config, config.block_size, dtype, config.tensor_parallel_size)  # one rank's
     if groups is None:
         return [allocate_kv_cache(spec, num_blocks, config.device) for spec in specs]
     _, slots = layer_groups(groups)

@@ -44,12 +44,14 @@ from kvlab.core.sched.output import (
     child_request_id,
 )
 from kvlab.core.sched.scheduler import Scheduler
+from kvlab.distributed.parallel_state import GroupCoordinator
 from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_offload import OffloadingExecutor, allocate_cpu_kv_caches
 from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, kv_cache_groups, layer_groups, plan_pool
 from kvlab.engine.metrics import EngineMetrics, LatencyMetrics, prometheus_text
 from kvlab.engine.model_runner import ModelRunner
-from kvlab.engine.registry import kv_cache_specs, load_model
+from kvlab.engine.multiproc_executor import start_rank_executor
+from kvlab.engine.registry import check_checkpoint, kv_cache_specs, load_model
 from kvlab.errors import CheckpointError, KvlabValueError, RequestStateError
 
 
@@ -74,6 +76,13 @@ class LLMEngine:
     there and copied back on a prefix hit. ``preemption_mode="swap"`` resumes preempted requests
     from that tier instead of recomputing them. ``kv_cache_metrics`` records vLLM's block lifetime
     histograms (sampling ``kv_cache_metrics_sample`` of the blocks) and adds them to ``metrics_text()``.
+
+    ``tensor_parallel_size=N`` splits the model over N ranks, each a process with its shard of every layer and
+    its own KV cache of the same block count (``kvlab.engine.multiproc_executor`` starts them, as vLLM's
+    ``MultiprocExecutor`` does; ``distributed_executor_backend="external_launcher"`` when torchrun started them
+    and this process is rank 0). This engine keeps the scheduler and the block tables, holds no weights, and
+    reads rank 0's tokens; ``kv_cache_reports`` says what each rank allocated. ``shutdown()`` (or a ``with``
+    block) stops the ranks; a rank that fails stops them all (``RankFailedError``).
     """
 
     def __init__(self, model_dir: str | os.PathLike | EngineConfig, **engine_args: Any) -> None:
@@ -86,12 +95,22 @@ class LLMEngine:
         self.block_size, self.kv_cache_dtype = config.block_size, config.kv_cache_dtype
         # 2. Device: where the kernels run (chosen and checked in step 1).
         self.device = config.device
-        # 3. Weights: the checkpoint's tensors, checked against config.json, onto the device.
+        # 3. Weights: the checkpoint's tensors, checked against config.json, onto the device. Under tensor
+        #    parallelism the ranks start now, each loading its shard (kvlab.engine.worker); the engine keeps none.
+        self.tensor_parallel_size = config.tensor_parallel_size
         started = time.perf_counter()
-        self.model = load_model(config.model_dir, config.dtype, config=config.model_config).to(self.device)
+        self.model: Any = None
+        self.rank_executor: Any = None
+        if config.tensor_parallel_size == 1:
+            self.model = load_model(config.model_dir, config.dtype, config=config.model_config).to(self.device)
+            self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        else:  # the checkpoint checked here, once, as each rank's shard will read it; then the ranks
+            check_checkpoint(config.model_dir, config.model_config,
+                             GroupCoordinator.unconnected(0, config.tensor_parallel_size))
+            self.rank_executor = start_rank_executor(config)
+            self.weights_bytes = max(r["weights_bytes"] for r in self.rank_executor.load_reports)  # per rank
         self.load_seconds = time.perf_counter() - started
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or next(self.model.parameters()).dtype
+        self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype
         # 4. Pool plan: the KV cache groups (sliding-window layers apart), and how many blocks, from a count,
         #    a memory budget, or the default.
         self.kv_cache_groups = kv_cache_groups(config, self.cache_dtype)
@@ -101,8 +120,13 @@ class LLMEngine:
         # 5. Tensors: per layer what its spec says: K and V [num_blocks, block_size, num_kv_heads, head_size],
         #    or MLA's latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (with several
         #    groups, layer j of every group shares one cache).
-        self.kv_cache_specs = kv_cache_specs(config.model_config, config.block_size, self.cache_dtype)
-        self.kv_caches = allocate_kv_caches(config, self.num_gpu_blocks, self.cache_dtype, self.kv_cache_groups)
+        #    Each rank allocates its own, the same block count (its shapes: kv_cache_reports).
+        self.kv_cache_specs = kv_cache_specs(config.model_config, config.block_size, self.cache_dtype,
+                                             config.tensor_parallel_size)
+        self.kv_caches = [] if self.rank_executor else \
+            allocate_kv_caches(config, self.num_gpu_blocks, self.cache_dtype, self.kv_cache_groups)
+        self.kv_cache_reports = (self.rank_executor.initialize_kv_cache(self.num_gpu_blocks, self.kv_cache_groups)
+                                 if self.rank_executor else [])
         # 6. Manager: the block pool and prefix cache (a manager per group), and vLLM's --kv-cache-metrics.
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, config.block_size,
                                                enable_caching=config.enable_prefix_caching,
@@ -132,13 +156,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, **dataclasses.asdict(config.scheduler_config),
                                    connector=self.connector,
                                    kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "fail")
-        # 9. Executor: the model runner (with the connector's worker half), behind the CPU tier's copies if any.
-        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, keep_logits=config.keep_logits,
-                                        layer_groups=layer_groups(self.kv_cache_groups)[0],
-                                        attention_backend=config.attention_backend)
-        self.model_runner.kv_connector = self.kv_connector_worker
-        self.executor = (OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector)
-                         if config.cpu_offload_blocks else self.model_runner)
+        # 9. Executor: the model runner (with the connector's worker half), behind the CPU tier's copies if any; or
+        #    the ranks of a tensor-parallel engine.
+        self.model_runner: ModelRunner | None = None
+        if self.rank_executor is not None:
+            self.executor = self.rank_executor
+        else:
+            self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size,
+                                            keep_logits=config.keep_logits,
+                                            layer_groups=layer_groups(self.kv_cache_groups)[0],
+                                            attention_backend=config.attention_backend)
+            self.model_runner.kv_connector = self.kv_connector_worker
+            self.executor = (OffloadingExecutor(self.model_runner, self.kv_caches, self.cpu_kv_caches, self.connector)
+                             if config.cpu_offload_blocks else self.model_runner)
         # What the engine has served: metrics, per-step history, and each request's tokens and end.
         self.metrics = EngineMetrics()
         self.latency = LatencyMetrics()  # vLLM's time-to-first-token, inter-token and end-to-end histograms
@@ -158,7 +188,26 @@ class LLMEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of every cache tensor, K and V or latent (what ``kv_cache_dtype`` halves or quarters; shared
         tensors count once)."""
-        return kv_cache_bytes(self.kv_caches)
+        return kv_cache_bytes(self.kv_caches) if self.rank_executor is None else \
+            sum(r["kv_cache_bytes"] for r in self.kv_cache_reports)
+
+    def shutdown(self) -> None:
+        """Stop what runs beside the engine: a KV connector's threads and sockets, the ranks of a
+        tensor-parallel engine (each exits; nothing is left running), and the KV event publisher. An engine
+        with none of them has nothing to stop. Also run by ``with LLMEngine(...) as engine:``; the ranks also
+        stop when their executor is collected."""
+        if self.kv_connector_worker is not None:
+            self.kv_connector_worker.shutdown()
+        if self.rank_executor is not None:
+            self.rank_executor.shutdown()
+        if self.kv_event_publisher is not None:  # --kv-events-config's publisher, as vLLM's Scheduler.shutdown
+            self.kv_event_publisher.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def startup_log(self) -> list[str]:
         """The start-up lines a vLLM user reads: weights, KV cache size, maximum concurrency; then a dtype cast, if
@@ -294,14 +343,6 @@ class LLMEngine:
         """Unfinished requests, or finished ones whose blocks a KV connector still holds (to send them)."""
         return self.scheduler.has_requests()
 
-    def shutdown(self) -> None:
-        """Stop the KV connector's threads and the KV event publisher, closing their sockets, as vLLM's shutdown
-        does (``Scheduler.shutdown`` stops the publisher); an engine with neither has nothing to stop."""
-        if self.kv_connector_worker is not None:
-            self.kv_connector_worker.shutdown()
-        if self.kv_event_publisher is not None:
-            self.kv_event_publisher.shutdown()
-
     # ----------------------------------------------------------------- the loop
 
     def step(self) -> list[RequestOutput]:
@@ -324,11 +365,14 @@ class LLMEngine:
         sampler's draws with it, and is raised again with nothing recorded.
         """
         started = time.perf_counter()
-        draws = self.model_runner.sampler.get_state()
+        # the sampler's draws, to undo with the step (under TP they live in the ranks, which an undone step may
+        # have advanced: a seeded request then draws on from there)
+        draws = None if self.model_runner is None else self.model_runner.sampler.get_state()
         try:
             self.last_scheduler_output, outputs, stats = step(self.scheduler, self.executor)
         except BaseException:  # the step was undone (kvlab.core.sched.loop.step): so are its draws
-            self.model_runner.sampler.set_state(draws)
+            if self.model_runner is not None:
+                self.model_runner.sampler.set_state(draws)
             raise
         now = time.perf_counter()
         self.step_seconds.append(now - started)

@@ -144,7 +144,8 @@ def check_before_loading(model_dir: str | os.PathLike, config: Any, build: Calla
 
 
 def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: DecoderConfig | None = None) -> LlamaForCausalLM:
+               config: DecoderConfig | None = None, tp_group: Any = None, *, check: bool = True,
+               load: bool = True) -> LlamaForCausalLM | None:
     """A Llama-family checkpoint in kvlab's ``LlamaForCausalLM``.
 
     Biases are switched on where the checkpoint has them (Qwen2's q/k/v biases, Llama's
@@ -160,15 +161,23 @@ def load_llama(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
             qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
             o_bias="model.layers.0.self_attn.o_proj.bias" in names,
             mlp_bias="model.layers.0.mlp.gate_proj.bias" in names,
+            tp_group=tp_group,
         )
 
-    return load_checked(model_dir, dtype, config, build)
+    return load_checked(model_dir, dtype, config, build, check=check, load=load)
 
 
-def load_checked(model_dir: str | os.PathLike, dtype: torch.dtype, config: Any,
-                 build: Callable[[], LlamaForCausalLM]) -> LlamaForCausalLM:
-    """``build()``'s model filled from the checkpoint, after ``check_before_loading`` on the meta device."""
-    check_before_loading(model_dir, config, build)
+def load_checked(model_dir: str | os.PathLike, dtype: torch.dtype, config: Any, build: Callable[[], torch.nn.Module],
+                 *, check: bool = True, load: bool = True) -> Any:
+    """``build()``'s model filled from the checkpoint, after ``check_before_loading`` on the meta device.
+
+    ``check=False`` skips that comparison (a tensor-parallel rank, whose engine ran it once); ``load=False``
+    only checks and returns None (the engine's ``check_checkpoint``).
+    """
+    if check:
+        check_before_loading(model_dir, config, build)
+    if not load:
+        return None
     weights, sources = read_weights(model_dir)
     model = build()
     model.to(dtype)
@@ -178,9 +187,13 @@ def load_checked(model_dir: str | os.PathLike, dtype: torch.dtype, config: Any,
 
 
 def load_gemma3(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                config: DecoderConfig | None = None) -> Gemma3ForCausalLM:
+                config: DecoderConfig | None = None, tp_group: Any = None, *, check: bool = True,
+                load: bool = True) -> Gemma3ForCausalLM | None:
     """A ``gemma3_text`` checkpoint in ``Gemma3ForCausalLM``. Its biases follow ``attention_bias``, as in
-    transformers: a bias tensor the config does not ask for is refused as unused, not silently read."""
+    transformers: a bias tensor the config does not ask for is refused as unused, not silently read. kvlab's
+    Gemma 3 decoder is not sharded: ``EngineConfig`` refuses it with ``tensor_parallel_size > 1``."""
+    assert tp_group is None or tp_group.world_size == 1, "EngineConfig refuses a sharded Gemma 3"
     config = config or DecoderConfig.from_pretrained(model_dir)
     bias = bool(config.spec.config.get("attention_bias"))
-    return load_checked(model_dir, dtype, config, lambda: Gemma3ForCausalLM(config, attention_bias=bias))
+    return load_checked(model_dir, dtype, config, lambda: Gemma3ForCausalLM(config, attention_bias=bias),
+                        check=check, load=load)

@@ -21,10 +21,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlab.distributed.parallel_state import GroupCoordinator
 from kvlab.engine.attention import Attention, AttentionMetadata
 from kvlab.engine.config import DecoderConfig, RopeConfig
 from kvlab.engine.kv_cache_interface import KVCache
+from kvlab.engine.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    checkpoint_shape,
+    load_weight,
+    qkv_partition,
+    single_rank,
+)
 from kvlab.engine.rope import RotaryEmbedding
+from kvlab.engine.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from kvlab.errors import CheckpointError, KvlabValueError
 
 
@@ -44,13 +54,16 @@ class RMSNorm(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; under tensor parallelism gate and up split their outputs
+    (column-parallel), down its inputs (row-parallel), so each rank keeps ``intermediate_size / tp`` and one
+    all-reduce sums the ranks' ``down``."""
 
-    def __init__(self, config: DecoderConfig, bias: bool = False) -> None:
+    def __init__(self, config: DecoderConfig, bias: bool = False, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = ColumnParallelLinear(h, i, bias, tp_group)
+        self.up_proj = ColumnParallelLinear(h, i, bias, tp_group)
+        self.down_proj = RowParallelLinear(i, h, bias, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -60,20 +73,26 @@ class LlamaAttention(nn.Module):
     """Project to q, k, v; (Qwen3, Gemma 3: normalise each head); rotate; paged attention; project out.
 
     ``rope`` is the layer's rotation (by default ``config.rope``; Gemma 3's sliding layers have their own) and
-    ``norm`` the q/k norm's class (Gemma 3's scales by ``1 + weight``).
+    ``norm`` the q/k norm's class (Gemma 3's scales by ``1 + weight``). Under tensor parallelism each rank keeps
+    ``num_heads / tp`` query heads and their KV heads (``qkv_partition``; replicated when there are fewer KV heads
+    than ranks), attends over its own heads in its own KV cache, and ``o_proj`` (row-parallel) sums the ranks'
+    outputs.
     """
 
     def __init__(self, config: DecoderConfig, qkv_bias: bool = False, o_bias: bool = False,
                  sliding_window: int | None = None, rope: RopeConfig | None = None,
-                 norm: type[nn.Module] = RMSNorm) -> None:
+                 norm: type[nn.Module] = RMSNorm, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        tp_group = tp_group or single_rank()
+        part = qkv_partition(config.num_attention_heads, config.num_key_value_heads, tp_group.world_size)
+        self.num_heads, self.num_kv_heads = part.num_heads, part.num_kv_heads  # this rank's
+        self.num_kv_head_replicas = part.num_kv_head_replicas
+        self.head_dim = d = config.head_dim
+        h, total_q, total_kv = config.hidden_size, config.num_attention_heads * d, config.num_key_value_heads * d
+        self.q_proj = ColumnParallelLinear(h, total_q, qkv_bias, tp_group)
+        self.k_proj = ColumnParallelLinear(h, total_kv, qkv_bias, tp_group, num_replicas=part.num_kv_head_replicas)
+        self.v_proj = ColumnParallelLinear(h, total_kv, qkv_bias, tp_group, num_replicas=part.num_kv_head_replicas)
+        self.o_proj = RowParallelLinear(total_q, h, o_bias, tp_group)
         if config.qk_norm:
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
@@ -99,12 +118,12 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
 
     def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, sliding_window)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, sliding_window, tp_group=tp_group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, mlp_bias)
+        self.mlp = LlamaMLP(config, mlp_bias, tp_group)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
@@ -123,11 +142,12 @@ class LlamaModel(nn.Module):
     of their own, so a layer reads its group's (the runner hands each layer its group's metadata).
     """
 
-    def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+    def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias, config.layer_sliding_window(i))
+            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias, config.layer_sliding_window(i), tp_group)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -157,17 +177,23 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus the language-model head; ``forward`` then ``compute_logits``, as in vLLM."""
+    """The decoder plus the language-model head; ``forward`` then ``compute_logits``, as in vLLM.
+
+    ``tp_group``: this rank's tensor-parallel group (``kvlab.distributed.parallel_state``); by default one rank,
+    the whole model. With more, every layer holds this rank's shard and the parameters keep the checkpoint's
+    names, so ``load_weights`` narrows each full tensor to the rank's part.
+    """
 
     def __init__(self, config: DecoderConfig, *, qkv_bias: bool = False, o_bias: bool = False,
-                 mlp_bias: bool = False) -> None:
+                 mlp_bias: bool = False, tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias)
+        self.tp_group = tp_group or single_rank()
+        self.model = LlamaModel(config, qkv_bias, o_bias, mlp_bias, self.tp_group)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # one matrix, read both ways
         else:
-            self.lm_head = nn.Embedding(config.vocab_size, config.hidden_size)  # only .weight is used
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp_group)  # only .weight is used
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
@@ -175,8 +201,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden_size] -> [n, vocab_size]`` in float32."""
-        return (hidden_states @ self.lm_head.weight.T).to(torch.float32)
+        """``[n, hidden_size] -> [n, vocab_size]`` in float32; under TP each rank's vocabulary slice, all-gathered
+        (``kvlab.engine.vocab_parallel_embedding``), so every rank holds the whole row."""
+        local = hidden_states @ self.lm_head.weight.T  # [n, vocab / tp]
+        return self.tp_group.all_gather(local, dim=-1)[..., :self.config.vocab_size].to(torch.float32)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
                      sources: Mapping[str, str] | None = None, config_file: str = "config.json") -> None:
@@ -191,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         params = self.check_weights(items, sources=sources, config_file=config_file)
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(items[name].to(param.dtype))
+                load_weight(param, items[name])  # this rank's shard of a tensor-parallel layer
 
     def check_weights(self, weights: dict[str, torch.Tensor], *, sources: Mapping[str, str] | None = None,
                       config_file: str = "config.json") -> dict[str, torch.nn.Parameter]:
@@ -201,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             params.pop("lm_head.weight", None)
             weights.pop("lm_head.weight", None)
-        check_checkpoint_tensors(self.config, {n: tuple(p.shape) for n, p in params.items()}, weights,
+        check_checkpoint_tensors(self.config, {n: checkpoint_shape(p) for n, p in params.items()}, weights,
                                  sources or {}, config_file)
         return params
 

@@ -44,39 +44,45 @@ class ModelFamily:
     architecture: str                 # the vLLM class that serves these checkpoints
     model_types: tuple[str, ...]      # config.json's model_type values
     config_class: type                # from_dict / from_pretrained
-    load: Callable[..., torch.nn.Module]                               # (model_dir, dtype, config) -> model
-    layer_spec: Callable[[Any, int, int, torch.dtype], AttentionSpec]  # (config, layer, block_size, dtype)
+    load: Callable[..., torch.nn.Module | None]  # (model_dir, dtype, config, tp_group=, check=, load=) -> model
+    layer_spec: Callable[[Any, int, int, torch.dtype, int], AttentionSpec]  # (config, layer, block_size, dtype, tp)
 
 
-def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig) -> torch.nn.Module:
+def _load_llama(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig,
+                **options: Any) -> torch.nn.Module | None:
     from kvlab.engine.loader import load_llama
 
-    return load_llama(model_dir, dtype, config)
+    return load_llama(model_dir, dtype, config, **options)
 
 
-def _load_gemma3(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig) -> torch.nn.Module:
+def _load_gemma3(model_dir: str | os.PathLike, dtype: torch.dtype, config: DecoderConfig,
+                 **options: Any) -> torch.nn.Module | None:
     from kvlab.engine.loader import load_gemma3
 
-    return load_gemma3(model_dir, dtype, config)
+    return load_gemma3(model_dir, dtype, config, **options)
 
 
-def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: DeepseekConfig) -> torch.nn.Module:
+def _load_deepseek(model_dir: str | os.PathLike, dtype: torch.dtype, config: DeepseekConfig,
+                   **options: Any) -> torch.nn.Module | None:
     from kvlab.engine.deepseek import load_deepseek
 
-    return load_deepseek(model_dir, dtype, config)
+    return load_deepseek(model_dir, dtype, config, **options)
 
 
-def _attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype) -> AttentionSpec:
-    """A sliding-window layer's ``SlidingWindowSpec``, else a ``FullAttentionSpec`` (vLLM's ``Attention`` layer)."""
-    shape = {"num_kv_heads": config.num_key_value_heads, "head_size": config.head_dim, "dtype": dtype}
+def _attention_spec(config: DecoderConfig, layer: int, block_size: int, dtype: torch.dtype,
+                    tp: int = 1) -> AttentionSpec:
+    """A sliding-window layer's ``SlidingWindowSpec``, else a ``FullAttentionSpec`` (vLLM's ``Attention`` layer), as
+    one of ``tp`` ranks holds it: vLLM's ``ModelConfig.get_num_kv_heads``, ``max(1, total // tp)`` KV heads (fewer
+    heads than ranks: a replica)."""
+    shape = {"num_kv_heads": max(1, config.num_key_value_heads // tp), "head_size": config.head_dim, "dtype": dtype}
     window = config.layer_sliding_window(layer)
     if window is not None:
         return SlidingWindowSpec(block_size, **shape, sliding_window=window)
     return FullAttentionSpec(block_size, **shape)
 
 
-def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
-    return MLAAttentionSpec(block_size=block_size, head_size=config.mla.latent_size, dtype=dtype)
+def _mla_spec(config: DeepseekConfig, layer: int, block_size: int, dtype: torch.dtype, tp: int = 1) -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=block_size, head_size=config.mla.latent_size, dtype=dtype)  # whole on every rank
 
 
 MODEL_FAMILIES: tuple[ModelFamily, ...] = (
@@ -113,25 +119,37 @@ def read_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     return config_from_pretrained(model_config_from_dict, model_dir)
 
 
-def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype) -> list[AttentionSpec]:
-    """One KV cache spec per layer (vLLM's ``get_kv_cache_spec``), layer 0 first.
+def kv_cache_specs(config: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> list[AttentionSpec]:
+    """One KV cache spec per layer (vLLM's ``get_kv_cache_spec``), layer 0 first, as one of ``tp`` ranks holds it.
 
     A family's ``layer_spec`` is asked layer by layer, so a model whose layers differ (a sliding
-    window in some of them) can answer each one with its own kind of spec.
+    window in some of them) can answer each one with its own kind of spec. Under tensor parallelism a
+    Llama-family layer keeps ``max(1, num_kv_heads // tp)`` heads per rank; MLA's latent is whole on each.
     """
     family = model_family(config.model_type)
-    return [family.layer_spec(config, layer, block_size, dtype) for layer in range(config.num_hidden_layers)]
+    return [family.layer_spec(config, layer, block_size, dtype, tp) for layer in range(config.num_hidden_layers)]
 
 
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               config: ModelConfig | None = None) -> torch.nn.Module:
+               config: ModelConfig | None = None, tp_group: Any = None, *, check: bool = True) -> torch.nn.Module:
     """Build the decoder ``config.json`` describes and fill it from the checkpoint's tensors.
 
     The architecture follows ``model_type`` (``kvlab.engine.registry``): a Llama-family checkpoint
     loads into ``LlamaForCausalLM`` (``load_llama``), a Gemma 3 text one into ``Gemma3ForCausalLM``
     (``load_gemma3``), a DeepSeek-V3 one into ``DeepseekV2ForCausalLM`` (``load_deepseek``). ``config`` is
     the checkpoint's config if the caller read it already (``EngineConfig`` does). On CPU keep ``float32``:
-    the Triton interpreter has no bf16 arithmetic.
+    the Triton interpreter has no bf16 arithmetic. ``tp_group`` (a ``GroupCoordinator``): build and load only
+    this tensor-parallel rank's shard. ``check=False`` skips ``check_before_loading`` (the tensors are still
+    checked as they are copied): a rank does, since its engine ran ``check_checkpoint`` before starting it.
     """
     config = config or read_model_config(model_dir)
-    return model_family(config.model_type).load(model_dir, dtype, config)
+    return model_family(config.model_type).load(model_dir, dtype, config, tp_group=tp_group, check=check)
+
+
+def check_checkpoint(model_dir: str | os.PathLike, config: ModelConfig, tp_group: Any = None) -> None:
+    """``check_before_loading`` for the model ``config`` describes, split as ``tp_group`` says; nothing is loaded.
+
+    A tensor-parallel engine runs it in its own process before it starts a rank, so a malformed checkpoint is
+    refused once, there, by name; and each rank is spared building its model on the meta device.
+    """
+    model_family(config.model_type).load(model_dir, torch.float32, config, tp_group=tp_group, check=True, load=False)

@@ -17,7 +17,9 @@ from kvlab.engine.config import RopeConfig
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` for the "default" or "llama3" rotary variant."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    # on the CPU, always: under the loader's meta device an arange would go through torch's reference ops, whose
+    # first use imports sympy and the compiler (seconds); the frequencies are a small constant anyway
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.rope_theta**exponents)  # [head_dim // 2]
     if rope.rope_type == "default":
         return inv_freq

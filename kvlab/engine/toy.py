@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvlab._validate import positive_int, positive_number
-from kvlab.errors import UnknownNameError
+from kvlab.errors import KvlabValueError, UnknownNameError
 
 #: The tiny model's shape: 2 layers of GQA (4 query heads, 2 KV heads, head size 16).
 TINY_LLAMA = dict(
@@ -45,14 +45,22 @@ def save_tiny_llama(
     attention_gain: float = 8.0,
     logit_gain: float = 20.0,
     num_hidden_layers: int = 2,
+    num_key_value_heads: int = 2,
 ) -> Path:
-    """Write a seeded tiny Llama (``TINY_LLAMA`` shapes) to ``path`` with ``save_pretrained``; return ``path``."""
+    """Write a seeded tiny Llama (``TINY_LLAMA`` shapes) to ``path`` with ``save_pretrained``; return ``path``.
+
+    ``num_key_value_heads=1`` makes it MQA: one KV head, fewer than two tensor-parallel ranks (notebook 11).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM  # heavy import, only when a model is built
 
     positive_number("attention_gain", attention_gain)
     positive_number("logit_gain", logit_gain)
-    config = LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": positive_int("num_hidden_layers", num_hidden_layers)},
-                         bos_token_id=1, eos_token_id=2)
+    heads = positive_int("num_key_value_heads", num_key_value_heads)
+    if TINY_LLAMA["num_attention_heads"] % heads:
+        raise KvlabValueError(f"num_key_value_heads={heads} must divide num_attention_heads="
+                              f"{TINY_LLAMA['num_attention_heads']}")
+    config = LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": positive_int("num_hidden_layers", num_hidden_layers),
+                            "num_key_value_heads": heads}, bos_token_id=1, eos_token_id=2)
     return save_seeded(LlamaForCausalLM, config, path, seed, lambda model: sharpen(model, attention_gain, logit_gain))
 
 

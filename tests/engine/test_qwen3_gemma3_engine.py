@@ -248,3 +248,12 @@ def test_the_multimodal_gemma3_wrapper_is_refused_by_name_and_still_sized(gemma3
     with pytest.raises(KvlabValueError, match="model_type='gemma3'.*'gemma3_text'"):
         model_config_from_dict(wrapper)
     assert ModelSpec.from_hf_config(wrapper).layer_types == GEMMA3_LAYERS
+
+
+def test_a_sharded_gemma3_is_refused_by_name_before_any_rank_starts(gemma3):
+    """kvlab shards the Llama family and DeepSeek-V3; its Gemma 3 decoder is one rank, and says so at the door."""
+    from kvlab.engine.engine_config import EngineConfig
+
+    path, _ = gemma3
+    with pytest.raises(KvlabValueError, match="tensor_parallel_size=2.*Gemma 3"):
+        EngineConfig.create(path, tensor_parallel_size=2, num_gpu_blocks=32)
