@@ -91,7 +91,9 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
                                         ``KVEventsConfig``: ``vllm/distributed/kv_events.py``, ``config/kv_events.py``)
 10  fleet.metrics                       a replica's ``/metrics`` in vLLM's names (``vllm/v1/metrics/loggers.py``)
 10  fleet.routers, fleet.simulation,    kvlab's own: routers after production-stack, SGLang, llm-d and Dynamo; the
-    fleet.replica                       fleet over core managers, and replicas as processes on ZMQ and HTTP
+    fleet.replica, fleet.serving        fleet over core managers, replicas as processes on ZMQ and HTTP (no-compute,
+                                        or ``LLMEngine``s publishing their events), driven in real time
+10  engine.kv_events_config             ``KVEventsConfig`` (``vllm/config/kv_events.py``), the engine's events config
 11  distributed.parallel_state          ``GroupCoordinator`` (a ``device_group`` and a gloo ``cpu_group``),
                                         ``init_distributed_environment``, ``initialize_model_parallel``
                                         (``vllm/distributed/parallel_state.py``)

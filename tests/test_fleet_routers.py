@@ -7,6 +7,7 @@ import pytest
 from kvlab.core.kv_cache_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvlab.errors import KvlabValueError
 from kvlab.fleet.routers import (
+    ApproximateRouter,
     CacheAwareRouter,
     DynamoCostRouter,
     FleetRequest,
@@ -103,6 +104,35 @@ def test_precise_router_lets_load_override_affinity():
     assert router.route(request) == 1  # 1 - 1.5 = -0.5 vs 0
 
 
+def test_precise_router_with_a_seed_breaks_ties_at_random_among_the_tied_only():
+    request = req("a", CONTEXT + tuple(range(100, 116)))
+    picks = set()
+    for seed in range(20):
+        router = PreciseRouter(4, block_size=16, seed=seed)
+        router.observe(3, [stored(request, 5)])
+        assert router.route(request) == 3  # a real lead is never a tie
+        router.update_load(3, 50)  # loaded: 1 - 0.5 = 0.5 still leads
+        assert router.route(req("b", tuple(range(2000, 2064)))) in (0, 1, 2)  # 0, 0, 0, -0.5: a tie of three
+        picks.add(router.route(req("c", tuple(range(3000, 3064)))))
+    assert picks == {0, 1, 2}  # MaxScorePicker shuffles: every tied replica gets picked
+    assert PreciseRouter(4).route(req("d", tuple(range(4000, 4064)))) == 0  # no seed: the lowest index
+
+
+def test_approximate_router_learns_from_its_own_routing_and_never_from_events():
+    router = ApproximateRouter(2, block_size=16, lru_capacity_per_server=6)
+    first = req("a", CONTEXT + tuple(range(100, 116)))  # 5 blocks
+    assert router.route(first) == 0 and router.last_expected_hit_tokens == 0
+    assert router.route(first) == 0 and router.last_expected_hit_tokens == 80  # it believes what it sent
+    router.observe(0, [AllBlocksCleared(), BlockRemoved(tuple(first.block_hashes(16)))])  # the replica forgot
+    assert router.index.overlap_blocks(first.block_hashes(16), 0) == 5  # the router did not hear it
+    other = req("b", tuple(range(500, 532)))  # 2 blocks on replica 0 (load 0 each: the tie goes to 0)
+    router.route(other)
+    # the LRU holds 6 blocks per server: the oldest (the first prompt's first block) is forgotten
+    assert router.index.overlap_blocks(first.block_hashes(16), 0) == 0
+    router.mark_dead(0)
+    assert router.route(first) == 1
+
+
 def test_dynamo_cost_is_weighted_prefill_blocks_plus_active_decode_blocks():
     router = DynamoCostRouter(2, block_size=16, overlap_weight=2.0)
     request = FleetRequest("a", CONTEXT + tuple(range(100, 116)), output_len=16)  # 5 prompt blocks, 6 with output
@@ -121,3 +151,27 @@ def test_make_router_names_the_bad_name():
         r = make_router("round_robin", 1)
         r.mark_dead(0)
         r.live()
+
+
+def test_the_index_scores_every_replica_in_one_walk_as_it_would_one_by_one():
+    import random
+
+    from kvlab.fleet.routers import KVBlockIndex
+
+    rng = random.Random(0)
+    index = KVBlockIndex(3)
+    chains = [req(str(c), tuple(rng.randrange(50) for _ in range(96))).block_hashes(16) for c in range(4)]
+    for step in range(300):
+        replica, chain = rng.randrange(3), rng.choice(chains)
+        kind = rng.random()
+        if kind < 0.5:
+            index.apply(replica, BlockStored(tuple(chain[: rng.randint(1, 6)]), None, (), 16))
+        elif kind < 0.95:
+            index.apply(replica, BlockRemoved(tuple(rng.sample(chain, 2))))
+        else:
+            index.apply(replica, AllBlocksCleared())
+        for probe in chains:
+            one_by_one = {i: index.overlap_blocks(probe, i) for i in range(3)}
+            assert index.overlaps(probe) == {i: n for i, n in one_by_one.items() if n}, step
+        assert index.holders == {h: {i for i in range(3) if h in index.held[i]}
+                                 for h in set().union(*index.held)}, step

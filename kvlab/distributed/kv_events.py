@@ -15,15 +15,20 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import replace
 from itertools import count
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import zmq
 
 from kvlab.core import kv_cache_events as records
+from kvlab.engine.kv_events_config import KVEventsConfig
 from kvlab.errors import KvlabValueError
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventPublisherFactory", "KVEventBatch",
+           "KVEventSubscriber", "KVEventsConfig", "NullEventPublisher", "ZmqEventPublisher", "decode_batch",
+           "make_batch", "to_wire"]
 
 ExternalBlockHash = bytes | int
 
@@ -102,30 +107,6 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _decoder.decode(payload)
 
 
-@dataclass
-class KVEventsConfig:
-    """Configuration for KV event publishing: vLLM 0.33.0's ``KVEventsConfig`` fields and defaults."""
-
-    enable_kv_cache_events: bool = False
-    publisher: Literal["null", "zmq"] | None = None
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-        if self.publisher not in ("null", "zmq"):
-            raise KvlabValueError(f"publisher must be 'null' or 'zmq', got {self.publisher!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KvlabValueError(f"{name} must be a positive int, got {value!r}")
-
-
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -156,7 +137,10 @@ class ZmqEventPublisher:
             self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
             self.replay_endpoint = self._bind(self._replay, config.replay_endpoint)
         self._topic_bytes = config.topic.encode("utf-8")
+        self._publisher_config = replace(config, enable_kv_cache_events=True, publisher="zmq",
+                                         endpoint=self.endpoint, replay_endpoint=self.replay_endpoint)
         self._seq_gen = count()
+        self.num_published = 0  # kvlab: batches queued so far, so the last one's seq is num_published - 1
         self._pack = msgspec.msgpack.Encoder()
         self._running = True
         self._thread = threading.Thread(target=self._publisher_thread, daemon=True, name="zmq-publisher")
@@ -177,6 +161,10 @@ class ZmqEventPublisher:
         sock.connect(endpoint)
         return endpoint
 
+    def get_publisher_config(self) -> KVEventsConfig:
+        """The configuration with the endpoints actually bound (vLLM's ``get_publisher_config``)."""
+        return self._publisher_config
+
     def publish(self, events: EventBatch) -> None:
         """Queue one batch for the thread, stamped with this publisher's data-parallel rank."""
         if not self._running:
@@ -184,6 +172,7 @@ class ZmqEventPublisher:
         if events.data_parallel_rank is None:
             events.data_parallel_rank = self._data_parallel_rank
         self._event_queue.put(events)
+        self.num_published += 1
 
     def shutdown(self) -> None:
         """Send what is queued (for at most ``SHUTDOWN_TIMEOUT`` s), stop the thread, close the sockets."""
@@ -222,6 +211,30 @@ class ZmqEventPublisher:
             if seq >= start_seq:
                 self._replay.send_multipart((client_id, b"", self._topic_bytes, seq.to_bytes(8, "big"), buf))
         self._replay.send_multipart((client_id, b"", b"", END_SEQ, b""))
+
+
+class NullEventPublisher:
+    """Publishes nothing: what vLLM's factory returns when events are off or ``publisher="null"``."""
+
+    def publish(self, events: EventBatch) -> None:
+        return
+
+    def shutdown(self) -> None:
+        return
+
+    def get_publisher_config(self) -> KVEventsConfig | None:
+        return None
+
+
+class EventPublisherFactory:
+    """vLLM's ``EventPublisherFactory.create``: a ``ZmqEventPublisher`` when events are on and ``publisher="zmq"``."""
+
+    @classmethod
+    def create(cls, config: KVEventsConfig | None,
+               data_parallel_rank: int = 0) -> ZmqEventPublisher | NullEventPublisher:
+        if config is None or not config.enable_kv_cache_events or config.publisher == "null":
+            return NullEventPublisher()
+        return ZmqEventPublisher(config, data_parallel_rank)
 
 
 class KVEventSubscriber:

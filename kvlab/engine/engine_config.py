@@ -19,6 +19,9 @@ a CPU always ``CPU_ATTN``, ignoring any other request. kvlab mirrors the choice 
 natively, ``"torch"`` (gather + SDPA, in ``CPU_ATTN``'s role but not its C++ kernel) by default on
 a CPU; unlike vLLM, kvlab lets a CPU engine ask for ``"triton"``, which runs through the interpreter.
 
+``kv_events_config`` plays vLLM's ``--kv-events-config`` (``KVEventsConfig``, ``vllm/config/kv_events.py``):
+with ``enable_kv_cache_events`` the pool queues its KV cache events and ``LLMEngine`` publishes them.
+
 ``dtype`` plays vLLM's ``--dtype`` (``ModelConfig.dtype``), resolved as ``kvlab.engine.dtype`` says:
 ``"auto"`` is the checkpoint's dtype where the device computes it, except that a float32 checkpoint
 stays float32 (vLLM downcasts it to bf16) and Triton's interpreter computes in float32 only.
@@ -45,6 +48,7 @@ from kvlab.core.sched.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_
 from kvlab.engine.config import GEMMA3_MODEL_TYPES
 from kvlab.engine.deepseek_config import DeepseekConfig
 from kvlab.engine.dtype import checkpoint_dtype, resolve_dtype
+from kvlab.engine.kv_events_config import KVEventsConfig
 from kvlab.engine.kv_transfer_config import KVTransferConfig
 from kvlab.engine.linear import qkv_partition
 from kvlab.engine.registry import ModelConfig, read_model_config
@@ -188,6 +192,7 @@ class EngineConfig:
     device: Any = None                              # DeviceConfig.device: "cpu", "cuda", or where the kernels run
     attention_backend: str | None = None            # AttentionConfig.backend: "triton", "torch", None: by hardware
     dtype: Any = "auto"                             # ModelConfig.dtype: "auto", "float32", "bfloat16", "float16"
+    kv_events_config: KVEventsConfig | dict[str, Any] | None = None  # VllmConfig.kv_events_config
     tensor_parallel_size: int = 1                   # ParallelConfig.tensor_parallel_size
     distributed_executor_backend: str | None = None  # ParallelConfig.distributed_executor_backend: None: by tp
     distributed_timeout_seconds: float = 60.0       # ParallelConfig.distributed_timeout_seconds (vLLM: torch's)
@@ -301,3 +306,26 @@ class EngineConfig:
         fraction_in_unit_interval("kv_cache_metrics_sample", self.kv_cache_metrics_sample)
         for name in ("enable_prefix_caching", "kv_cache_metrics", "keep_logits", "disable_hybrid_kv_cache_manager"):
             _flag(name, getattr(self, name))
+        object.__setattr__(self, "kv_events_config", _kv_events_config(self.kv_events_config))
+
+    @property
+    def enable_kv_cache_events(self) -> bool:
+        """Whether the block pool queues KV cache events (vLLM's scheduler reads the same flag)."""
+        return self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events
+
+
+def _kv_events_config(value: object) -> KVEventsConfig | None:
+    """``kv_events_config`` as a ``KVEventsConfig``: one given, one built from a dict (``--kv-events-config``'s
+    JSON), or None; an unknown key or a wrong field is refused naming ``kv_events_config``."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    if not isinstance(value, dict):
+        raise KvlabValueError(f"kv_events_config must be a KVEventsConfig, a dict of its fields or None, got {value!r}")
+    known = [f.name for f in dataclasses.fields(KVEventsConfig)]
+    for key in value:
+        if key not in known:
+            raise UnknownNameError("kv_events_config key", key, known)
+    try:
+        return KVEventsConfig(**value)
+    except KvlabValueError as error:
+        raise KvlabValueError(f"kv_events_config: {error}") from error

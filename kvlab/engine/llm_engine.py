@@ -130,10 +130,13 @@ class LLMEngine:
         # 6. Manager: the block pool and prefix cache (a manager per group), and vLLM's --kv-cache-metrics.
         self.kv_cache_manager = KVCacheManager(self.num_gpu_blocks, config.block_size,
                                                enable_caching=config.enable_prefix_caching,
-                                               kv_cache_groups=self.kv_cache_groups)
+                                               kv_cache_groups=self.kv_cache_groups,
+                                               enable_kv_cache_events=config.enable_kv_cache_events)
         self.kv_cache_metrics = (KVCacheMetricsCollector(config.kv_cache_metrics_sample)
                                  if config.kv_cache_metrics else None)
         self.kv_cache_manager.block_pool.metrics_collector = self.kv_cache_metrics
+        #    --kv-events-config: the publisher vLLM's scheduler makes (EventPublisherFactory.create); see _publish.
+        self.kv_event_publisher = _event_publisher(config)
         # 7. KV connector: the CPU tier of cpu_offload_blocks blocks (kvlab.core.kv_offload), or one that moves KV
         #    between engines (kv_transfer_config: kvlab.distributed.kv_transfer), as two halves, scheduler and worker.
         self.cpu_offload_blocks = config.cpu_offload_blocks
@@ -189,13 +192,16 @@ class LLMEngine:
             sum(r["kv_cache_bytes"] for r in self.kv_cache_reports)
 
     def shutdown(self) -> None:
-        """Stop what runs beside the engine: a KV connector's threads and sockets, and the ranks of a
-        tensor-parallel engine (each exits; nothing is left running). An engine with neither has nothing to stop.
-        Also run by ``with LLMEngine(...) as engine:``; the ranks also stop when their executor is collected."""
+        """Stop what runs beside the engine: a KV connector's threads and sockets, the ranks of a
+        tensor-parallel engine (each exits; nothing is left running), and the KV event publisher. An engine
+        with none of them has nothing to stop. Also run by ``with LLMEngine(...) as engine:``; the ranks also
+        stop when their executor is collected."""
         if self.kv_connector_worker is not None:
             self.kv_connector_worker.shutdown()
         if self.rank_executor is not None:
             self.rank_executor.shutdown()
+        if self.kv_event_publisher is not None:  # --kv-events-config's publisher, as vLLM's Scheduler.shutdown
+            self.kv_event_publisher.shutdown()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -317,6 +323,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _publish_kv_events(self) -> None:
+        """The step's KV cache events as one ``KVEventBatch``, if there are any (vLLM's ``update_from_output``)."""
+        if self.kv_event_publisher is not None:
+            events = self.kv_cache_manager.take_events()
+            if events:
+                from kvlab.distributed.kv_events import make_batch
+
+                self.kv_event_publisher.publish(make_batch(events))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's ``LLMEngine.reset_prefix_cache``; False (nothing done) while a
+        request holds blocks. The ``AllBlocksCleared`` event is published at once (vLLM's goes with the next step)."""
+        done = self.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones whose blocks a KV connector still holds (to send them)."""
         return self.scheduler.has_requests()
@@ -356,6 +378,7 @@ class LLMEngine:
         self.step_seconds.append(now - started)
         self._record(outputs, now)
         self.history.append(stats)
+        self._publish_kv_events()
         if self.kv_cache_metrics is not None:
             self.kv_cache_metrics.advance()
         self.metrics.record(stats, sum(len(o.new_token_ids) for o in outputs))
@@ -463,6 +486,16 @@ class LLMEngine:
                 "resumed_hits": stats.prefix_cache_stats.preempted_hits, "seconds": seconds,
             })
         return pd.DataFrame(rows).set_index("step") if rows else pd.DataFrame()
+
+
+def _event_publisher(config: EngineConfig) -> Any:
+    """The publisher ``kv_events_config`` asks for (vLLM's ``EventPublisherFactory.create``: ZMQ, or a null one
+    that drops each batch), or None when events are off. Imported here, so an engine without events loads no ZMQ."""
+    if not config.enable_kv_cache_events:
+        return None
+    from kvlab.distributed.kv_events import EventPublisherFactory
+
+    return EventPublisherFactory.create(config.kv_events_config)
 
 
 def _refuse_lora(lora_name: str | None) -> None:

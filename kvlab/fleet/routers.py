@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import inspect
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab._validate import positive_int
-from kvlab.core.hashing import hash_token_blocks, none_hash_from_seed, sha256
+from kvlab.core.hashing import hash_block_tokens, none_hash_from_seed, sha256
 from kvlab.errors import KvlabValueError
 
 #: The seed every replica and router in a fleet hashes with (``KVCacheManager(hash_seed=...)``).
 FLEET_HASH_SEED = "kvlab"
+_FLEET_NONE_HASH = none_hash_from_seed(sha256, FLEET_HASH_SEED)
+_hash_block = hash_block_tokens.__wrapped__  # type: ignore[attr-defined]  # the arguments are kvlab's own
 
 
 @dataclass
@@ -38,10 +41,14 @@ class FleetRequest:
 
     def block_hashes(self, block_size: int) -> list[bytes]:
         """The chained SHA-256 hashes of the prompt's full blocks, as every replica computes them (cached)."""
-        if block_size not in self._hashes:
-            none = none_hash_from_seed(sha256, FLEET_HASH_SEED)
-            self._hashes[block_size] = hash_token_blocks(self.prompt_token_ids, block_size, sha256, none)
-        return self._hashes[block_size]
+        hashes = self._hashes.get(block_size)
+        if hashes is None:
+            tokens, parent, hashes = self.prompt_token_ids, _FLEET_NONE_HASH, []
+            for start in range(0, len(tokens) - block_size + 1, block_size):  # hash_token_blocks, checked once
+                parent = _hash_block(sha256, parent, tokens[start:start + block_size], None)
+                hashes.append(parent)
+            self._hashes[block_size] = hashes
+        return hashes
 
 
 class Router:
@@ -55,6 +62,7 @@ class Router:
         self.loads = [0] * num_replicas
         self.kv_usage = [0.0] * num_replicas  # vllm:kv_cache_usage_perc, per replica
         self.alive = [True] * num_replicas
+        self._live = list(range(num_replicas))  # the replicas alive, kept as mark_dead changes it
         # the prompt tokens the router expected the chosen replica to hold, set by route() (None: no guess)
         self.last_expected_hit_tokens: int | None = None
 
@@ -75,13 +83,14 @@ class Router:
     def mark_dead(self, replica: int) -> None:
         """Take a replica out of routing (it died); its requests are the caller's to re-route."""
         self.alive[replica] = False
+        self._live = [i for i in range(self.num_replicas) if self.alive[i]]
         self.observe(replica, [_Cleared()])
 
     def live(self) -> list[int]:
-        live = [i for i in range(self.num_replicas) if self.alive[i]]
-        if not live:
+        """The replicas alive, in index order (the router's own list: do not change it)."""
+        if not self._live:
             raise KvlabValueError("num_replicas: every replica is dead, nothing can serve the request")
-        return live
+        return self._live
 
     def least_loaded(self, among: Sequence[int] | None = None) -> int:
         """The live replica with the fewest requests (lowest index on a tie)."""
@@ -90,6 +99,16 @@ class Router:
 
 class _Cleared:  # a dead replica's cache is gone: an AllBlocksCleared from the router's side
     pass
+
+
+@dataclass(frozen=True)
+class _Stored:  # what a history-fed index records for itself (named as the event it stands in for)
+    block_hashes: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class _Removed:
+    block_hashes: tuple[Any, ...]
 
 
 class RoundRobinRouter(Router):
@@ -220,6 +239,7 @@ class CacheAwareRouter(Router):
         self.balance_rel_threshold = float(balance_rel_threshold)
         self.max_tree_blocks = positive_int("max_tree_blocks", max_tree_blocks)
         self.trees: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._in_trees = KVBlockIndex(num_replicas)  # hash -> the trees holding it: one walk matches them all
 
     def imbalanced(self) -> bool:
         """SGLang's test: both the absolute and the relative load gap are past their thresholds."""
@@ -243,36 +263,56 @@ class CacheAwareRouter(Router):
         if self.imbalanced():
             replica = self.least_loaded()
         else:
-            matches = {i: self.matched_tokens(request, i) for i in live}
-            best = max(live, key=lambda i: (matches[i], -i))
-            ratio = matches[best] / max(1, len(request.prompt_token_ids))
+            matches = self._in_trees.overlaps(request.block_hashes(self.block_size))  # blocks, per tree
+            best = max(live, key=lambda i: (matches.get(i, 0), -i))
+            ratio = matches.get(best, 0) * self.block_size / max(1, len(request.prompt_token_ids))
             replica = best if ratio > self.cache_threshold else min(live, key=lambda i: (len(self.trees[i]), i))
         self.last_expected_hit_tokens = self.matched_tokens(request, replica)
-        tree = self.trees[replica]
-        for h in request.block_hashes(self.block_size):
+        tree, hashes = self.trees[replica], request.block_hashes(self.block_size)
+        for h in hashes:
             tree[h] = None
             tree.move_to_end(h)
+        self._in_trees.apply(replica, _Stored(tuple(hashes)))
         while len(tree) > self.max_tree_blocks:
-            tree.popitem(last=False)
+            self._in_trees.apply(replica, _Removed((tree.popitem(last=False)[0],)))
         return replica
 
 
 class KVBlockIndex:
-    """Which replica holds which block hash, kept from the replicas' own KV events (llm-d's and Dynamo's indexer)."""
+    """Which replica holds which block hash, kept from the replicas' own KV events (llm-d's and Dynamo's indexer).
+
+    ``held[i]`` is replica ``i``'s set; ``holders`` maps a hash to the replicas holding it, so one walk
+    down a prompt's hashes scores every replica at once (``overlaps``), however many there are.
+    """
 
     def __init__(self, num_replicas: int) -> None:
         self.held: list[set[Any]] = [set() for _ in range(num_replicas)]
+        self.holders: dict[Any, set[int]] = {}
 
     def apply(self, replica: int, event: Any) -> None:
         """One event: ``BlockStored`` adds its hashes, ``BlockRemoved`` drops them, ``AllBlocksCleared`` empties."""
         kind = type(event).__name__
-        if kind == "BlockStored":
-            self.held[replica].update(event.block_hashes)
-        elif kind == "BlockRemoved":
-            self.held[replica].difference_update(event.block_hashes)
+        held, holders = self.held[replica], self.holders
+        if kind in ("BlockStored", "_Stored"):
+            for h in event.block_hashes:
+                if h not in held:
+                    held.add(h)
+                    holders.setdefault(h, set()).add(replica)
+        elif kind in ("BlockRemoved", "_Removed"):
+            for h in event.block_hashes:
+                self._drop(replica, h)
         else:
             assert kind in ("AllBlocksCleared", "_Cleared"), kind
-            self.held[replica].clear()
+            for h in list(held):
+                self._drop(replica, h)
+
+    def _drop(self, replica: int, block_hash: Any) -> None:
+        if block_hash in self.held[replica]:
+            self.held[replica].discard(block_hash)
+            replicas = self.holders[block_hash]
+            replicas.discard(replica)
+            if not replicas:
+                del self.holders[block_hash]
 
     def overlap_blocks(self, hashes: Sequence[Any], replica: int) -> int:
         """How many of the leading blocks ``replica`` holds (a prefix hit stops at the first miss)."""
@@ -282,6 +322,21 @@ class KVBlockIndex:
                 break
             n += 1
         return n
+
+    def overlaps(self, hashes: Sequence[Any]) -> dict[int, int]:
+        """``overlap_blocks`` for every replica holding at least the first block, in one walk."""
+        out: dict[int, int] = {}
+        candidates: set[int] | None = None
+        for k, h in enumerate(hashes):
+            replicas = self.holders.get(h)
+            if not replicas:
+                break
+            candidates = set(replicas) if candidates is None else candidates & replicas
+            if not candidates:
+                break
+            for i in candidates:
+                out[i] = k + 1
+        return out
 
 
 class _EventIndexed(Router):
@@ -305,29 +360,76 @@ class PreciseRouter(_EventIndexed):
     As llm-d's documentation describes its precise prefix-cache scorer and load-aware scorers:
     each replica scores ``prefix_weight x (cached share of the prompt's blocks)`` minus
     ``load_weight x (its requests / the most any replica has)`` minus ``kv_weight x KV usage``;
-    the highest wins (lowest index on a tie). kvlab simplifies: one weighted sum, scores from the
+    the highest wins. On a tie llm-d's picker (the Gateway API Inference Extension's ``MaxScorePicker``,
+    which shuffles the pods before a stable sort by score) picks at random: so does this router given a
+    ``seed``; without one it takes the lowest index. kvlab simplifies: one weighted sum, scores from the
     last scrape and the events received so far.
     """
 
     name = "precise (llm-d)"
 
     def __init__(self, num_replicas: int, block_size: int = 16, prefix_weight: float = 1.0,
-                 load_weight: float = 0.5, kv_weight: float = 0.0) -> None:
+                 load_weight: float = 0.5, kv_weight: float = 0.0, seed: int | None = None) -> None:
         super().__init__(num_replicas, block_size)
         self.prefix_weight, self.load_weight, self.kv_weight = prefix_weight, load_weight, kv_weight
+        self._rng = None if seed is None else random.Random(seed)
 
     def scores(self, request: FleetRequest) -> dict[int, float]:
         """Each live replica's score for this request."""
         hashes = request.block_hashes(self.block_size)
-        live = self.live()
-        most = max(1, max(self.loads[i] for i in live))
-        return {i: self.prefix_weight * self.index.overlap_blocks(hashes, i) / max(1, len(hashes))
-                - self.load_weight * self.loads[i] / most - self.kv_weight * self.kv_usage[i] for i in live}
+        overlaps, live, loads = self.index.overlaps(hashes), self.live(), self.loads
+        most = max(1, max(loads[i] for i in live))
+        per_block, per_load = self.prefix_weight / max(1, len(hashes)), self.load_weight / most
+        return {i: per_block * overlaps.get(i, 0) - per_load * loads[i] - self.kv_weight * self.kv_usage[i]
+                for i in live}
 
     def route(self, request: FleetRequest) -> int:
         scores = self.scores(request)
         replica = max(scores, key=lambda i: (scores[i], -i))
+        if self._rng is not None:
+            replica = self._rng.choice([i for i in scores if scores[i] == scores[replica]])
         self.last_expected_hit_tokens = self.expected_hit_tokens(request, replica)
+        return replica
+
+
+class ApproximateRouter(PreciseRouter):
+    """llm-d's approximate prefix-cache scheduling: the precise router's scores, its index built from routing history.
+
+    The Gateway API Inference Extension's ``prefix-cache-scorer`` (llm-d's default, its
+    ``pkg/epp/scheduling/framework/plugins/multi/prefix/plugin.go``) scores a pod by the share of the
+    prompt's blocks its indexer lists for it, and after each pick records every block of the prompt
+    for the chosen pod, in an LRU of ``lru_capacity_per_server`` blocks per pod (31,250 by default).
+    Its picture is what the router sent, never what a replica evicted: the replicas' KV events are
+    ignored. Everything else (the load term, the random tie-break given a ``seed``) is
+    ``PreciseRouter``'s, so the two differ only in where their index comes from, as in llm-d's
+    benchmark. kvlab simplifies: blocks of ``block_size`` tokens (the scorer hashes 64 bytes of text).
+    """
+
+    name = "approximate (llm-d)"
+
+    def __init__(self, num_replicas: int, block_size: int = 16, prefix_weight: float = 1.0,
+                 load_weight: float = 0.5, kv_weight: float = 0.0, seed: int | None = None,
+                 lru_capacity_per_server: int = 31_250) -> None:
+        super().__init__(num_replicas, block_size, prefix_weight, load_weight, kv_weight, seed)
+        self.lru_capacity_per_server = positive_int("lru_capacity_per_server", lru_capacity_per_server)
+        self._lru: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def observe(self, replica: int, events: Iterable[Any]) -> None:
+        """Events are not this router's source; only a dead replica's loss (``mark_dead``) is applied."""
+        for event in events:
+            if isinstance(event, _Cleared):
+                self.index.apply(replica, event)
+                self._lru[replica].clear()
+
+    def route(self, request: FleetRequest) -> int:
+        replica = super().route(request)
+        lru = self._lru[replica]
+        for h in request.block_hashes(self.block_size):  # the scorer's PreRequest: the pick now "holds" them
+            lru[h] = None
+            lru.move_to_end(h)
+            self.index.apply(replica, _Stored((h,)))
+        while len(lru) > self.lru_capacity_per_server:
+            self.index.apply(replica, _Removed((lru.popitem(last=False)[0],)))
         return replica
 
 
@@ -352,8 +454,9 @@ class DynamoCostRouter(_EventIndexed):
     def costs(self, request: FleetRequest) -> dict[int, float]:
         """Each live replica's cost for this request."""
         hashes = request.block_hashes(self.block_size)
+        overlaps = self.index.overlaps(hashes)
         request_blocks = -(-(len(request.prompt_token_ids) + request.output_len) // self.block_size)
-        return {i: self.overlap_weight * (len(hashes) - self.index.overlap_blocks(hashes, i))
+        return {i: self.overlap_weight * (len(hashes) - overlaps.get(i, 0))
                 + self.active_blocks[i] + request_blocks for i in self.live()}
 
     def route(self, request: FleetRequest) -> int:
@@ -374,12 +477,16 @@ class DynamoCostRouter(_EventIndexed):
 ROUTERS: dict[str, type[Router]] = {
     "round_robin": RoundRobinRouter, "random": RandomRouter, "session": SessionAffinityRouter,
     "prefix_aware": PrefixAwareRouter, "cache_aware": CacheAwareRouter, "precise": PreciseRouter,
-    "dynamo": DynamoCostRouter,
+    "approximate": ApproximateRouter, "dynamo": DynamoCostRouter,
 }
 
 
-def make_router(name: str, num_replicas: int, **kwargs: Any) -> Router:
-    """A router by its short name (``ROUTERS``'s keys)."""
+def make_router(name: str, num_replicas: int, *, seed: int | None = None, **kwargs: Any) -> Router:
+    """A router by its short name (``ROUTERS``'s keys); ``seed`` seeds its random choices, if it makes any
+    (random's pick, the precise and approximate routers' tie-break), and is ignored by the others."""
     if name not in ROUTERS:
         raise KvlabValueError(f"name must be one of {sorted(ROUTERS)}, got {name!r}")
-    return ROUTERS[name](num_replicas, **kwargs)
+    cls = ROUTERS[name]
+    if seed is not None and "seed" in inspect.signature(cls).parameters:
+        kwargs["seed"] = seed
+    return cls(num_replicas, **kwargs)

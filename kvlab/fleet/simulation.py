@@ -14,8 +14,8 @@ blocks; the router sees each replica's events and load at once (no scrape interv
 
 from __future__ import annotations
 
+import heapq
 import random
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +47,16 @@ class ReplicaCore:
         self.manager = KVCacheManager(num_blocks, block_size, hash_seed=FLEET_HASH_SEED, enable_kv_cache_events=True)
         self.metrics = EngineMetrics()
 
-    def serve(self, request_id: str, prompt_token_ids: Sequence[int], replica: int = 0) -> Served:
-        """Admit the prompt (its cached prefix hits), cache its full blocks, free it; return the counts."""
+    def serve(self, request_id: str, prompt_token_ids: Sequence[int], replica: int = 0,
+              block_hashes: Sequence[bytes] | None = None) -> Served:
+        """Admit the prompt (its cached prefix hits), cache its full blocks, free it; return the counts.
+
+        ``block_hashes``: the prompt's hashes if the caller has them (a router computes the same ones with
+        ``FLEET_HASH_SEED``), so the manager need not hash the prompt again; it hashes any it is not given.
+        """
         request = Request(request_id, list(prompt_token_ids))
+        if block_hashes is not None:
+            request.block_hashes.extend(block_hashes)
         hits, num_hits, _ = self.manager.get_computed_blocks(request)
         if self.manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits) is None:
             raise KvlabValueError(f"num_blocks: request {request_id!r} needs more blocks than the replica has")
@@ -64,22 +71,28 @@ class ReplicaCore:
         return self.manager.take_events()
 
 
-def customer_workload(num_customers: int = 16, queries_per_customer: int = 16, context_tokens: int = 1024,
+def customer_workload(num_customers: int = 16, queries_per_customer: int | Sequence[int] = 16,
+                      context_tokens: int = 1024,
                       query_tokens: int = 32, output_len: int = 16, rate: float = 50.0,
-                      seed: int = 0) -> list[FleetRequest]:
+                      seed: int = 0, vocab_size: int = 32000) -> list[FleetRequest]:
     """llm-d's benchmark shape, scaled down: customers each with a long shared context and many short queries.
 
-    Each query is the customer's context then fresh tokens; queries arrive as a Poisson stream of
-    ``rate`` per second, the customer of each drawn uniformly, so customers interleave.
+    Each query is the customer's context then fresh tokens (ids in ``[1, vocab_size)``); queries arrive as
+    a Poisson stream of ``rate`` per second in a random order of customers, so customers interleave.
+    ``queries_per_customer`` is one count for all, or one per customer (a hot customer, say).
     """
+    counts = ([queries_per_customer] * num_customers if isinstance(queries_per_customer, int)
+              else list(queries_per_customer))
+    if len(counts) != num_customers:
+        raise KvlabValueError(f"queries_per_customer: {len(counts)} counts for {num_customers} customers")
     rng = random.Random(seed)
-    contexts = [[rng.randrange(1, 32000) for _ in range(context_tokens)] for _ in range(num_customers)]
-    order = [c for c in range(num_customers) for _ in range(queries_per_customer)]
+    contexts = [[rng.randrange(1, vocab_size) for _ in range(context_tokens)] for _ in range(num_customers)]
+    order = [c for c in range(num_customers) for _ in range(counts[c])]
     rng.shuffle(order)
     t, out = 0.0, []
     for i, c in enumerate(order):
         t += rng.expovariate(rate)
-        query = [rng.randrange(1, 32000) for _ in range(query_tokens)]
+        query = [rng.randrange(1, vocab_size) for _ in range(query_tokens)]
         out.append(FleetRequest(f"q{i}", tuple(contexts[c] + query), session=f"customer-{c}",
                                 output_len=output_len, arrival=t))
     return out
@@ -140,7 +153,8 @@ class LocalReplicas:
         self.dead: list[int] = []
 
     def serve(self, replica: int, request: FleetRequest) -> Served:
-        return self.replicas[replica].serve(request.request_id, request.prompt_token_ids, replica)
+        core = self.replicas[replica]
+        return core.serve(request.request_id, request.prompt_token_ids, replica, request.block_hashes(core.block_size))
 
     def take_events(self, replica: int) -> list:
         return self.replicas[replica].take_events()
@@ -166,18 +180,28 @@ def simulate_fleet(router: Router, requests: Sequence[FleetRequest], num_blocks:
     cost = cost or cost_model("llama-3-8b")
     step = cost.forward_seconds(1, 0) if decode_step_seconds is None else decode_step_seconds
     backend = backend if backend is not None else LocalReplicas(n, num_blocks, block_size)
+    prefill_seconds: dict[tuple[int, int], float] = {}  # (prefilled, hits) -> the cost model's seconds
     busy_until = [0.0] * n
-    in_flight: list[deque[tuple[float, str]]] = [deque() for _ in range(n)]
+    finishing: list[tuple[float, int, str]] = []  # a heap of (finish time, replica, request id)
+    active: dict[str, int] = {}  # request id -> its replica, while it runs
+    num_active = [0] * n
+    changed = set(range(n))  # replicas whose load or KV usage the router has not been told since it changed
     served, ttft, expected, dead = [], [], [], []
     first_block: dict[str, bytes] = {}
     for k, request in enumerate(requests):
         if before_each is not None:
             before_each(k)
         now = request.arrival
-        for i in router.live():
-            while in_flight[i] and in_flight[i][0][0] <= now:
-                router.finished(in_flight[i].popleft()[1])
-            router.update_load(i, len(in_flight[i]), backend.usage(i))
+        while finishing and finishing[0][0] <= now:
+            _, i, request_id = heapq.heappop(finishing)
+            if active.pop(request_id, None) is not None:  # None: its replica died and it was let go
+                num_active[i] -= 1
+                router.finished(request_id)
+                changed.add(i)
+        for i in changed:  # a scrape of each replica that changed: its requests and its KV usage
+            if router.alive[i]:
+                router.update_load(i, num_active[i], backend.usage(i))
+        changed.clear()
         while True:
             i = router.route(request)
             guess = router.last_expected_hit_tokens
@@ -188,15 +212,22 @@ def simulate_fleet(router: Router, requests: Sequence[FleetRequest], num_blocks:
             except ReplicaDiedError:
                 dead.append(i)
                 router.mark_dead(i)
-                for _, request_id in in_flight[i]:
+                for request_id in [r for r, j in active.items() if j == i]:
+                    del active[request_id]
                     router.finished(request_id)
-                in_flight[i].clear()
+                num_active[i] = 0
         expected.append(None if guess is None else min(guess, (len(request.prompt_token_ids) - 1) // block_size
                                                        * block_size))
         start = max(now, busy_until[i])
-        prefill = cost.forward_seconds(s.prefilled_tokens, s.hit_tokens)
+        key = (s.prefilled_tokens, s.hit_tokens)
+        prefill = prefill_seconds.get(key)
+        if prefill is None:
+            prefill = prefill_seconds[key] = cost.forward_seconds(s.prefilled_tokens, s.hit_tokens)
         busy_until[i] = start + prefill + request.output_len * step
-        in_flight[i].append((busy_until[i], request.request_id))
+        heapq.heappush(finishing, (busy_until[i], i, request.request_id))
+        active[request.request_id] = i
+        num_active[i] += 1
+        changed.add(i)
         served.append(s)
         ttft.append(start - now + prefill)
         if request.session is not None and request.session not in first_block:
