@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvlab.exercises as ex
-from kvlab.exercises.core import _check_here
 from kvlab.errors import KvlabValueError, UnknownNameError
+from kvlab.exercises.core import _check_here
 from kvlab.exercises.grading import cases_for
 
 WRONG: dict = {}

@@ -41,6 +41,7 @@ import torch
 
 from kvlab.errors import BackendUnavailableError, UnknownNameError
 from kvlab.exercises.core import Case, Exercise, Mistake, Note, get_exercise, register
+from kvlab.exercises.records import LazyCases
 from kvlab.units import cdiv
 
 #: ``triton.language`` and kvlab's ``find_seq_idx`` and ``online_softmax_update``, bound by ``_kernels()``.
@@ -514,7 +515,7 @@ _puzzle(
                "NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):"),
     reference=write_kv,
     spec=_write_spec,
-    edge_cases=[
+    edge_cases=LazyCases(lambda: [
         _write_case("one decode token", "one token to slot 9: block 2, offset 1", [9]),
         _write_case("prefill across a block edge", "six tokens to slots 13-18: the last three start block 4",
                     [13, 14, 15, 16, 17, 18], seed=1),
@@ -522,7 +523,7 @@ _puzzle(
                     [5, -1, 22], seed=2),
         _write_case("one KV head", "MQA: one KV head per token, slots out of order", [7, 2, 20], num_kv_heads=1,
                     seed=3),
-    ],
+    ]),
     random_case=_random_write,
     mistakes=[
         _mistake(write_kv, "    if slot < 0:                                                   # padding: this "
@@ -632,7 +633,7 @@ _puzzle(
                "scale, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):"),
     reference=one_block,
     spec=_decode_spec,
-    edge_cases=[
+    edge_cases=LazyCases(lambda: [
         _one_block_case("full block", "two sequences of 8 keys, each filling its block", [8, 8]),
         _one_block_case("one key", "a sequence of one token attends to itself only: the weight is 1", [1, 5],
                         num_kv_heads=1, seed=1),
@@ -640,7 +641,7 @@ _puzzle(
                         [5, 3], num_kv_heads=1, seed=2),
         _one_block_case("loud scores", "queries 100x larger: exp(score) overflows unless the maximum is subtracted",
                         [8, 6], num_kv_heads=1, loud=100.0, seed=3),
-    ],
+    ]),
     random_case=_random_one_block,
     mistakes=[
         _mistake(one_block, "    scores = tl.where(valid, scores, float(\"-inf\"))\n", "",
@@ -726,7 +727,7 @@ _puzzle(
                "BLOCK_SIZE: tl.constexpr, MAX_KEYS: tl.constexpr):"),
     reference=through_table,
     spec=_decode_spec,
-    edge_cases=[
+    edge_cases=LazyCases(lambda: [
         _table_case("blocks out of order", "keys in physical blocks listed out of order: logical block != physical",
                     [12, 9]),
         _table_case("last block partial", "21 keys in blocks of 4: the sixth block holds one key, then NaN",
@@ -734,7 +735,7 @@ _puzzle(
         _table_case("one token", "a one-token sequence beside a long one", [1, 30], num_kv_heads=1, seed=2),
         _table_case("table longer than sequence", "two extra table columns point at NaN blocks", [10, 7],
                     num_kv_heads=1, table="overlong", seed=3),
-    ],
+    ]),
     random_case=_random_table,
     mistakes=[
         _mistake(through_table,
@@ -856,7 +857,7 @@ _puzzle(
                "BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr):"),
     reference=causal_tiles,
     spec=_varlen_spec,
-    edge_cases=[
+    edge_cases=LazyCases(lambda: [
         _causal_case("prompt from position 0", "a 20-token prompt (two query blocks) and a 5-token one: each query "
                      "sees its own position and the ones before", [20, 5], [20, 5]),
         _causal_case("chunk after a cached prefix", "12 queries after 28 cached keys: positions start at 28",
@@ -868,7 +869,7 @@ _puzzle(
                      seed=3),
         _causal_case("block spans tiles", "blocks of 32 keys, tiles of 16: two tiles read one block", [45, 2], [7, 2],
                      block_size=32, seed=4),
-    ],
+    ]),
     random_case=_random_causal,
     mistakes=[
         _mistake(causal_tiles, "(keys[None, :] <= q_pos[:, None])", "(keys[None, :] < q_pos[:, None])",
@@ -980,7 +981,7 @@ _puzzle(
                "TILE_N: tl.constexpr):"),
     reference=gqa,
     spec=_varlen_spec,
-    edge_cases=[
+    edge_cases=LazyCases(lambda: [
         _gqa_case("group 2", "2 query heads per KV head: 8 tokens x 2 heads fill 16 rows", [12, 5], [12, 5]),
         _gqa_case("chunk and decodes", "an 8-token chunk after 20 cached keys beside two decodes: the grid's spare "
                   "query blocks exit at once", [28, 17, 6], [8, 1, 1], num_kv_heads=1, group=4, seed=1),
@@ -988,7 +989,7 @@ _puzzle(
                   num_kv_heads=1, group=3, seed=2),
         _gqa_case("MQA (one KV head)", "8 query heads share one KV head: 2 tokens per program", [13, 4], [5, 4],
                   num_kv_heads=1, group=8, seed=3),
-    ],
+    ]),
     random_case=_random_gqa,
     mistakes=[
         _mistake(gqa, "q_head = kv_head * GROUP + rows % GROUP", "q_head = kv_head + rows % GROUP * NUM_KV_HEADS",
@@ -1128,7 +1129,7 @@ _puzzle(
                "NUM_SPLITS: tl.constexpr):"),
     reference=split_kv,
     spec=_split_spec,
-    edge_cases=[
+    edge_cases=LazyCases(lambda: [
         _split_case("one split", "NUM_SPLITS = 1: one program walks all 3 tiles", [40, 9], num_splits=1),
         _split_case("4 tiles in 3 splits", "cdiv(4, 3) = 2 tiles per split: 2, 2 and none (m = -inf, l = 0)",
                     [60, 20], seed=1),
@@ -1136,7 +1137,7 @@ _puzzle(
                     num_splits=2, seed=2),
         _split_case("group 4, two KV heads", "4 query heads of 2 KV heads in 16 rows, 2 splits", [40],
                     num_splits=2, num_kv_heads=2, group=4, seed=3),
-    ],
+    ]),
     random_case=_random_split,
     mistakes=[
         _mistake(split_kv, "tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)",
@@ -1226,7 +1227,7 @@ _puzzle(
                "HEAD_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):"),
     reference=reduce_splits,
     spec=_reduce_spec,
-    edge_cases=[
+    edge_cases=LazyCases(lambda: [
         _reduce_case("one split", "NUM_SPLITS = 1: the merge only divides acc by l", [40, 9], num_splits=1),
         _reduce_case("3 splits, one empty", "cdiv(4 tiles, 3) leaves the third split empty (m = -inf); SPLITS_PAD "
                      "4 adds a masked lane", [60, 30], seed=1),
@@ -1234,7 +1235,7 @@ _puzzle(
                      "shrink by exp(m_s - M)", [64, 50], num_splits=4, late_max=True, seed=2),
         _reduce_case("scores far below zero", "every score near -100: exp(m_s - M) is fine, exp(m_s - 0) "
                      "underflows to 0", [40, 20], far_below=True, seed=3),
-    ],
+    ]),
     random_case=_random_reduce,
     mistakes=[
         _mistake(reduce_splits, "/ tl.sum(l_s * weight, axis=0)", "/ tl.sum(l_s, axis=0)",

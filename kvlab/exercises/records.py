@@ -18,6 +18,26 @@ DEFAULT_TIME_LIMIT_S = 10.0  # per call of the learner's function; generous for 
 PREPARED_TIME_LIMIT_S = 60.0  # where `prepare` runs the learner's code in a kernel: its first call compiles it
 
 
+class LazyCases(Sequence):
+    """Edge cases built on first use: notebook 05's are paged batches from ``kvlab.kernels``, which imports
+    Triton, and ``import kvlab.exercises`` must not (the kernel backend is chosen before Triton is imported)."""
+
+    def __init__(self, build: Callable[[], Sequence[Any]]) -> None:
+        self._build: Callable[[], Sequence[Any]] | None = build
+        self._cases: Sequence[Any] = ()
+
+    def _built(self) -> Sequence[Any]:
+        if self._build is not None:
+            self._cases, self._build = tuple(self._build()), None
+        return self._cases
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._built()[index]
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One input to an exercise, with the idea it probes in words a learner can act on."""
