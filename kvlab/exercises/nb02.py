@@ -202,6 +202,7 @@ register(Exercise(
     signature=("def tp_concurrency(config: dict, gpu_memory_gib: float, weights_gib: float, tp: int, kv_dtype: str, "
                "block_size: int, max_model_len: int) -> int:"),
     reference=tp_concurrency,
+    shown=plain.tp_concurrency,
     edge_cases=[
         Case((_config("deepseek-v3"), 141, 625, 8, "bf16", 64, 32768),
              probes="section 5's deployment: MLA on 8 GPUs, each with an eighth of the weights and the whole latent"),

@@ -11,6 +11,7 @@ from kvlab.core.request import Request
 from kvlab.core.sched.loop import NoComputeExecutor, run_until_done, step
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
 from kvlab.core.sched.scheduler import Scheduler
+from kvlab.exercises import plain
 from kvlab.exercises.core import Case, Exercise, ask, register
 from kvlab.units import cdiv
 
@@ -143,6 +144,7 @@ register(Exercise(
     signature=("def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bool, "
                "num_evicted_blocks: int = 0) -> int:"),
     reference=recompute_tokens,
+    shown=plain.recompute_tokens,
     edge_cases=[
         Case((2050, 16, False), probes="no prefix caching: the whole request is recomputed"),
         Case((2050, 16, True), probes="2048 tokens sit in full blocks that kept their hashes: only 2 are recomputed"),
@@ -248,6 +250,7 @@ register(Exercise(
     signature=("def first_token_steps(prompt_lens: list[int], max_tokens: int, max_num_batched_tokens: int) "
                "-> list[int]:"),
     reference=first_token_steps,
+    shown=plain.first_token_steps,
     edge_cases=[
         Case(([100, 300, 50], 5, 128),
              probes="the 300-token prompt is cut into chunks; the short one behind it waits for its turn"),

@@ -156,6 +156,7 @@ register(Exercise(
     ),
     signature="def swap_or_recompute(model: CostModel, computed_tokens: int, hit_tokens: int) -> str:",
     reference=swap_or_recompute,
+    shown=plain.swap_or_recompute,
     edge_cases=[
         Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 1000, 1000), probes="everything still cached: nothing to redo"),
         Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 1000, 0), probes="nothing cached: a GQA model's KV crosses "

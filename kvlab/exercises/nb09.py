@@ -220,6 +220,7 @@ register(Exercise(
     signature=("def fewer_bytes_read(query_len: int, context_len: int, num_heads: int, kv_lora_rank: int, "
                "qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int) -> str:"),
     reference=fewer_bytes_read,
+    shown=plain.fewer_bytes_read,
     edge_cases=[
         Case((1, 4095, 128, 512, 128, 64, 128), probes="DeepSeek-V3, one decode token after 4,095 cached"),
         Case((64, 0, 128, 512, 128, 64, 128), probes="DeepSeek-V3, a 64-token prefill with nothing cached"),

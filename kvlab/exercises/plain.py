@@ -7,7 +7,13 @@ the tables the task names.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 from kvlab.capacity.sizing import KV_DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from kvlab.capacity.cost_model import CostModel
 
 
 def request_bytes(config: dict, tokens: int, kv_dtype: str = "bf16") -> int:
@@ -155,3 +161,65 @@ def latent_and_mha_bytes(config: dict, kv_dtype: str) -> tuple[int, int]:
     latent = layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b  # f = 1, Hkv = 1
     mha = 2 * layers * heads * config["v_head_dim"] * b  # the MHA form: a K and a V of v_head_dim per head
     return int(latent), int(mha)
+
+
+def tp_concurrency(config: dict, gpu_memory_gib: float, weights_gib: float, tp: int, kv_dtype: str,
+                   block_size: int, max_model_len: int) -> int:
+    """One GPU: its budget less its share of the weights, in blocks of its own bytes per token, per request."""
+    b, layers = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):  # MLA: every GPU keeps the whole latent
+        per_token = layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b
+    else:  # this GPU's share of the KV heads, never less than one whole head (every layer as full attention)
+        kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_token = 2 * layers * max(kv_heads // tp, 1) * head_dim * b
+    gib = 2**30  # the sizes count GiB, not GB (10**9)
+    available = math.ceil(gpu_memory_gib * gib * 0.92) - round(weights_gib / tp * gib)  # 1/tp of the weights
+    num_blocks = max(available, 0) // int(per_token * block_size)  # nothing left: no blocks
+    return num_blocks // -(-max_model_len // block_size)  # ceil: a request's last block is partly filled, but whole
+
+
+def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bool, num_evicted_blocks: int = 0) -> int:
+    """Everything but the full blocks that kept their hashes, counted from the start, never the last token."""
+    if not enable_prefix_caching:  # nothing survives a preemption
+        return num_tokens
+    full = num_tokens // block_size  # only full blocks got a hash
+    surviving = max(full - num_evicted_blocks, 0)  # freed tail first: the last full blocks are evicted first
+    hits = min(surviving, (num_tokens - 1) // block_size)  # at most num_tokens - 1 tokens may hit
+    return num_tokens - hits * block_size
+
+
+def first_token_steps(prompt_lens: list[int], max_tokens: int, max_num_batched_tokens: int) -> list[int]:
+    """Step by step: the running requests first, then the waiting ones in order, each taking what budget is left."""
+    computed, known, first = [0] * len(prompt_lens), list(prompt_lens), [0] * len(prompt_lens)
+    waiting, running, step = list(range(len(prompt_lens))), [], 0
+    while waiting or running:
+        step, left = step + 1, max_num_batched_tokens
+        for r in running + waiting:  # vLLM V1's order: RUNNING (decodes, unfinished prompts), then WAITING, FCFS
+            take = min(known[r] - computed[r], left)  # a decode needs 1 token, a prompt its rest (or what is left)
+            if take == 0:  # the budget is spent
+                break
+            left, computed[r] = left - take, computed[r] + take
+            if r in waiting:  # admitted: from now on it is served first
+                running.append(waiting.pop(waiting.index(r)))
+            if computed[r] == known[r]:  # everything it has is computed: it samples a token
+                first[r], known[r] = first[r] or step, known[r] + 1
+                if known[r] - prompt_lens[r] == max_tokens:  # its last token: it finishes
+                    running.remove(r)
+    return first
+
+
+def swap_or_recompute(model: CostModel, computed_tokens: int, hit_tokens: int) -> str:
+    """Price both ways in the model's seconds; swap only when it is strictly cheaper."""
+    missing = computed_tokens - hit_tokens  # the tokens the GPU prefix cache no longer holds
+    recompute = model.prefill_seconds(missing, hit_tokens)  # prefilled again, attending to the cached ones
+    swap = model.copy_seconds(computed_tokens) + model.copy_seconds(missing)  # all out at preemption, the missing back
+    return "swap" if swap < recompute else "recompute"  # a tie goes to recompute, vLLM V1's way
+
+
+def fewer_bytes_read(query_len: int, context_len: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                     qk_rope_head_dim: int, v_head_dim: int) -> str:
+    """Both paths read every latent and the same weights once: compare what each writes and then reads back."""
+    naive = (query_len + context_len) * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)  # K and V of every latent
+    absorbed = 2 * query_len * kv_lora_rank  # q_latent and o_latent of every query token
+    return "naive" if naive <= absorbed else "absorbed"  # per head and per byte alike; a tie is naive
