@@ -223,3 +223,58 @@ def fewer_bytes_read(query_len: int, context_len: int, num_heads: int, kv_lora_r
     naive = (query_len + context_len) * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)  # K and V of every latent
     absorbed = 2 * query_len * kv_lora_rank  # q_latent and o_latent of every query token
     return "naive" if naive <= absorbed else "absorbed"  # per head and per byte alike; a tie is naive
+
+
+def pool_too_small_from_buckets(bounds: list[float], reuse_gap_counts: list[int], idle_counts: list[int]) -> bool:
+    """07.pool_too_small's rule, each quantile read off its histogram as Prometheus' histogram_quantile does."""
+    def quantile(counts: list[int], q: float) -> float:
+        rank, lower, below = q * counts[-1], 0.0, 0  # the rank; the bucket's lower bound and the values below it
+        for upper, count in zip(bounds, counts[:-1], strict=True):  # cumulative: count holds every value to upper
+            if count >= rank:  # the first bucket that reaches the rank: go the rest of the way inside it
+                return lower + (upper - lower) * (rank - below) / (count - below)
+            lower, below = upper, count
+        return bounds[-1]  # the rank is in the +Inf bucket: the largest finite bound
+    if not reuse_gap_counts[-1] or not idle_counts[-1]:  # an empty histogram: nothing to compare
+        return False
+    return quantile(reuse_gap_counts, 0.9) > quantile(idle_counts, 0.5)
+
+
+def rank_kv_cache(config: dict, tp: int, num_blocks: int, block_size: int,
+                  kv_dtype: str) -> tuple[tuple[int, ...], int]:
+    """Every rank keeps every layer and every block; only its share of the KV heads differs (MLA: the whole latent)."""
+    b, layers, slots = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"], num_blocks * block_size
+    if config.get("kv_lora_rank"):  # MLA: one latent tensor per layer, never split across ranks
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        return (num_blocks, block_size, latent), int(slots * layers * latent * b)
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = max(kv_heads // tp, 1)  # a head is never cut: past tp = kv_heads, each rank keeps one whole head
+    return (num_blocks, block_size, heads, head_dim), int(slots * 2 * layers * heads * head_dim * b)  # K and V
+
+
+def k_proj_rows(num_attention_heads: int, num_kv_heads: int, head_dim: int, tp: int, rank: int) -> tuple[int, int]:
+    """The rank's shard of the KV heads; with fewer heads than ranks, consecutive ranks share one."""
+    heads_per_rank = max(num_kv_heads // tp, 1)  # never less than one whole head
+    replicas = max(tp // num_kv_heads, 1)  # how many ranks keep each head
+    shard = rank // replicas  # consecutive ranks' query heads read the same KV head
+    start = shard * heads_per_rank * head_dim  # the rows run head after head, head_dim rows each
+    return start, start + heads_per_rank * head_dim
+
+
+def replication(num_attention_heads: int, num_kv_heads: int, num_gpus: int,
+                kv_bytes_per_token: int) -> tuple[int, int, int]:
+    """Try every size up to num_gpus; at the largest vLLM accepts, count what all ranks keep beyond one copy."""
+    accepted = [t for t in range(1, num_gpus + 1)  # query heads split evenly; KV heads split, or are copied evenly
+                if num_attention_heads % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+    no_copies = max(t for t in accepted if num_kv_heads % t == 0)  # every KV head on one rank only
+    largest = max(accepted)
+    per_rank = kv_bytes_per_token // num_kv_heads * max(num_kv_heads // largest, 1)  # a rank's heads, one at least
+    return no_copies, largest, largest * per_rank - kv_bytes_per_token  # every rank's bytes, less one copy
+
+
+def move_or_recompute(cost: CostModel, prompt_tokens: int, cached_tokens: int) -> str:
+    """Only the tokens the decode side lacks: their bytes over the link against their FLOPs after the cached ones."""
+    missing = prompt_tokens - cached_tokens
+    move = cost.copy_seconds(missing)  # their KV across cost.link
+    recompute = cost.prefill_seconds(missing, cached_tokens)  # FLOPs only: the decode step reads the weights anyway
+    return "move" if move < recompute else "recompute"  # a tie recomputes
