@@ -35,11 +35,11 @@ def cow_append(
 
 def _explain_cow(case: Case, expected: Any, actual: Any) -> str | None:
     try:
-        table, copies = actual
-        [tuple(c) for c in copies]
+        _, copies = actual
+        pairs = all(len(tuple(c)) == 2 for c in copies)
     except (TypeError, ValueError):
-        return "return a pair: (the new block table as a list, the list of (src, dst) copies)"
-    return None
+        pairs = False
+    return None if pairs else "return a pair: (the new block table as a list, the list of (src, dst) copies)"
 
 
 def _cow_with(tables: dict[str, list[int]], name: str, num_tokens: int, free: list[int], block_size: int, *,
