@@ -190,22 +190,21 @@ def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bo
 
 
 def first_token_steps(prompt_lens: list[int], max_tokens: int, max_num_batched_tokens: int) -> list[int]:
-    """Step by step: the running requests first, then the waiting ones in order, each taking what budget is left."""
-    computed, known, first = [0] * len(prompt_lens), list(prompt_lens), [0] * len(prompt_lens)
-    waiting, running, step = list(range(len(prompt_lens))), [], 0
-    while waiting or running:
+    """Step by step, the requests in vLLM V1's order, each taking what is left of the step's token budget."""
+    held = list(prompt_lens)  # the tokens each request holds: its prompt, then every token it samples
+    computed, first = [0] * len(held), [0] * len(held)  # tokens computed; the step of its first token
+    unfinished, step = list(range(len(held))), 0  # RUNNING, then WAITING: with no preemption, arrival order
+    while unfinished:
         step, left = step + 1, max_num_batched_tokens
-        for r in running + waiting:  # vLLM V1's order: RUNNING (decodes, unfinished prompts), then WAITING, FCFS
-            take = min(known[r] - computed[r], left)  # a decode needs 1 token, a prompt its rest (or what is left)
+        for r in list(unfinished):
+            take = min(held[r] - computed[r], left)  # a decode needs 1 token, a prompt its rest (or what is left)
             if take == 0:  # the budget is spent
                 break
             left, computed[r] = left - take, computed[r] + take
-            if r in waiting:  # admitted: from now on it is served first
-                running.append(waiting.pop(waiting.index(r)))
-            if computed[r] == known[r]:  # everything it has is computed: it samples a token
-                first[r], known[r] = first[r] or step, known[r] + 1
-                if known[r] - prompt_lens[r] == max_tokens:  # its last token: it finishes
-                    running.remove(r)
+            if computed[r] == held[r]:  # everything it holds is computed: it samples a token
+                first[r], held[r] = first[r] or step, held[r] + 1
+                if held[r] - prompt_lens[r] == max_tokens:  # its last token: it finishes
+                    unfinished.remove(r)
     return first
 
 
