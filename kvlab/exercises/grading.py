@@ -220,7 +220,7 @@ def grade(exercise: Exercise, cases: list[Case], seed: int, limit: float, run_ca
         if verdict.got is not None:
             found = named_mistakes(exercise, passed[:-1], case, verdict.actual) if verdict.actual is not None else []
             if found:  # what the outputs match beats what explain guesses; several that match are all named
-                verdict.likely = "\n            or: ".join(m.words(case) for m in found)
+                verdict.likely = "\n            or: ".join(dict.fromkeys(m.words(case) for m in found))  # once each
             lines, actual = failure_lines(exercise, number, cases, seed, expected, verdict)
             return CheckResult(exercise.id, "fail", number, "\n".join(lines + notes()), case, expected, actual, seed)
     return CheckResult(exercise.id, "pass", len(cases), "\n".join([

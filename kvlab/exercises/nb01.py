@@ -195,24 +195,43 @@ def tp_group_bytes(config: dict, kv_dtype: str, tp: int) -> int:
 
 
 def _explain_group(case: Case, expected: Any, actual: Any) -> str | None:
-    config, kv_dtype, tp = case.args
-    if type(actual) not in (int, float):
-        return "return a number of bytes (an int)"
+    return "return a number of bytes (an int)" if type(actual) not in (int, float) else None
+
+
+def _group_with(config: dict, kv_dtype: str, tp: int, *, one_gpu: bool = False, split: bool = False,
+                implied_head_dim: bool = False) -> int:
+    """tp_group_bytes with one step taken the wrong way: one GPU's share only, everything split by tp (a head or a
+    latent cut into pieces), or D taken as hidden_size // num_attention_heads."""
+    if implied_head_dim:
+        config = {**config, "head_dim": config["hidden_size"] // config["num_attention_heads"]}
     spec = ModelSpec.from_hf_config(config)
-    alone = kv_bytes_per_token(spec, kv_dtype)
-    if actual * tp == expected:
-        return "that is what one GPU holds; the question asks for all tp GPUs together"
-    if spec.attention == "mla" and actual == alone != expected:
-        return ("MLA's latent serves every head, so it cannot be split by heads: each of the tp GPUs keeps "
-                "the whole latent")
-    if actual == alone != expected:
-        return (f"a GPU never holds less than one whole KV head: with tp = {tp} ranks and {spec.num_kv_heads} KV "
-                f"heads each head is stored on {tp // spec.num_kv_heads} GPUs")
-    implied = config["hidden_size"] // config["num_attention_heads"]
-    if config.get("head_dim") and actual * spec.head_dim == expected * implied:
-        return (f"this config gives head_dim = {config['head_dim']}, not hidden_size // num_attention_heads = "
-                f"{implied}: when head_dim is there, use it")
-    return None
+    if split:
+        return kv_bytes_per_token(spec, kv_dtype)  # tp ranks of 1/tp each: what TP=1 holds
+    return kv_bytes_per_token(spec, kv_dtype, tp) * (1 if one_gpu else tp)
+
+
+def _split_says(case: Case) -> str:
+    config, _, tp = case.args
+    if config.get("kv_lora_rank"):
+        return ("MLA's latent serves every head, so it cannot be split by heads: each of the tp GPUs keeps the whole "
+                "latent")
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return (f"a GPU never holds less than one whole KV head: with tp = {tp} ranks and {kv_heads} KV heads each head "
+            f"is stored on {max(tp // kv_heads, 1)} GPUs")
+
+
+def _implied_says(case: Case) -> str:
+    config = case.args[0]
+    return (f"this config gives head_dim = {config.get('head_dim')}, not hidden_size // num_attention_heads = "
+            f"{config['hidden_size'] // config['num_attention_heads']}: when head_dim is there, use it")
+
+
+GROUP_MISTAKES = (
+    Mistake(lambda config, kv_dtype, tp: _group_with(config, kv_dtype, tp, one_gpu=True),
+            "that is what one GPU holds; the question asks for all tp GPUs together"),
+    Mistake(lambda config, kv_dtype, tp: _group_with(config, kv_dtype, tp, split=True), _split_says),
+    Mistake(lambda config, kv_dtype, tp: _group_with(config, kv_dtype, tp, implied_head_dim=True), _implied_says),
+)
 
 
 def _random_group_case(rng: random.Random) -> Case:
@@ -249,6 +268,7 @@ register(Exercise(
     ],
     random_case=_random_group_case,
     explain=_explain_group,
+    mistakes=GROUP_MISTAKES,
     transfer=True,
     hints=[
         "Work out one GPU first, then multiply by tp: how many KV heads does each rank keep?",

@@ -77,12 +77,15 @@ def max_model_len_for(num_blocks: int, block_size: int, concurrency: int) -> int
 
 
 def _explain_length(case: Case, expected: Any, actual: Any) -> str | None:
-    num_blocks, block_size, concurrency = case.args
-    if actual == (num_blocks // concurrency) * block_size != expected:
-        return "block 0 is the null block: only num_blocks - 1 blocks can hold KV"
-    if actual == (num_blocks - 1) * block_size // concurrency != expected:
-        return "each request holds whole blocks, so the answer is a multiple of block_size"
-    return None
+    return "return a number of tokens (an int)" if type(actual) is not int else None
+
+
+LENGTH_MISTAKES = (
+    Mistake(lambda num_blocks, block_size, concurrency: num_blocks // concurrency * block_size,
+            "block 0 is the null block: only num_blocks - 1 blocks can hold KV"),
+    Mistake(lambda num_blocks, block_size, concurrency: max(num_blocks - 1, 0) * block_size // concurrency,
+            "each request holds whole blocks, so the answer is a multiple of block_size"),
+)
 
 
 register(Exercise(
@@ -106,6 +109,7 @@ register(Exercise(
     random_case=lambda rng: Case((rng.randint(1, 20000), rng.choice([16, 32, 64, 128]), rng.randint(1, 300)),
                                  probes="a random pool"),
     explain=_explain_length,
+    mistakes=LENGTH_MISTAKES,
     hints=[
         "How many blocks can each request have? Share the usable blocks (num_blocks - 1) equally, rounding down.",
         "A request of max_model_len tokens holds ceil(max_model_len / block_size) blocks; the longest length "
@@ -139,10 +143,30 @@ def _concurrency_with(case: Case, per_token: int, weights_gib: float, *, unit: i
     return num_gpu_blocks.__wrapped__(available, per_token * block_size) // per_request
 
 
-def _tp_mistake(case: Case, *, unit: int = GiB, floor_blocks: bool = False) -> int:
+def _tp_mistake(case: Case, *, unit: int = GiB, floor_blocks: bool = False, whole_weights: bool = False,
+                split: bool = False, unsplit: bool = False, implied_head_dim: bool = False) -> int:
+    """tp_concurrency with one step taken the wrong way: GB for GiB, floor for ceil, all the weights on every GPU,
+    everything split by tp (a latent, or a head below one), no KV split at all, or D as hidden_size // heads."""
     config, _, weights_gib, tp, kv_dtype, _, _ = case.args
-    per_gpu = kv_bytes_per_token(ModelSpec.from_hf_config(config), kv_dtype, tp)
-    return _concurrency_with(case, per_gpu, weights_gib / tp, unit=unit, floor_blocks=floor_blocks)
+    if implied_head_dim:
+        config = {**config, "head_dim": config["hidden_size"] // config["num_attention_heads"]}
+    spec = ModelSpec.from_hf_config(config)
+    per_gpu = kv_bytes_per_token(spec, kv_dtype, tp)
+    if split:
+        per_gpu = max(kv_bytes_per_token(spec, kv_dtype, 1) // tp, 1)
+    elif unsplit:
+        per_gpu = kv_bytes_per_token(spec, kv_dtype, 1)
+    return _concurrency_with(case, per_gpu, weights_gib if whole_weights else weights_gib / tp, unit=unit,
+                             floor_blocks=floor_blocks)
+
+
+def _split_says(case: Case) -> str:
+    config, tp = case.args[0], case.args[3]
+    if config.get("kv_lora_rank"):
+        return "MLA's latent is not split by tensor parallelism: every GPU stores it whole for every token"
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return (f"a GPU never holds less than one whole KV head: with {kv_heads} KV heads and tp = {tp}, each GPU stores "
+            "max(1, heads // tp) of them")
 
 
 TP_MISTAKES = (
@@ -152,25 +176,21 @@ TP_MISTAKES = (
     Mistake(lambda *args: _tp_mistake(Case(args), floor_blocks=True),
             "floor for ceil: a request of max_model_len tokens takes ceil(max_model_len / block_size) blocks, its "
             "last one partly filled, not max_model_len // block_size"),
+    Mistake(lambda *args: _tp_mistake(Case(args), whole_weights=True),
+            lambda case: (f"each GPU holds 1/tp of the weights: {case.args[2]:g} / {case.args[3]} GiB, not all "
+                          f"{case.args[2]:g} GiB")),
+    Mistake(lambda *args: _tp_mistake(Case(args), split=True), _split_says),
+    Mistake(lambda *args: _tp_mistake(Case(args), unsplit=True),
+            "tensor parallelism splits the KV heads too: each GPU stores only its share of every token's KV"),
+    Mistake(lambda *args: _tp_mistake(Case(args), implied_head_dim=True),
+            lambda case: (f"this config gives head_dim = {case.args[0].get('head_dim')}, not hidden_size // "
+                          f"num_attention_heads = {case.args[0]['hidden_size'] // case.args[0]['num_attention_heads']}"
+                          ": when head_dim is there, use it")),
 )
 
 
 def _explain_tp(case: Case, expected: Any, actual: Any) -> str | None:
-    config, _, weights_gib, tp, kv_dtype, _, _ = case.args
-    if type(actual) is not int:
-        return "return the concurrency as an int (vLLM's figure, rounded down)"
-    spec = ModelSpec.from_hf_config(config)
-    per_gpu, whole = kv_bytes_per_token(spec, kv_dtype, tp), kv_bytes_per_token(spec, kv_dtype, 1)
-    if actual == _concurrency_with(case, per_gpu, weights_gib) != expected:
-        return f"each GPU holds 1/tp of the weights: {weights_gib:g} / {tp} GiB, not all {weights_gib:g} GiB"
-    if spec.attention == "mla" and actual == _concurrency_with(case, max(whole // tp, 1), weights_gib / tp):
-        return "MLA's latent is not split by tensor parallelism: every GPU stores it whole for every token"
-    if actual == _concurrency_with(case, max(whole // tp, 1), weights_gib / tp) != expected:
-        return (f"a GPU never holds less than one whole KV head: with {spec.num_kv_heads} KV heads and tp = {tp}, "
-                "each GPU stores max(1, heads // tp) of them")
-    if actual == _concurrency_with(case, whole, weights_gib / tp) != expected:
-        return "tensor parallelism splits the KV heads too: each GPU stores only its share of every token's KV"
-    return None
+    return "return the concurrency as an int (vLLM's figure, rounded down)" if type(actual) is not int else None
 
 
 def _random_tp_case(rng: random.Random) -> Case:
@@ -202,6 +222,7 @@ register(Exercise(
     signature=("def tp_concurrency(config: dict, gpu_memory_gib: float, weights_gib: float, tp: int, kv_dtype: str, "
                "block_size: int, max_model_len: int) -> int:"),
     reference=tp_concurrency,
+    shown=plain.tp_concurrency,
     edge_cases=[
         Case((_config("deepseek-v3"), 141, 625, 8, "bf16", 64, 32768),
              probes="section 5's deployment: MLA on 8 GPUs, each with an eighth of the weights and the whole latent"),
@@ -215,6 +236,8 @@ register(Exercise(
              probes="another model: Qwen2.5-32B on two 48 GiB GPUs with an FP8 cache"),
         Case((_config("gemma-2-9b"), 24, 17.25, 1, "bf16", 16, 8192),
              probes="TP=1, and a head_dim (256) that is not hidden_size // heads"),
+        Case((_config("gpt-oss-20b"), 80, 13, 2, "bf16", 16, 131072),
+             probes="gpt-oss-20b at TP=2: head_dim 64, while hidden_size // num_attention_heads = 45"),
         Case((_config("deepseek-v3"), 80, 625, 8, "bf16", 64, 32768),
              probes="an eighth of the weights does not fit into 80 GiB x 0.92: nothing is left for the KV cache"),
     ],

@@ -10,7 +10,7 @@ from kvlab.core.kv_cache_manager import KVCacheManager
 from kvlab.core.request import Request
 from kvlab.core.sequence import Sequence
 from kvlab.exercises import plain
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.sim.block_scenarios import parallel_sampling, random_workload, record, walk_free_queue
 from kvlab.sim.prefix_sim import admit
 from kvlab.units import cdiv
@@ -34,23 +34,47 @@ def cow_append(
 
 
 def _explain_cow(case: Case, expected: Any, actual: Any) -> str | None:
-    tables, name, num_tokens, free, block_size = case.args
     try:
-        table, copies = actual
-        copies = [tuple(c) for c in copies]
+        _, copies = actual
+        pairs = all(len(tuple(c)) == 2 for c in copies)
     except (TypeError, ValueError):
-        return "return a pair: (the new block table as a list, the list of (src, dst) copies)"
-    last = tables[name][-1] if tables[name] else None
-    if expected[1] and not copies:
-        return (f"block {last} is shared and only partly full: writing into it in place would change what the "
-                "other sequences read. Copy it first, point the table at the copy and report (src, dst)")
-    if copies and num_tokens % block_size == 0:
-        return "the last block is full: full shared blocks are never copied, a fresh block is taken instead"
-    if copies and not expected[1]:
-        return f"only this sequence holds block {last} (ref_cnt 1): write in place, no copy"
-    if list(table) != list(expected[0]) and free and free[0] not in table:
-        return "take the new block from the head of the free queue: free[0]"
-    return None
+        pairs = False
+    return None if pairs else "return a pair: (the new block table as a list, the list of (src, dst) copies)"
+
+
+def _cow_with(tables: dict[str, list[int]], name: str, num_tokens: int, free: list[int], block_size: int, *,
+              copy_if: str = "shared and partly filled", new_block: int = 0) -> tuple[list[int], list]:
+    """cow_append with one rule taken the wrong way: which last block is copied ("never", "shared" even when full,
+    "partly filled" even when not shared), or the new block taken from elsewhere than the free queue's head."""
+    table, fresh = list(tables[name]), free[new_block]
+    last = table[-1] if table else None
+    shared = last is not None and sum(t.count(last) for t in tables.values()) > 1
+    partly_filled = num_tokens % block_size != 0
+    copy = {"never": False, "shared": shared, "partly filled": partly_filled and last is not None,
+            "shared and partly filled": shared and partly_filled}[copy_if]
+    if copy:
+        table[-1] = fresh
+        return (table + [free[new_block + 1]] if not partly_filled else table), [(last, fresh)]
+    return (table + [fresh] if not partly_filled else table), []
+
+
+def _cow_last_says(case: Case) -> str:
+    tables, name = case.args[0], case.args[1]
+    return (f"block {tables[name][-1] if tables[name] else None} is shared and only partly full: writing into it in "
+            "place would change what the other sequences read. Copy it first, point the table at the copy and report "
+            "(src, dst)")
+
+
+COW_MISTAKES = (
+    Mistake(lambda *args: _cow_with(*args, copy_if="never"), _cow_last_says),
+    Mistake(lambda *args: _cow_with(*args, copy_if="shared"),
+            "the last block is full: full shared blocks are never copied, a fresh block is taken instead"),
+    Mistake(lambda *args: _cow_with(*args, copy_if="partly filled"),
+            lambda case: (f"only this sequence holds block {case.args[0][case.args[1]][-1]} (ref_cnt 1): write in "
+                          "place, no copy")),
+    Mistake(lambda *args: _cow_with(*args, new_block=-1),
+            "take the new block from the head of the free queue: free[0]"),
+)
 
 
 def _random_cow_case(rng: random.Random) -> Case:
@@ -95,6 +119,7 @@ register(Exercise(
     random_case=_random_cow_case,
     num_random=20,
     explain=_explain_cow,
+    mistakes=COW_MISTAKES,
     hints=[
         "Only the last block of name's table matters. Two questions decide everything: is there room left in it "
         "(num_tokens % block_size), and does another table hold it too?",
@@ -128,28 +153,31 @@ def free_queue_order(queue: list[int], table: list[int], cached: set[int]) -> li
 
 
 def _explain_queue(case: Case, expected: Any, actual: Any) -> str | None:
-    queue, table, cached = case.args
-    if type(actual) not in (list, tuple):
-        return "return the free queue as a list of block ids, head first"
-    actual = list(actual)
-    plain = [b for b in reversed(table) if b not in cached]    # tail first, as KVCacheManager.free hands them over
-    hashed = [b for b in reversed(table) if b in cached]
-    if actual == queue + list(reversed(table)) and plain:
-        return ("blocks without a hash go to the head of the queue (they are reused first); only cached blocks "
-                "go to the tail")
-    one_at_a_time = plain[::-1] + queue + hashed                  # freed tail first, each prepended on its own
-    head_first = plain[::-1] + queue + hashed[::-1]               # freed in table order
-    if actual == one_at_a_time == head_first:
-        return ("the blocks without a hash belong at the head last block first: KVCacheManager.free hands the "
-                "blocks over tail first, and prepend_n puts the whole group in front in that order (prepending "
-                "them one at a time would reverse it)")
-    if actual == one_at_a_time:
-        return ("prepend_n puts the blocks without a hash in front as one group, in the order given (tail "
-                "first); prepending them one at a time reverses that order")
-    if actual == head_first:
-        return ("free the request's blocks tail first, reversed(table), as KVCacheManager.free does: the cached "
-                "ones then reach the tail last block first, so the prompt's first block is evicted last")
-    return None
+    return "return the free queue as a list of block ids, head first" if type(actual) not in (list, tuple) else None
+
+
+def _queue_with(queue: list[int], table: list[int], cached: set[int], *, order: str = "tail first",
+                one_at_a_time: bool = False, all_to_tail: bool = False) -> list[int]:
+    """free_queue_order with one step taken the wrong way (``order`` of the table's blocks, the blocks without a
+    hash prepended one by one, or every block appended like a FIFO)."""
+    freed = list(reversed(table)) if order == "tail first" else list(table)
+    if all_to_tail:
+        return list(queue) + freed
+    plain = [b for b in freed if b not in cached]
+    return (plain[::-1] if one_at_a_time else plain) + list(queue) + [b for b in freed if b in cached]
+
+
+QUEUE_MISTAKES = (
+    Mistake(lambda q, t, c: _queue_with(q, t, c, all_to_tail=True),
+            "blocks without a hash go to the head of the queue (they are reused first); only cached blocks go to the "
+            "tail"),
+    Mistake(lambda q, t, c: _queue_with(q, t, c, one_at_a_time=True),
+            "prepend_n puts the blocks without a hash in front as one group, in the order given (tail first); "
+            "prepending them one at a time reverses that order"),
+    Mistake(lambda q, t, c: _queue_with(q, t, c, order="head first"),
+            "free the request's blocks tail first, reversed(table), as KVCacheManager.free does: the cached ones then "
+            "reach the tail last block first, so the prompt's first block is evicted last"),
+)
 
 
 def _random_queue_case(rng: random.Random) -> Case:
@@ -185,6 +213,7 @@ register(Exercise(
     ],
     random_case=_random_queue_case,
     explain=_explain_queue,
+    mistakes=QUEUE_MISTAKES,
     hints=[
         "KVCacheManager.free hands the request's blocks to the pool tail first: walk reversed(table).",
         "BlockPool.free_blocks sorts them into two groups: blocks without a hash (worthless to anyone else) and "
@@ -213,24 +242,39 @@ def sampling_blocks(n: int, prompt_tokens: int, new_tokens: int, block_size: int
 
 
 def _explain_sampling(case: Case, expected: Any, actual: Any) -> str | None:
-    n, prompt, new, block_size = case.args
     if not (type(actual) in (list, tuple) and len(actual) == 2 and all(type(x) is int for x in actual)):
         return "return a pair of ints: (physical blocks in use, copies made)"
-    blocks, copies = actual
-    if blocks == n * cdiv(prompt + new, block_size) != expected[0]:
-        return ("forked samples share the prompt's blocks: each full prompt block is held once, by all the samples "
-                "(its ref_cnt is n)")
-    if new and prompt % block_size and n > 1 and copies == n:
-        return ("the last sample to write finds the partly filled block held by itself alone (ref_cnt 1) and "
-                "writes in place: n - 1 copies, not n")
-    if copies and not expected[1] and prompt % block_size == 0:
-        return ("a prompt that fills its last block leaves nothing partly filled to share: the first new token of "
-                "each sample takes a fresh block, and nothing is copied")
-    if copies and not new:
-        return "copy-on-write copies only when a sample writes: right after the fork, everything is shared"
-    if copies > expected[1]:
-        return "only the shared, partly filled block is ever copied, once per sample at most, at its first write"
     return None
+
+
+def _sampling_with(n: int, prompt: int, new: int, block_size: int, *, shared: bool = True,
+                   copiers: str = "all but the last", copy_full: bool = False, copy_at_fork: bool = False
+                   ) -> tuple[int, int]:
+    """sampling_blocks with one rule taken the wrong way: nothing shared, every sample copying the partly filled
+    block (``copiers="all"``), a full last block copied too, or the copies made at the fork."""
+    full, partial = divmod(prompt, block_size)
+    copies = (n - 1 if copiers == "all but the last" else n) if n > 1 and (new or copy_at_fork) and (
+        partial or copy_full) else 0
+    if not shared:
+        return n * -(-(prompt + new) // block_size), copies
+    if not new:
+        return full + (1 if partial else 0) + (copies if copy_at_fork else 0), copies
+    return full + n * (-(-(prompt + new) // block_size) - full), copies
+
+
+SAMPLING_MISTAKES = (
+    Mistake(lambda *args: _sampling_with(*args, shared=False),
+            "forked samples share the prompt's blocks: each full prompt block is held once, by all the samples (its "
+            "ref_cnt is n)"),
+    Mistake(lambda *args: _sampling_with(*args, copiers="all"),
+            "the last sample to write finds the partly filled block held by itself alone (ref_cnt 1) and writes in "
+            "place: n - 1 copies, not n"),
+    Mistake(lambda *args: _sampling_with(*args, copy_full=True),
+            "a prompt that fills its last block leaves nothing partly filled to share: the first new token of each "
+            "sample takes a fresh block, and nothing is copied"),
+    Mistake(lambda *args: _sampling_with(*args, copy_at_fork=True),
+            "copy-on-write copies only when a sample writes: right after the fork, everything is shared"),
+)
 
 
 def _random_sampling_case(rng: random.Random) -> Case:
@@ -262,6 +306,7 @@ register(Exercise(
     ],
     random_case=_random_sampling_case,
     explain=_explain_sampling,
+    mistakes=SAMPLING_MISTAKES,
     transfer=True,
     hints=[
         "Split the prompt into its full blocks and, if prompt_tokens % block_size, one partly filled block. "

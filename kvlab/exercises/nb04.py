@@ -99,21 +99,26 @@ def longest_cached_prefix(block_hashes: list[bytes], cached: set[bytes], num_tok
 
 
 def _explain_prefix(case: Case, expected: Any, actual: Any) -> str | None:
-    block_hashes, cached, num_tokens, block_size = case.args
     if not isinstance(actual, int):
         return "return a number of tokens (an int), a multiple of block_size"
-    leading = 0
-    while leading < len(block_hashes) and block_hashes[leading] in cached:
-        leading += 1
-    if actual == leading * block_size != expected:
-        return ("at most num_tokens - 1 tokens may hit: the last token must be computed to get the next token's "
-                "logits, so a fully cached prompt recomputes its last block")
-    max_blocks = (num_tokens - 1) // block_size
-    if actual == sum(h in cached for h in block_hashes[:max_blocks]) * block_size != expected:
-        return "stop at the first miss: after it, no later block can be cached with this request's prefix"
-    if actual % block_size:
-        return "hits are whole blocks: the answer is a multiple of block_size"
-    return None
+    return "hits are whole blocks: the answer is a multiple of block_size" if actual % case.args[3] else None
+
+
+def _prefix_with(block_hashes: list[bytes], cached: set[bytes], num_tokens: int, block_size: int, *,
+                 last_token_rule: bool = True, stop_at_miss: bool = True) -> int:
+    """longest_cached_prefix with one rule dropped: at most num_tokens - 1 tokens, or stop at the first miss."""
+    limit = (num_tokens - 1) // block_size if last_token_rule else len(block_hashes)
+    hits = [h in cached for h in block_hashes[:limit]]
+    return (hits + [False]).index(False) * block_size if stop_at_miss else sum(hits) * block_size
+
+
+PREFIX_MISTAKES = (
+    Mistake(lambda *args: _prefix_with(*args, last_token_rule=False),
+            "at most num_tokens - 1 tokens may hit: the last token must be computed to get the next token's logits, "
+            "so a fully cached prompt recomputes its last block"),
+    Mistake(lambda *args: _prefix_with(*args, stop_at_miss=False),
+            "stop at the first miss: after it, no later block can be cached with this request's prefix"),
+)
 
 
 def _random_prefix_case(rng: random.Random) -> Case:
@@ -148,6 +153,7 @@ register(Exercise(
     ],
     random_case=_random_prefix_case,
     explain=_explain_prefix,
+    mistakes=PREFIX_MISTAKES,
     hints=[
         "Count blocks from the start while their hash is in `cached`, and stop at the first one that is not: a "
         "later block cannot be reused without the ones before it.",
@@ -172,25 +178,39 @@ def chat_turn_hits(cached_tokens: list[int], prompt: list[int], block_size: int)
 
 
 def _explain_chat(case: Case, expected: Any, actual: Any) -> str | None:
-    cached, prompt, block_size = case.args
     if type(actual) is not int:
         return "return a number of tokens (an int)"
-    common = next((i for i, (a, b) in enumerate(zip(cached, prompt, strict=False)) if a != b), min(len(cached),
-                                                                                                   len(prompt)))
-    if actual == common != expected and actual % block_size:
-        return ("a block that matches only in part is not a hit: compare whole blocks, and stop at the first "
-                "that differs")
-    if actual % block_size:
-        return "hits come in whole blocks: the answer is a multiple of block_size"
-    if actual > len(prompt) - 1:
-        return ("at most len(prompt) - 1 tokens may hit: the last token must be computed to sample the next one, "
-                "so a prompt that is all cached recomputes its last block")
-    if actual > len(cached) // block_size * block_size:
-        return ("only the earlier request's *full* blocks were cached: its last, partly filled block never got a "
-                "hash")
-    if actual > expected:
-        return "stop at the first block whose tokens differ: every later hash chains through it"
-    return None
+    return "hits come in whole blocks: the answer is a multiple of block_size" if actual % case.args[2] else None
+
+
+def _chat_with(cached: list[int], prompt: list[int], block_size: int, *, by_token: bool = False,
+               last_token_rule: bool = True, partial_cached: bool = False, stop_at_difference: bool = True) -> int:
+    """chat_turn_hits with one rule taken the wrong way: tokens compared one by one, the prompt's last token allowed
+    to hit, the earlier request's partial block taken as cached, or blocks past a difference counted."""
+    limit = len(prompt) - 1 if last_token_rule else len(prompt)
+    if by_token:
+        common = next((i for i, (a, b) in enumerate(zip(cached, prompt, strict=False)) if a != b),
+                      min(len(cached), len(prompt)))
+        return min(common, limit)
+    blocks = min(-(-len(cached) // block_size) if partial_cached else len(cached) // block_size, limit // block_size)
+    same = [cached[i * block_size:(i + 1) * block_size] == prompt[i * block_size:i * block_size + len(
+        cached[i * block_size:(i + 1) * block_size])] for i in range(blocks)]  # a partial block: its tokens only
+    return (same + [False]).index(False) * block_size if stop_at_difference else sum(same) * block_size
+
+
+_PARTIAL_MATCH = ("a block that matches only in part is not a hit: compare whole blocks, and stop at the first that "
+                  "differs")
+CHAT_MISTAKES = (
+    Mistake(lambda *args: _chat_with(*args, by_token=True), _PARTIAL_MATCH),
+    Mistake(lambda *args: _chat_with(*args, by_token=True, last_token_rule=False), _PARTIAL_MATCH),
+    Mistake(lambda *args: _chat_with(*args, last_token_rule=False),
+            "at most len(prompt) - 1 tokens may hit: the last token must be computed to sample the next one, so a "
+            "prompt that is all cached recomputes its last block"),
+    Mistake(lambda *args: _chat_with(*args, partial_cached=True),
+            "only the earlier request's *full* blocks were cached: its last, partly filled block never got a hash"),
+    Mistake(lambda *args: _chat_with(*args, stop_at_difference=False),
+            "stop at the first block whose tokens differ: every later hash chains through it"),
+)
 
 
 def _random_chat_case(rng: random.Random) -> Case:
@@ -233,6 +253,7 @@ register(Exercise(
     ],
     random_case=_random_chat_case,
     explain=_explain_chat,
+    mistakes=CHAT_MISTAKES,
     transfer=True,
     hints=[
         "A block of the new prompt can hit only if the earlier request had the same tokens in the same block, and "

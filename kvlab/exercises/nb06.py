@@ -11,7 +11,8 @@ from kvlab.core.request import Request
 from kvlab.core.sched.loop import NoComputeExecutor, run_until_done, step
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
 from kvlab.core.sched.scheduler import Scheduler
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises import plain
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.units import cdiv
 
 # ----------------------------------------------------------------- 06.preemption_victim
@@ -32,18 +33,36 @@ def preemption_victims(running: list[str], blocks_held: dict[str, int], request_
 
 
 def _explain_victims(case: Case, expected: Any, actual: Any) -> str | None:
-    running, request_id = case.args[0], case.args[2]
     if type(actual) not in (list, tuple):
         return "return the list of preempted request ids, in the order they are preempted"
-    actual = list(actual)
-    if request_id in expected and request_id not in actual:
-        return ("when the request that needs blocks is itself the most recently admitted, it is the victim: "
-                "vLLM preempts it and stops")
-    if actual and actual[0] == running[0] != running[-1]:
-        return "preempt from the end of running (the most recently admitted), not the oldest request"
-    if len(actual) > len(expected):
-        return "stop as soon as enough blocks are free (or once the request itself was preempted)"
     return None
+
+
+def _victims_with(running: list[str], blocks_held: dict[str, int], request_id: str, blocks_needed: int,
+                  free_blocks: int, *, oldest_first: bool = False, spare_itself: bool = False,
+                  stop_at_itself: bool = True) -> list[str]:
+    """preemption_victims with one rule taken the wrong way: the oldest request first, the request itself spared,
+    or the loop going on past the request itself."""
+    queue = [r for r in running if r != request_id] if spare_itself else list(running)
+    victims: list[str] = []
+    while free_blocks < blocks_needed and queue:
+        victim = queue.pop(0 if oldest_first else -1)
+        victims.append(victim)
+        free_blocks += blocks_held[victim]
+        if victim == request_id and stop_at_itself:
+            break
+    return victims
+
+
+VICTIM_MISTAKES = (
+    Mistake(lambda *args: _victims_with(*args, oldest_first=True),
+            "preempt from the end of running (the most recently admitted), not the oldest request"),
+    Mistake(lambda *args: _victims_with(*args, spare_itself=True),
+            "when the request that needs blocks is itself the most recently admitted, it is the victim: vLLM "
+            "preempts it and stops"),
+    Mistake(lambda *args: _victims_with(*args, stop_at_itself=False),
+            "once the request itself is preempted, stop: it gives back its blocks and waits, nothing is left to do"),
+)
 
 
 def _random_victims_case(rng: random.Random) -> Case:
@@ -80,6 +99,7 @@ register(Exercise(
     ],
     random_case=_random_victims_case,
     explain=_explain_victims,
+    mistakes=VICTIM_MISTAKES,
     hints=[
         "Work on a copy of `running`: the next victim is always the most recently admitted request still running, "
         "the last one.",
@@ -110,18 +130,28 @@ def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bo
     return num_tokens - num_hit_tokens
 
 
-def _explain_recompute(case: Case, expected: Any, actual: Any) -> str | None:
-    num_tokens, block_size, caching = case.args[0], case.args[1], case.args[2]
-    evicted = case.args[3] if len(case.args) > 3 else 0
-    if not caching and actual != expected:
-        return "without prefix caching nothing survives a preemption: every token is recomputed"
-    if caching and num_tokens % block_size == 0 and actual == expected - block_size:
-        return ("at most num_tokens - 1 tokens can hit: the last token must be computed to get its logits, and "
-                "hits are whole blocks, so a block-aligned request recomputes its whole last block")
-    if caching and evicted and actual == num_tokens:
-        return ("a request's blocks are freed tail first, so its *last* full blocks are evicted first; the blocks "
-                "at its start survive and still hit")
-    return None
+def _recompute_with(num_tokens: int, block_size: int, enable_prefix_caching: bool, num_evicted_blocks: int = 0, *,
+                    caching: bool | None = None, last_token_rule: bool = True, evict_from_start: bool = False) -> int:
+    """recompute_tokens with one rule taken the wrong way: the caching flag ignored (``caching``), every token
+    allowed to hit, or the evictions taken from the request's first blocks."""
+    if not (enable_prefix_caching if caching is None else caching):
+        return num_tokens
+    full = num_tokens // block_size
+    surviving = 0 if evict_from_start and num_evicted_blocks else max(full - num_evicted_blocks, 0)
+    hits = min(surviving, (num_tokens - 1) // block_size) if last_token_rule else surviving
+    return num_tokens - hits * block_size
+
+
+RECOMPUTE_MISTAKES = (
+    Mistake(lambda *args: _recompute_with(*args, caching=True),
+            "without prefix caching nothing survives a preemption: every token is recomputed"),
+    Mistake(lambda *args: _recompute_with(*args, last_token_rule=False),
+            "at most num_tokens - 1 tokens can hit: the last token must be computed to get its logits, and hits are "
+            "whole blocks, so a block-aligned request recomputes its whole last block"),
+    Mistake(lambda *args: _recompute_with(*args, evict_from_start=True),
+            "a request's blocks are freed tail first, so its *last* full blocks are evicted first; the blocks at its "
+            "start survive and still hit"),
+)
 
 
 def _random_recompute_case(rng: random.Random) -> Case:
@@ -143,6 +173,7 @@ register(Exercise(
     signature=("def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bool, "
                "num_evicted_blocks: int = 0) -> int:"),
     reference=recompute_tokens,
+    shown=plain.recompute_tokens,
     edge_cases=[
         Case((2050, 16, False), probes="no prefix caching: the whole request is recomputed"),
         Case((2050, 16, True), probes="2048 tokens sit in full blocks that kept their hashes: only 2 are recomputed"),
@@ -152,7 +183,7 @@ register(Exercise(
         Case((100, 16, True, 9), probes="more evictions than full blocks: every full block is gone"),
     ],
     random_case=_random_recompute_case,
-    explain=_explain_recompute,
+    mistakes=RECOMPUTE_MISTAKES,
     hints=[
         "Without prefix caching nothing survives a preemption: every token is computed again.",
         "With it, only full blocks kept their hashes. The evictions take the request's *last* full blocks first "
@@ -184,8 +215,9 @@ def first_token_steps(prompt_lens: list[int], max_tokens: int, max_num_batched_t
 
 
 def _steps_if(prompt_lens: list[int], max_tokens: int, budget: int, *, running_first: bool = True,
-              decodes_cost: bool = True) -> list[int]:
-    """The same schedule worked by hand with one rule changed (for the diagnoses)."""
+              decodes_cost: bool = True, first_at_start: bool = False) -> list[int]:
+    """The same schedule worked by hand with one rule changed (the known mistakes): waiting requests served first,
+    decodes taking none of the budget, or the first token counted in the step a prompt starts."""
     n = len(prompt_lens)
     computed, generated, first = [0] * n, [0] * n, [0] * n
     waiting, running, number = list(range(n)), [], 0
@@ -203,6 +235,7 @@ def _steps_if(prompt_lens: list[int], max_tokens: int, budget: int, *, running_f
                 if r in waiting:
                     waiting.remove(r)
                     running.append(r)
+                    first[r] = number if first_at_start else 0
         for r, take in chosen.items():
             computed[r] += take
             if computed[r] == prompt_lens[r] + generated[r]:
@@ -214,20 +247,22 @@ def _steps_if(prompt_lens: list[int], max_tokens: int, budget: int, *, running_f
 
 
 def _explain_first_token(case: Case, expected: Any, actual: Any) -> str | None:
-    prompt_lens, max_tokens, budget = case.args
     if not (type(actual) in (list, tuple) and all(type(x) is int for x in actual)):
         return "return a list of step numbers (ints, counting from 1), one per request, in the order given"
-    actual = list(actual)
-    if actual == _steps_if(prompt_lens, max_tokens, budget, decodes_cost=False) != expected:
-        return ("a running request's decode token takes one token of the step's budget too: a new prompt gets only "
-                "what the running requests leave")
-    if actual == _steps_if(prompt_lens, max_tokens, budget, running_first=False) != expected:
-        return ("every step serves the RUNNING requests first (their decode token, or their prompt's next chunk), "
-                "then admits WAITING ones in arrival order with what is left")
-    if len(actual) == len(expected) and any(a < e for a, e in zip(actual, expected, strict=True)):
-        return ("a request samples its first token only in the step that computes its prompt's last token; a "
-                "chunk that stops short samples nothing")
     return None
+
+
+FIRST_TOKEN_MISTAKES = (
+    Mistake(lambda *args: _steps_if(*args, decodes_cost=False),
+            "a running request's decode token takes one token of the step's budget too: a new prompt gets only what "
+            "the running requests leave"),
+    Mistake(lambda *args: _steps_if(*args, running_first=False),
+            "every step serves the RUNNING requests first (their decode token, or their prompt's next chunk), then "
+            "admits WAITING ones in arrival order with what is left"),
+    Mistake(lambda *args: _steps_if(*args, first_at_start=True),
+            "a request samples its first token only in the step that computes its prompt's last token; a chunk that "
+            "stops short samples nothing"),
+)
 
 
 def _random_first_token_case(rng: random.Random) -> Case:
@@ -248,6 +283,7 @@ register(Exercise(
     signature=("def first_token_steps(prompt_lens: list[int], max_tokens: int, max_num_batched_tokens: int) "
                "-> list[int]:"),
     reference=first_token_steps,
+    shown=plain.first_token_steps,
     edge_cases=[
         Case(([100, 300, 50], 5, 128),
              probes="the 300-token prompt is cut into chunks; the short one behind it waits for its turn"),
@@ -260,6 +296,7 @@ register(Exercise(
     random_case=_random_first_token_case,
     num_random=15,
     explain=_explain_first_token,
+    mistakes=FIRST_TOKEN_MISTAKES,
     transfer=True,
     hints=[
         "Simulate step by step. In a step, which requests are served first, and how many tokens does each take?",

@@ -26,26 +26,40 @@ def pool_too_small(reuse_gaps: list[float], idle_before_evict: list[float]) -> b
     return _pool_too_small(reuse_gaps, idle_before_evict)
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+def _pool_with(reuse_gaps: list[float], idle_before_evict: list[float], *, strict: bool = True,
+               average_middle: bool = False, means: bool = False) -> bool:
+    """pool_too_small with one step taken the wrong way: >= for >, the median of an even count as the average of
+    its two middle values, or the means compared."""
+    if not reuse_gaps or not idle_before_evict:
+        return False
+    if means:
+        p90, p50 = sum(reuse_gaps) / len(reuse_gaps), sum(idle_before_evict) / len(idle_before_evict)
+    else:
+        p90, p50, ordered = nearest_rank(reuse_gaps, 0.9), nearest_rank(idle_before_evict, 0.5), sorted(
+            idle_before_evict)
+        if average_middle and len(ordered) % 2 == 0:
+            p50 = (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+    return p90 > p50 if strict else p90 >= p50
 
 
 def _explain_pool(case: Case, expected: Any, actual: Any) -> str | None:
     gaps, idle = case.args
     if type(actual) is not bool:
         return "return True or False"
-    if not gaps or not idle:
+    if not gaps or not idle:  # the one wrong answer here is True
         return "with no reuse gaps or no evictions there is nothing to compare: answer False"
-    p90, p50 = nearest_rank(gaps, 0.9), nearest_rank(idle, 0.5)
-    if p90 == p50:
-        return "the rule says *exceeds*: a p90 gap equal to the median idle time is not too small"
-    ordered = sorted(idle)
-    if len(ordered) % 2 == 0 and actual == (p90 > (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2):
-        return ("use the nearest-rank quantile, sorted(values)[ceil(q * n) - 1]: the median of an even count is "
-                "the lower middle value, not the average of the two")
-    if actual == (_mean(gaps) > _mean(idle)):
-        return "compare quantiles, not means: one long gap moves the mean but not the 90th percentile"
     return None
+
+
+POOL_MISTAKES = (
+    Mistake(lambda gaps, idle: _pool_with(gaps, idle, strict=False),
+            "the rule says *exceeds*: a p90 gap equal to the median idle time is not too small"),
+    Mistake(lambda gaps, idle: _pool_with(gaps, idle, average_middle=True),
+            "use the nearest-rank quantile, sorted(values)[ceil(q * n) - 1]: the median of an even count is the "
+            "lower middle value, not the average of the two"),
+    Mistake(lambda gaps, idle: _pool_with(gaps, idle, means=True),
+            "compare quantiles, not means: one long gap moves the mean but not the 90th percentile"),
+)
 
 
 def _random_pool_case(rng: random.Random) -> Case:
@@ -79,6 +93,7 @@ register(Exercise(
     ],
     random_case=_random_pool_case,
     explain=_explain_pool,
+    mistakes=POOL_MISTAKES,
     hints=[
         "Two quantiles: q = 0.9 of reuse_gaps and q = 0.5 of idle_before_evict.",
         "Nearest rank: sort, then take the element at index ceil(q * n) - 1 (math.ceil).",
@@ -156,6 +171,7 @@ register(Exercise(
     ),
     signature="def swap_or_recompute(model: CostModel, computed_tokens: int, hit_tokens: int) -> str:",
     reference=swap_or_recompute,
+    shown=plain.swap_or_recompute,
     edge_cases=[
         Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 1000, 1000), probes="everything still cached: nothing to redo"),
         Case((_MODELS["llama-3-8b on H100, PCIe 5"](), 1000, 0), probes="nothing cached: a GQA model's KV crosses "
@@ -211,22 +227,39 @@ def _upper_bound_quantile(bounds: list[float], counts: list[int], q: float) -> f
     return next((b for b, c in zip(bounds, counts, strict=False) if c >= rank), bounds[-1])
 
 
+def _upper_bounds(bounds: list[float], gaps: list[int], idle: list[int]) -> bool:
+    """The rule with each quantile answered by its bucket's upper bound, not interpolated (a known mistake)."""
+    if not gaps[-1] or not idle[-1]:
+        return False
+    return _upper_bound_quantile(bounds, gaps, 0.9) > _upper_bound_quantile(bounds, idle, 0.5)
+
+
+def _counts_per_bucket(bounds: list[float], gaps: list[int], idle: list[int]) -> bool:
+    """The rule with the cumulative counts read as counts per bucket (a known mistake): summed up before use, the
+    last (+Inf) entry taken as the total of the others."""
+    def cumulate(counts: list[int]) -> list[int]:
+        running = list(itertools.accumulate(counts[:-1]))
+        return [*running, running[-1]]
+    return pool_too_small_from_buckets(bounds, cumulate(gaps), cumulate(idle))
+
+
 def _explain_buckets(case: Case, expected: Any, actual: Any) -> str | None:
     bounds, gaps, idle = case.args
     if type(actual) is not bool:
         return "return True or False"
-    if not gaps[-1] or not idle[-1]:
+    if not gaps[-1] or not idle[-1]:  # the one wrong answer here is True
         return "with no reuse gaps or no evictions (a total count of 0) there is nothing to compare: answer False"
-    if gaps[-1] and idle[-1] and actual == (_upper_bound_quantile(bounds, gaps, 0.9) > _upper_bound_quantile(
-            bounds, idle, 0.5)):
-        return ("histogram_quantile does not answer a bucket's upper bound: it interpolates linearly inside the "
-                "bucket that holds rank q x total, from the bucket's lower bound (the previous le, or 0)")
-    running = [list(itertools.accumulate(counts)) for counts in (gaps, idle)]
-    if actual == pool_too_small_from_buckets(bounds, [*running[0][:-1], running[0][-2]],
-                                             [*running[1][:-1], running[1][-2]]):
-        return ("the bucket counts are cumulative, as Prometheus exports them: le=\"5\" counts every value up to 5, "
-                "and le=\"+Inf\" is the total")
     return None
+
+
+BUCKET_MISTAKES = (
+    Mistake(_upper_bounds,
+            "histogram_quantile does not answer a bucket's upper bound: it interpolates linearly inside the bucket "
+            "that holds rank q x total, from the bucket's lower bound (the previous le, or 0)"),
+    Mistake(_counts_per_bucket,
+            "the bucket counts are cumulative, as Prometheus exports them: le=\"5\" counts every value up to 5, and "
+            "le=\"+Inf\" is the total"),
+)
 
 
 def _random_buckets_case(rng: random.Random) -> Case:
@@ -262,6 +295,7 @@ register(Exercise(
     signature=("def pool_too_small_from_buckets(bounds: list[float], reuse_gap_counts: list[int], "
                "idle_counts: list[int]) -> bool:"),
     reference=pool_too_small_from_buckets,
+    shown=plain.pool_too_small_from_buckets,
     edge_cases=[
         Case((_BOUNDS, [0, 0, 0, 10, 10, 10, 10], [0, 0, 0, 10, 10, 10, 10]),
              probes="both in the bucket (5, 10]: interpolation decides, p90 = 9.5 against p50 = 7.5"),
@@ -278,6 +312,7 @@ register(Exercise(
     random_case=_random_buckets_case,
     num_random=20,
     explain=_explain_buckets,
+    mistakes=BUCKET_MISTAKES,
     transfer=True,
     hints=[
         "Write one function, the quantile of one histogram, and call it twice: q = 0.9 for the gaps, 0.5 for the "

@@ -81,17 +81,13 @@ def _min_of_alone(num_prompt_tokens, sliding_window, block_size, evicted_sliding
 
 
 def _explain_hybrid_hit(case: Case, expected: Any, actual: Any) -> str | None:
-    if type(actual) is not int:
-        return "return a number of tokens (an int)"
-    num_prompt_tokens, _, block_size, evicted_sliding, evicted_full = case.args
-    if actual == _min_of_alone(*case.args) != expected:
-        return ("the smaller of the two kinds' own hits is not always a hit: a window's hit is not downward-closed, "
-                "at a shorter length it needs other blocks, which may be gone. Ask the window again at full "
-                "attention's length")
-    as_full = min([num_prompt_tokens // block_size, *evicted_sliding, *evicted_full]) * block_size
-    if actual == as_full != expected:
-        return "a sliding window needs only the blocks its window reaches, not every block from the start"
-    return None
+    return "return a number of tokens (an int)" if type(actual) is not int else None
+
+
+def _window_as_full(num_prompt_tokens: int, sliding_window: int, block_size: int, evicted_sliding: list[int],
+                    evicted_full: list[int]) -> int:
+    """Every block from the start required in the window's group too (a known mistake)."""
+    return min([num_prompt_tokens // block_size, *evicted_sliding, *evicted_full]) * block_size
 
 
 def _window_of_w_blocks(case: Case) -> str:
@@ -102,6 +98,11 @@ def _window_of_w_blocks(case: Case) -> str:
 
 
 HIT_MISTAKES = (
+    Mistake(_min_of_alone,
+            "the smaller of the two kinds' own hits is not always a hit: a window's hit is not downward-closed, at a "
+            "shorter length it needs other blocks, which may be gone. Ask the window again at full attention's length"),
+    Mistake(_window_as_full,
+            "a sliding window needs only the blocks its window reaches, not every block from the start"),
     Mistake(lambda n, w, bs, es, ef: plain.hybrid_hit(n, w, bs, es, ef, window_blocks=-(-w // bs)),
             _window_of_w_blocks),
 )
@@ -175,17 +176,28 @@ def blocks_per_group(num_tokens: int, num_hit_tokens: int, sliding_window: int, 
 
 
 def _explain_blocks(case: Case, expected: Any, actual: Any) -> str | None:
-    num_tokens, hit, window, block_size, free = case.args
     if type(actual) not in (list, tuple) or len(actual) != 2:
         return "return two numbers: [blocks for the sliding-window group, blocks for the full-attention group]"
-    actual = list(actual)
-    if free and hit and actual == blocks_per_group(num_tokens, hit, window, block_size, False) != expected:
-        return ("a hit block that sits in the free queue (nobody holds it) costs a free block too: taking it out of "
-                "the queue is what keeps it from being evicted")
-    if actual[0] < expected[0]:
-        return ("the window's group needs a slot for every new token of this allocation: blocks are freed only "
-                "behind what is computed, so a prefill in one chunk holds the whole chunk")
     return None
+
+
+def _window_only_for_one_token(num_tokens: int, num_hit_tokens: int, sliding_window: int, block_size: int,
+                               hits_are_free: bool) -> list[int]:
+    """The window's group given only the blocks one token's window needs, as if the chunk freed as it went."""
+    required, hits = cdiv(num_tokens, block_size), num_hit_tokens // block_size
+    kept = hits - max(0, num_hit_tokens - sliding_window + 1) // block_size if hits else 0
+    window = min(required - hits, cdiv(sliding_window - 1, block_size) + 1)
+    return [window + (kept if hits_are_free else 0), required - hits + (hits if hits_are_free else 0)]
+
+
+BLOCK_MISTAKES = (
+    Mistake(lambda n, hit, w, bs, free: plain.blocks_per_group(n, hit, w, bs, False),
+            "a hit block that sits in the free queue (nobody holds it) costs a free block too: taking it out of the "
+            "queue is what keeps it from being evicted"),
+    Mistake(_window_only_for_one_token,
+            "the window's group needs a slot for every new token of this allocation: blocks are freed only behind "
+            "what is computed, so a prefill in one chunk holds the whole chunk"),
+)
 
 
 def _random_blocks_case(rng: random.Random) -> Case:
@@ -219,6 +231,7 @@ register(Exercise(
     ],
     random_case=_random_blocks_case,
     explain=_explain_blocks,
+    mistakes=BLOCK_MISTAKES,
     hints=[
         "Both groups need a block for every block of tokens the chunk ends at that the hit does not cover.",
         "Hit blocks that nobody holds sit in the free queue: taking them costs free blocks too. Which hit blocks does "

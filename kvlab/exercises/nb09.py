@@ -45,20 +45,30 @@ def latent_and_mha_bytes(config: dict, kv_dtype: str) -> tuple[int, int]:
 
 
 def _explain_latent(case: Case, expected: Any, actual: Any) -> str | None:
-    config, kv_dtype = case.args
     if not (type(actual) in (list, tuple) and len(actual) == 2):
         return "return a pair: (bytes as MLA stores them, bytes as the same model's MHA would)"
-    mla, mha = actual
-    if mla == 2 * expected[0]:
-        return "MLA stores one vector per token and layer, c_kv and k_pe side by side: f = 1, no separate V"
-    if mla != expected[0]:
-        return "one token's latent per layer is kv_lora_rank + qk_rope_head_dim values; multiply by layers and bytes"
-    keys = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
-    layers, heads, b = config["num_hidden_layers"], config["num_attention_heads"], KV_DTYPE_BYTES[kv_dtype]
-    if mha == layers * heads * (keys + config["v_head_dim"]) * b:
-        return ("the source's MHA equivalent (its 56.9x) gives every head v_head_dim values for K and for V: "
-                "2 x layers x heads x v_head_dim x bytes")
     return None
+
+
+def _latent_with(config: dict, kv_dtype: str, *, f: int = 1, mha_keys: str = "v_head_dim") -> tuple[int, int]:
+    """latent_and_mha_bytes with one step taken the wrong way: the latent counted twice like a K and a V (``f``), or
+    the MHA keys given their nope and rope parts (``mha_keys="nope+rope"``)."""
+    b, layers, heads = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"], config["num_attention_heads"]
+    latent = f * layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b
+    keys = config["v_head_dim"] if mha_keys == "v_head_dim" else config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    return int(latent), int(layers * heads * (keys + config["v_head_dim"]) * b)
+
+
+LATENT_MISTAKES = (
+    Mistake(lambda config, kv_dtype: _latent_with(config, kv_dtype, f=2),
+            "MLA stores one vector per token and layer, c_kv and k_pe side by side: f = 1, no separate V"),
+    Mistake(lambda config, kv_dtype: _latent_with(config, kv_dtype, mha_keys="nope+rope"),
+            "the source's MHA equivalent (its 56.9x) gives every head v_head_dim values for K and for V: "
+            "2 x layers x heads x v_head_dim x bytes"),
+    Mistake(lambda config, kv_dtype: _latent_with(config, kv_dtype, f=2, mha_keys="nope+rope"),
+            "MLA stores one vector per token and layer (f = 1), and the source's MHA equivalent gives every head "
+            "v_head_dim values for K and for V"),
+)
 
 
 register(Exercise(
@@ -84,6 +94,7 @@ register(Exercise(
     ],
     random_case=lambda rng: Case((_mla_config(rng), rng.choice(DTYPES)), probes="a random MLA config"),
     explain=_explain_latent,
+    mistakes=LATENT_MISTAKES,
     hints=[
         "MLA caches per token and layer one vector: the latent c_kv (kv_lora_rank values) followed by the rotated "
         "k_pe (qk_rope_head_dim values). num_key_value_heads plays no part.",
@@ -120,7 +131,7 @@ def _close_tensors(expected: torch.Tensor, actual: Any) -> bool:
 
 
 def _explain_query(case: Case, expected: torch.Tensor, actual: Any) -> str | None:
-    q_nope, w_uk = case.args
+    q_nope = case.args[0]
     if not isinstance(actual, torch.Tensor):
         try:
             actual = torch.tensor(actual, dtype=q_nope.dtype)
@@ -129,14 +140,16 @@ def _explain_query(case: Case, expected: torch.Tensor, actual: Any) -> str | Non
     if actual.shape != expected.shape:
         return (f"the absorbed query has one value per latent dimension: [num_tokens, kv_lora_rank] = "
                 f"{list(expected.shape)}, got {list(actual.shape)}")
-    padded = torch.nn.functional.pad(q_nope, (0, w_uk.shape[0] - q_nope.shape[1]))
-    if torch.allclose(actual, padded):
-        return "q_nope lives in the key's nope space; only W_UK takes it to the latent, so multiply by W_UK"
-    ratio = float((actual.norm() / expected.norm()).clamp(min=1e-12))
-    if abs(ratio - 1) > 1e-3 and _close_tensors(expected, actual / ratio):
-        return ("the direction is right but the size is not: the softmax scale is applied once, to the score, inside "
-                "the kernel; the absorbed query is the bare product")
     return None
+
+
+QUERY_MISTAKES = (
+    Mistake(lambda q_nope, w_uk: torch.nn.functional.pad(q_nope, (0, w_uk.shape[0] - q_nope.shape[1])),
+            "q_nope lives in the key's nope space; only W_UK takes it to the latent, so multiply by W_UK"),
+    Mistake(lambda q_nope, w_uk: q_nope @ w_uk.T * q_nope.shape[1] ** -0.5,
+            "the softmax scale is applied once, to the score, inside the kernel: the absorbed query is the bare "
+            "product"),
+)
 
 
 register(Exercise(
@@ -161,6 +174,7 @@ register(Exercise(
                                         probes="a random head"),
     compare=_close_tensors,
     explain=_explain_query,
+    mistakes=QUERY_MISTAKES,
     hints=[
         "Write the score of one key: q_nope . k_nope with k_nope = c_kv @ w_uk, i.e. a sum over the nope dimension "
         "p and the latent dimension l of q_nope[p] * c_kv[l] * w_uk[l, p].",
@@ -220,6 +234,7 @@ register(Exercise(
     signature=("def fewer_bytes_read(query_len: int, context_len: int, num_heads: int, kv_lora_rank: int, "
                "qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int) -> str:"),
     reference=fewer_bytes_read,
+    shown=plain.fewer_bytes_read,
     edge_cases=[
         Case((1, 4095, 128, 512, 128, 64, 128), probes="DeepSeek-V3, one decode token after 4,095 cached"),
         Case((64, 0, 128, 512, 128, 64, 128), probes="DeepSeek-V3, a 64-token prefill with nothing cached"),
@@ -277,7 +292,7 @@ def _per_gpu_with(config: dict, tp: int, kv_dtype: str, *, implied_head_dim: boo
 
 def _implied_head_dim_says(case: Case) -> str:
     config = case.args[0]
-    return (f"this config gives head_dim = {config['head_dim']}, which is not hidden_size // num_attention_heads = "
+    return (f"this config gives head_dim = {config.get('head_dim')}, which is not hidden_size // num_attention_heads = "
             f"{config['hidden_size'] // config['num_attention_heads']}: when head_dim is there, use it")
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from kvlab.capacity.cost_model import CostModel, cost_model
 from kvlab.capacity.disaggregation import crossover_tokens, kv_transfer_bytes, move_or_recompute
-from kvlab.exercises.core import Case, Exercise, ask, register
+from kvlab.exercises import plain
+from kvlab.exercises.core import Case, Exercise, Mistake, ask, register
 from kvlab.units import cdiv
 
 # ----------------------------------------------------------------- 11.matched_tokens
@@ -29,19 +30,32 @@ def matched_tokens(prompt: list[int], stored: list[list[int]], block_size: int, 
     return max(aligned - num_computed_tokens, 0)
 
 
-def _explain_matched(case: Case, expected: Any, actual: Any) -> str | None:
-    prompt, stored, block_size, computed = case.args
-    if len(prompt) % block_size == 1 and actual == len(prompt) - 1 - computed:
-        return ("the folder is named by whole blocks *before the last token* of the prompt minus one: "
-                "align_to_block_size(len(prompt) - 1) = (len(prompt) - 2) // block_size * block_size")
-    if expected == 0 and actual and any(prompt[:len(s)] == s for s in stored):
-        return ("the match is one exact folder, the prompt's own aligned prefix: a shorter or longer stored prefix "
-                "is a miss")
-    if expected == 0 and actual is not None and actual < 0:
-        return "the local hit can exceed what the folder holds: then there is nothing to load (0, never negative)"
-    if computed and actual == expected + computed:
-        return "return tokens beyond num_computed_tokens: the local prefix-cache hit is not loaded again"
-    return None
+def _matched_with(prompt: list[int], stored: list[list[int]], block_size: int, num_computed_tokens: int, *,
+                  minus: int = 2, any_prefix: bool = False, clamp: bool = True, local_hit: bool = True) -> int:
+    """matched_tokens with one step taken the wrong way: the folder named by align_to_block_size(len(prompt))
+    (``minus=1``), any stored prefix taken as a match, the count left negative, or the local hit not subtracted."""
+    aligned = (len(prompt) - minus) // block_size * block_size
+    if any_prefix:
+        found = [len(s) for s in stored if s and prompt[:len(s)] == s and len(s) <= len(prompt)]
+        aligned = max(found, default=0)
+    if aligned <= 0 or (not any_prefix and prompt[:aligned] not in stored):
+        return 0
+    left = aligned - (num_computed_tokens if local_hit else 0)
+    return max(left, 0) if clamp else left
+
+
+MATCHED_MISTAKES = (
+    Mistake(lambda *args: _matched_with(*args, minus=1),
+            "the folder is named by whole blocks *before the last token* of the prompt minus one: "
+            "align_to_block_size(len(prompt) - 1) = (len(prompt) - 2) // block_size * block_size"),
+    Mistake(lambda *args: _matched_with(*args, any_prefix=True),
+            "the match is one exact folder, the prompt's own aligned prefix: a shorter or longer stored prefix is a "
+            "miss"),
+    Mistake(lambda *args: _matched_with(*args, clamp=False),
+            "the local hit can exceed what the folder holds: then there is nothing to load (0, never negative)"),
+    Mistake(lambda *args: _matched_with(*args, local_hit=False),
+            "return tokens beyond num_computed_tokens: the local prefix-cache hit is not loaded again"),
+)
 
 
 def _random_matched_case(rng: random.Random) -> Case:
@@ -74,7 +88,7 @@ register(Exercise(
         Case(([5, 6, 7], [[]], 4, 0), probes="a prompt with no whole block to load"),
     ],
     random_case=_random_matched_case,
-    explain=_explain_matched,
+    mistakes=MATCHED_MISTAKES,
     hints=["First find the folder the connector looks for: align_to_block_size(n) is (n - 1) // block_size * "
            "block_size, applied to n = len(prompt) - 1.",
            "No folder with exactly those tokens (or no whole block at all) means nothing to load.",
@@ -93,17 +107,26 @@ def bytes_moved(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: 
     return (cdiv(prompt_tokens, block_size) - min(cached_tokens, prompt_tokens) // block_size) * bytes_per_block
 
 
-def _explain_bytes(case: Case, expected: Any, actual: Any) -> str | None:
-    layers, heads, dim, dtype, bs, prompt, cached = case.args
-    per_token = 2 * layers * heads * dim * dtype
-    if actual == expected // 2:
-        return "a block carries both K and V: two tensors per layer"
-    if actual == per_token * (prompt - cached):
-        return ("blocks move whole: the partial last block crosses as a block, and a hit counts only whole "
-                "blocks of the decode engine's cache")
-    if actual == cdiv(prompt, bs) * per_token * bs and cached >= bs:
-        return "the decode engine's prefix hit is not pulled again: subtract its whole blocks"
-    return None
+def _moved_with(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int,
+                prompt_tokens: int, cached_tokens: int, *, k_only: bool = False, by_token: bool = False,
+                hit_stays: bool = True) -> int:
+    """bytes_moved with one step taken the wrong way: K only, tokens moved instead of whole blocks, or the decode
+    engine's hit pulled again."""
+    per_token = (1 if k_only else 2) * num_layers * num_kv_heads * head_dim * dtype_bytes
+    if by_token:
+        return per_token * (prompt_tokens - (cached_tokens if hit_stays else 0))
+    kept = min(cached_tokens, prompt_tokens) // block_size if hit_stays else 0
+    return (cdiv(prompt_tokens, block_size) - kept) * block_size * per_token
+
+
+MOVED_MISTAKES = (
+    Mistake(lambda *args: _moved_with(*args, k_only=True), "a block carries both K and V: two tensors per layer"),
+    Mistake(lambda *args: _moved_with(*args, by_token=True),
+            "blocks move whole: the partial last block crosses as a block, and a hit counts only whole blocks of the "
+            "decode engine's cache"),
+    Mistake(lambda *args: _moved_with(*args, hit_stays=False),
+            "the decode engine's prefix hit is not pulled again: subtract its whole blocks"),
+)
 
 
 def _random_bytes_case(rng: random.Random) -> Case:
@@ -132,7 +155,7 @@ register(Exercise(
         Case((4, 2, 64, 4, 16, 59, 59), probes="everything but the partial block is cached: that block still crosses"),
     ],
     random_case=_random_bytes_case,
-    explain=_explain_bytes,
+    mistakes=MOVED_MISTAKES,
     hints=["Work out one block's bytes first: a K and a V for every token slot, head and layer.",
            "Count blocks, not tokens: a prompt of n tokens fills cdiv(n, block_size) of them.",
            "The decode engine's hit is whole blocks only: cached_tokens // block_size of them stay home."],
@@ -151,14 +174,17 @@ move_or_recompute_reference.__name__ = "move_or_recompute"
 
 
 def _explain_move(case: Case, expected: Any, actual: Any) -> str | None:
-    cost, prompt, cached = case.args
-    if cached and move_or_recompute(cost, prompt) == actual:
-        return "the decode side already holds cached_tokens: only the rest would move or be recomputed"
-    if actual == ("move" if cost.copy_seconds(prompt - cached) < cost.forward_seconds(prompt - cached, cached)
-                  else "recompute"):
-        return ("recomputing inside a decode step costs its FLOPs only (prefill_seconds): that step reads the weights "
-                "anyway, so forward_seconds' roofline overstates it")
-    return None
+    return None if actual in ("move", "recompute") else 'return the string "move" or "recompute"'
+
+
+MOVE_MISTAKES = (
+    Mistake(lambda cost, prompt, cached: move_or_recompute(cost, prompt),
+            "the decode side already holds cached_tokens: only the rest would move or be recomputed"),
+    Mistake(lambda cost, prompt, cached: "move" if cost.copy_seconds(prompt - cached) < cost.forward_seconds(
+        prompt - cached, cached) else "recompute",
+            "recomputing inside a decode step costs its FLOPs only (prefill_seconds): that step reads the weights "
+            "anyway, so forward_seconds' roofline overstates it"),
+)
 
 
 _COSTS = {name: cost_model(model, "H100-SXM-80GB", link)
@@ -183,6 +209,7 @@ register(Exercise(
           "FLOPs only (`cost.prefill_seconds(new, cached)`: the step reads the weights anyway), else \"recompute\"."),
     signature="def move_or_recompute(cost: CostModel, prompt_tokens: int, cached_tokens: int) -> str:",
     reference=move_or_recompute_reference,
+    shown=plain.move_or_recompute,
     edge_cases=[
         Case((_COSTS["8b-ndr"], 2048, 0), probes="a GQA model over 400 Gb/s: moving wins"),
         Case((_COSTS["7b-eth"], 2048, 0), probes="an MHA model (4x the KV) over 100 Gb/s: recompute wins"),
@@ -193,6 +220,7 @@ register(Exercise(
     ],
     random_case=_random_move_case,
     explain=_explain_move,
+    mistakes=MOVE_MISTAKES,
     hints=["Only prompt_tokens - cached_tokens tokens are missing on the decode side: both ways handle just those.",
            "Moving costs their bytes over the link; recomputing costs the FLOPs of those tokens attending to "
            "everything before them.",

@@ -7,7 +7,13 @@ the tables the task names.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 from kvlab.capacity.sizing import KV_DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from kvlab.capacity.cost_model import CostModel
 
 
 def request_bytes(config: dict, tokens: int, kv_dtype: str = "bf16") -> int:
@@ -166,3 +172,119 @@ def legacy_offsets(slot: int, kv_head: int, dim: int, num_kv_heads: int, head_si
     key = base + ((dim // x) * block_size + offset) * x + dim % x          # K: [..., head_size // x, block_size, x]
     value = base + dim * block_size + offset                               # V: [..., head_size, block_size]
     return key, value
+
+
+def tp_concurrency(config: dict, gpu_memory_gib: float, weights_gib: float, tp: int, kv_dtype: str,
+                   block_size: int, max_model_len: int) -> int:
+    """One GPU: its budget less its share of the weights, in blocks of its own bytes per token, per request."""
+    b, layers = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):  # MLA: every GPU keeps the whole latent
+        per_token = layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b
+    else:  # this GPU's share of the KV heads, never less than one whole head (every layer as full attention)
+        kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_token = 2 * layers * max(kv_heads // tp, 1) * head_dim * b
+    gib = 2**30  # the sizes count GiB, not GB (10**9)
+    available = math.ceil(gpu_memory_gib * gib * 0.92) - round(weights_gib / tp * gib)  # 1/tp of the weights
+    num_blocks = max(available, 0) // int(per_token * block_size)  # nothing left: no blocks
+    return num_blocks // -(-max_model_len // block_size)  # ceil: a request's last block is partly filled, but whole
+
+
+def recompute_tokens(num_tokens: int, block_size: int, enable_prefix_caching: bool, num_evicted_blocks: int = 0) -> int:
+    """Everything but the full blocks that kept their hashes, counted from the start, never the last token."""
+    if not enable_prefix_caching:  # nothing survives a preemption
+        return num_tokens
+    full = num_tokens // block_size  # only full blocks got a hash
+    surviving = max(full - num_evicted_blocks, 0)  # freed tail first: the last full blocks are evicted first
+    hits = min(surviving, (num_tokens - 1) // block_size)  # at most num_tokens - 1 tokens may hit
+    return num_tokens - hits * block_size
+
+
+def first_token_steps(prompt_lens: list[int], max_tokens: int, max_num_batched_tokens: int) -> list[int]:
+    """Step by step, the requests in vLLM V1's order, each taking what is left of the step's token budget."""
+    held = list(prompt_lens)  # the tokens each request holds: its prompt, then every token it samples
+    computed, first = [0] * len(held), [0] * len(held)  # tokens computed; the step of its first token
+    unfinished, step = list(range(len(held))), 0  # RUNNING, then WAITING: with no preemption, arrival order
+    while unfinished:
+        step, left = step + 1, max_num_batched_tokens
+        for r in list(unfinished):
+            take = min(held[r] - computed[r], left)  # a decode needs 1 token, a prompt its rest (or what is left)
+            if take == 0:  # the budget is spent
+                break
+            left, computed[r] = left - take, computed[r] + take
+            if computed[r] == held[r]:  # everything it holds is computed: it samples a token
+                first[r], held[r] = first[r] or step, held[r] + 1
+                if held[r] - prompt_lens[r] == max_tokens:  # its last token: it finishes
+                    unfinished.remove(r)
+    return first
+
+
+def swap_or_recompute(model: CostModel, computed_tokens: int, hit_tokens: int) -> str:
+    """Price both ways in the model's seconds; swap only when it is strictly cheaper."""
+    missing = computed_tokens - hit_tokens  # the tokens the GPU prefix cache no longer holds
+    recompute = model.prefill_seconds(missing, hit_tokens)  # prefilled again, attending to the cached ones
+    swap = model.copy_seconds(computed_tokens) + model.copy_seconds(missing)  # all out at preemption, the missing back
+    return "swap" if swap < recompute else "recompute"  # a tie goes to recompute, vLLM V1's way
+
+
+def fewer_bytes_read(query_len: int, context_len: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                     qk_rope_head_dim: int, v_head_dim: int) -> str:
+    """Both paths read every latent and the same weights once: compare what each writes and then reads back."""
+    naive = (query_len + context_len) * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)  # K and V of every latent
+    absorbed = 2 * query_len * kv_lora_rank  # q_latent and o_latent of every query token
+    return "naive" if naive <= absorbed else "absorbed"  # per head and per byte alike; a tie is naive
+
+
+def pool_too_small_from_buckets(bounds: list[float], reuse_gap_counts: list[int], idle_counts: list[int]) -> bool:
+    """07.pool_too_small's rule, each quantile read off its histogram as Prometheus' histogram_quantile does."""
+    def quantile(counts: list[int], q: float) -> float:
+        rank, lower, below = q * counts[-1], 0.0, 0  # the rank; the bucket's lower bound and the values below it
+        for upper, count in zip(bounds, counts[:-1], strict=True):  # cumulative: count holds every value to upper
+            if count >= rank:  # the first bucket that reaches the rank: go the rest of the way inside it
+                return lower + (upper - lower) * (rank - below) / (count - below)
+            lower, below = upper, count
+        return bounds[-1]  # the rank is in the +Inf bucket: the largest finite bound
+    if not reuse_gap_counts[-1] or not idle_counts[-1]:  # an empty histogram: nothing to compare
+        return False
+    return quantile(reuse_gap_counts, 0.9) > quantile(idle_counts, 0.5)
+
+
+def rank_kv_cache(config: dict, tp: int, num_blocks: int, block_size: int,
+                  kv_dtype: str) -> tuple[tuple[int, ...], int]:
+    """Every rank keeps every layer and every block; only its share of the KV heads differs (MLA: the whole latent)."""
+    b, layers, slots = KV_DTYPE_BYTES[kv_dtype], config["num_hidden_layers"], num_blocks * block_size
+    if config.get("kv_lora_rank"):  # MLA: one latent tensor per layer, never split across ranks
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        return (num_blocks, block_size, latent), int(slots * layers * latent * b)
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = max(kv_heads // tp, 1)  # a head is never cut: past tp = kv_heads, each rank keeps one whole head
+    return (num_blocks, block_size, heads, head_dim), int(slots * 2 * layers * heads * head_dim * b)  # K and V
+
+
+def k_proj_rows(num_attention_heads: int, num_kv_heads: int, head_dim: int, tp: int, rank: int) -> tuple[int, int]:
+    """The rank's shard of the KV heads; with fewer heads than ranks, consecutive ranks share one."""
+    heads_per_rank = max(num_kv_heads // tp, 1)  # never less than one whole head
+    replicas = max(tp // num_kv_heads, 1)  # how many ranks keep each head
+    shard = rank // replicas  # consecutive ranks' query heads read the same KV head
+    start = shard * heads_per_rank * head_dim  # the rows run head after head, head_dim rows each
+    return start, start + heads_per_rank * head_dim
+
+
+def replication(num_attention_heads: int, num_kv_heads: int, num_gpus: int,
+                kv_bytes_per_token: int) -> tuple[int, int, int]:
+    """Try every size up to num_gpus; at the largest vLLM accepts, count what all ranks keep beyond one copy."""
+    accepted = [t for t in range(1, num_gpus + 1)  # query heads split evenly; KV heads split, or are copied evenly
+                if num_attention_heads % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+    no_copies = max(t for t in accepted if num_kv_heads % t == 0)  # every KV head on one rank only
+    largest = max(accepted)
+    per_rank = kv_bytes_per_token // num_kv_heads * max(num_kv_heads // largest, 1)  # a rank's heads, one at least
+    return no_copies, largest, largest * per_rank - kv_bytes_per_token  # every rank's bytes, less one copy
+
+
+def move_or_recompute(cost: CostModel, prompt_tokens: int, cached_tokens: int) -> str:
+    """Only the tokens the decode side lacks: their bytes over the link against their FLOPs after the cached ones."""
+    missing = prompt_tokens - cached_tokens
+    move = cost.copy_seconds(missing)  # their KV across cost.link
+    recompute = cost.prefill_seconds(missing, cached_tokens)  # FLOPs only: the decode step reads the weights anyway
+    return "move" if move < recompute else "recompute"  # a tie recomputes

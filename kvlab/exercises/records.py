@@ -70,9 +70,9 @@ class Exercise:
 
     ``random_case(rng)`` draws a fresh case; ``compare(expected, actual)`` decides agreement
     on canonical values (default: exact types, ``canonical.difference``); ``explain(case,
-    expected, actual)`` may return a sharper diagnosis than "the results differ" for a known
-    mistake; ``mistakes`` lists known wrong answers the grader runs on a failing case to name
-    the one that reproduces the learner's outputs (tried before ``explain``). ``shown``, if set, is
+    expected, actual)`` may say what is wrong with the answer's form (a type, a shape), never
+    guess a mistake; ``mistakes`` lists known wrong answers the grader runs on a failing case to
+    name the one that reproduces the learner's outputs (tried before ``explain``). ``shown``, if set, is
     the reference written as plain lines, what ``show_solution`` prints (it must pass the check
     too). ``prepare(fn)``, if set, turns the learner's function and the reference into what
     the cases call (notebook 05: a Triton kernel launch that calls the learner's

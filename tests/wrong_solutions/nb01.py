@@ -99,7 +99,7 @@ WRONG_PREDICTIONS = {
 WRONG = {
     "01.request_bytes": [
         (ignores_window, "sliding-window layers keep only the last sliding_window tokens"),
-        (window_everywhere, "half the layers slide"),
+        (window_everywhere, "layer_types lists which layers slide"),
     ],
     "01.tp_group_bytes": [
         (splits_everything, "a GPU never holds less than one whole KV head"),
@@ -136,3 +136,14 @@ WRONG["01.request_bytes"] += [
     (window_in_every_layer_without_layer_types, "model_type 'gemma2' alternates"),
     (window_plus_one, "a window off by one"),
 ]
+
+
+def group_with_head_dim_from_hidden_size(config, kv_dtype, tp):
+    """Splits the heads right, but takes a head's size as hidden_size // num_attention_heads (Gemma: 224, not 256)."""
+    if config.get("kv_lora_rank"):
+        return tp * _right_per_token(config, kv_dtype)
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    return int(tp * 2 * config["num_hidden_layers"] * _kv_heads_on_one_gpu(config, tp) * dim * KV_DTYPE_BYTES[kv_dtype])
+
+
+WRONG["01.tp_group_bytes"].append((group_with_head_dim_from_hidden_size, "this config gives head_dim = 256"))

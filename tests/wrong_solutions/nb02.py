@@ -100,3 +100,13 @@ WRONG = {
         (floor_blocks_per_request, "floor for ceil"),
     ],
 }
+
+
+def head_dim_from_hidden_size(config, gpu_memory_gib, weights_gib, tp, kv_dtype, block_size, max_model_len):
+    """Takes a head's size as hidden_size // num_attention_heads, whatever the config's head_dim says."""
+    implied = {**config, "head_dim": config["hidden_size"] // config["num_attention_heads"]}
+    per_token = _per_gpu_token_bytes(implied, kv_dtype, tp)
+    return _logged(gpu_memory_gib, weights_gib / tp, per_token, block_size, max_model_len)
+
+
+WRONG["02.tp_concurrency"].append((head_dim_from_hidden_size, "this config gives head_dim = 256"))

@@ -77,3 +77,16 @@ WRONG = {
         (kv_heads_only, "query heads"),
     ],
 }
+
+
+def head_dim_from_hidden_size(config, tp, num_blocks, block_size, kv_dtype):
+    """Takes a head's size as hidden_size // num_attention_heads, whatever the config's head_dim says."""
+    b, layers = _BYTES[kv_dtype], config["num_hidden_layers"]
+    if "kv_lora_rank" in config:
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        return (num_blocks, block_size, latent), num_blocks * block_size * layers * latent * b
+    heads, dim = max(1, config["num_key_value_heads"] // tp), config["hidden_size"] // config["num_attention_heads"]
+    return (num_blocks, block_size, heads, dim), num_blocks * block_size * 2 * layers * heads * dim * b
+
+
+WRONG["11.rank_kv_cache"].append((head_dim_from_hidden_size, "this config gives head_dim = "))
