@@ -108,7 +108,8 @@ The map: each notebook, the modules it uses, and the vLLM 0.33.0 file each mirro
     capacity.tp_cost                    collectives counted and modelled on NVLink and PCIe
 11  distributed.kv_transfer             ``KVConnectorBase_V1`` and its roles, ``ExampleConnector``, the factory
                                         (``vllm/distributed/kv_transfer/kv_connector/``); ``P2pGlooConnector`` is
-                                        kvlab's own, on the NIXL connector's handshake
+                                        kvlab's own, on the NIXL connector's handshake; ``TransferTopology``
+                                        (``kv_connector/utils.py``, ``nixl/tp_mapping.py``): heads re-sliced
 11  engine.kv_transfer_config,          ``KVTransferConfig`` (``vllm/config/kv_transfer.py``); the worker half around
     engine.kv_connector_model_runner    the forward (``vllm/v1/worker/kv_connector_model_runner_mixin.py``)
 11  fleet.disagg, sim.disaggregation,   kvlab's own: a 1P1D proxy; colocated against disaggregated serving on

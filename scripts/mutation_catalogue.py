@@ -279,11 +279,17 @@ OTHER_MUTANTS: list[Mutant] = [
            ("11",), ("tests/engine/test_kv_transfer.py",)),
     Mutant("pull_skips_partial_block", "distributed",
            "kvlab/distributed/kv_transfer/kv_connector/v1/p2p_gloo_connector.py",
-           "            tensor.index_copy_(0, index.to(tensor.device), buffer.view(tensor.dtype).to(tensor.device))",
-           "            keep = len(local) - (params['remote_num_tokens'] % tensor.shape[1] > 0)\n"
-           "            tensor.index_copy_(0, index[:keep].to(tensor.device), "
-           "buffer.view(tensor.dtype)[:keep].to(tensor.device))",
+           "            target.index_copy_(0, index.to(tensor.device), blocks)",
+           "            keep = len(index) - (params['remote_num_tokens'] % tensor.shape[1] > 0)\n"
+           "            target.index_copy_(0, index[:keep].to(tensor.device), blocks[:keep])",
            "only whole blocks need to cross: the prompt's partial last block is left behind",
+           ("11",), ("tests/engine/test_kv_transfer.py",)),
+    Mutant("pull_heads_not_resliced", "distributed",
+           "kvlab/distributed/kv_transfer/kv_connector/v1/p2p_gloo_connector.py",
+           "                target = tensor[:, :, source.local_start:source.local_start + source.count]",
+           "                target = tensor[:, :, source.remote_start:source.remote_start + source.count]",
+           "a producer rank's KV heads land where they sat on that rank, not at their place among the consumer's "
+           "heads (every rank writes head 0)",
            ("11",), ("tests/engine/test_kv_transfer.py",)),
     Mutant("loaded_prompt_not_recomputed", "core", "kvlab/core/sched/scheduler.py",
            "        if request.num_computed_tokens == request.num_tokens:\n"

@@ -5,11 +5,16 @@
 
 Method: each notebook runs in a fresh ipykernel through nbclient, in its own folder, as
 Run All would (``KVLAB_KERNEL_BACKEND`` and the rest of the environment as given). Wall time
-is from the first cell's start to the last cell's end; CPU time is the kernel process's user
-plus system time over the same span (``psutil``, all its threads; the kernel's start-up is not
-counted). Both are also kept per cell, so the slowest cells are named. The load average of
-the machine at the start and end is recorded beside them: on a shared machine the wall time
-grows with the load, the CPU time much less. Each notebook's opening states these figures
+is from the first cell's start to the last cell's end; CPU time is the user plus system time of
+the kernel and every process it started, over the same span (``psutil``, all their threads; the
+kernel's start-up is not counted): a notebook's ranks, engines in other processes and fork servers
+work for it too. It is read as, summed over the kernel and its live descendants, each one's own
+time plus what its children that exited and were reaped had used (``cutime``/``cstime``, what
+``getrusage(RUSAGE_CHILDREN)`` reports); a process that ends mid-cell moves its time into its
+parent's children's share, so nothing is lost or counted twice. Both are also kept per cell,
+so the slowest cells are named. The load average of the machine at the start and end is
+recorded beside them: on a shared machine the wall time grows with the load, the CPU time much
+less. Each notebook's opening states these figures
 (``tests/test_navigation.py`` checks that it states the saved ones).
 """
 
@@ -63,8 +68,29 @@ def write_openings(measured: dict) -> list[Path]:
     return changed
 
 
-def time_notebook(path: Path, timeout: int = 1800) -> dict:
-    """Run one notebook; return its wall and CPU seconds, in all and for its slowest cells."""
+def tree_cpu_seconds(process) -> float:
+    """CPU seconds (user + system) of ``process`` and all its descendants, the exited ones included.
+
+    Each live process counts its own time and its reaped children's (``children_user``, ``children_system``:
+    the kernel's ``cutime``/``cstime``, in which a reaped child's own reaped children are already counted);
+    descendants still running are found by walking the tree. A process that exits between two readings
+    is counted by its parent once reaped (multiprocessing, the fork server and subprocess all reap theirs).
+    """
+    import psutil
+
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue  # gone since the walk: its parent's children_* count it once it is reaped
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def time_notebook(path: Path, timeout: int = 1800, all_cells: bool = False) -> dict:
+    """Run one notebook; return its wall and CPU seconds, in all and for its slowest cells (every cell's too, under
+    ``"cells"``, with ``all_cells``)."""
     import nbformat
     import psutil
     from nbclient import NotebookClient
@@ -74,8 +100,7 @@ def time_notebook(path: Path, timeout: int = 1800) -> dict:
     marks: dict[str, float] = {}
 
     def cpu() -> float:
-        times = process.cpu_times()
-        return times.user + times.system
+        return tree_cpu_seconds(process)
 
     def on_start(cell, cell_index):
         marks["wall"], marks["cpu"] = time.perf_counter(), cpu()
@@ -95,7 +120,8 @@ def time_notebook(path: Path, timeout: int = 1800) -> dict:
         wall, cpu_s = time.perf_counter() - start_wall, cpu() - start_cpu
     slowest = sorted(cells, key=lambda c: -c["wall_s"])[:3]
     return {"wall_s": round(wall, 1), "cpu_s": round(cpu_s, 1), "load_before": round(load_before, 2),
-            "load_after": round(os.getloadavg()[0], 2), "slowest_cells": slowest}
+            "load_after": round(os.getloadavg()[0], 2), "slowest_cells": slowest,
+            **({"cells": cells} if all_cells else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

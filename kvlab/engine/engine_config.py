@@ -238,14 +238,29 @@ class EngineConfig:
             if self.keep_logits:
                 raise KvlabValueError("keep_logits: with tensor_parallel_size > 1 the logits stay in the ranks' "
                                       "processes; keep them on a one-rank engine")
-            if self.kv_transfer_config is not None and self.kv_transfer_config.kv_connector is not None:
-                raise KvlabValueError(f"kv_transfer_config names {self.kv_transfer_config.kv_connector!r}: kvlab's "
-                                      "connectors move one process's cache; with tensor_parallel_size > 1 each rank "
-                                      "holds its own (vLLM gives every rank a worker half). Use one of them")
+            self._verify_connector_tensor_parallel()
         if self.cpu_offload_blocks and self.hybrid_kv_cache:
             raise KvlabValueError("cpu_offload_blocks: kvlab's CPU tier copies one block table per request, and this "
                                   "model's sliding-window layers get KV cache groups of their own; set "
                                   "disable_hybrid_kv_cache_manager=True to offload it")
+
+    def _verify_connector_tensor_parallel(self) -> None:
+        """Which KV connector runs on several ranks: ``P2pGlooConnector`` on a producer (each rank a worker half
+        over its own heads; a one-rank consumer re-slices them on arrival). The others are refused by name."""
+        kvt = self.kv_transfer_config
+        if kvt is None or kvt.kv_connector is None:
+            return
+        tp = self.tensor_parallel_size
+        if kvt.kv_connector != "P2pGlooConnector":
+            raise KvlabValueError(f"kv_transfer_config names {kvt.kv_connector!r} with tensor_parallel_size={tp}: "
+                                  "vLLM's ExampleConnector names one file per layer, not per rank (every rank would "
+                                  "write the same file), and kvlab's CPU tier lives in one process. Use "
+                                  "'P2pGlooConnector' on a producer, or tensor_parallel_size=1")
+        if kvt.kv_role != "kv_producer":
+            raise KvlabValueError(f"kv_role={kvt.kv_role!r} with tensor_parallel_size={tp}: kvlab's P2pGlooConnector "
+                                  "pulls in one process, so a consumer runs on one rank (it takes the heads of a "
+                                  "producer of any tensor_parallel_size). Use kv_role='kv_producer' on this engine, "
+                                  "or tensor_parallel_size=1")
 
     def _resolve_offloading_connector(self) -> None:
         """The CPU tier is a KV connector: ``kv_connector="OffloadingConnector"`` (with ``num_cpu_blocks`` in its

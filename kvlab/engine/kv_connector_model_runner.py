@@ -45,3 +45,40 @@ def kv_connector_step(connector: Any, scheduler_output: SchedulerOutput, kv_cach
     output.finished_sending, output.finished_recving = connector.get_finished(scheduler_output.finished_req_ids)
     output.invalid_block_ids = connector.get_block_ids_with_load_errors()
     connector.clear_connector_metadata()
+
+
+class KVOutputAggregator:
+    """Every rank's ``KVConnectorOutput`` folded into one for the scheduler (vLLM's ``KVOutputAggregator``,
+    ``vllm/distributed/kv_transfer/kv_connector/utils.py``).
+
+    Under tensor parallelism each rank's worker half sends and receives its own heads, so a request has
+    finished sending (or receiving) only once every rank said so: the count of ranks still to report is
+    kept per request across steps. Blocks a load failed to fill on any rank are invalid on all.
+    """
+
+    def __init__(self, expected_finished_count: int) -> None:
+        self._expected_finished_count = expected_finished_count
+        self._send_remaining_count: dict[str, int] = {}
+        self._recv_remaining_count: dict[str, int] = {}
+
+    def _update(self, req_ids: set[str] | None, remaining: dict[str, int], finished: set[str]) -> None:
+        for req_id in req_ids or ():
+            remaining[req_id] = remaining.get(req_id, self._expected_finished_count) - 1
+            if remaining[req_id] == 0:
+                finished.add(req_id)
+                del remaining[req_id]
+
+    def aggregate(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
+        """One step's reports, rank by rank, as the one report the scheduler reads."""
+        result = KVConnectorOutput()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for output in outputs:
+            if output is None:
+                continue
+            self._update(output.finished_sending, self._send_remaining_count, sending)
+            self._update(output.finished_recving, self._recv_remaining_count, recving)
+            result.invalid_block_ids |= output.invalid_block_ids
+            result.failed_recving |= output.failed_recving
+        result.finished_sending, result.finished_recving = sending or None, recving or None
+        return result

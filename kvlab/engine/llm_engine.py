@@ -146,12 +146,19 @@ class LLMEngine:
                                                    CPUOffloadingManager(config.cpu_offload_blocks))
                                if config.cpu_offload_blocks else None)
         self.kv_connector_worker: Any = None
+        #    Under tensor parallelism each rank built its worker half beside its cache; the engine keeps the other.
         kvt = config.kv_transfer_config
         if kvt is not None and kvt.kv_connector not in (None, "OffloadingConnector"):
-            from kvlab.distributed.kv_transfer.kv_connector.factory import create_connectors  # the one upward import
+            from kvlab.distributed.kv_transfer.kv_connector import factory  # the one upward import
 
-            self.connector, self.kv_connector_worker = create_connectors(kvt, config.block_size, self.kv_caches,
-                                                                         self.kv_cache_manager)
+            if self.rank_executor is None:
+                self.connector, self.kv_connector_worker = factory.create_connectors(
+                    kvt, config.block_size, self.kv_caches, self.kv_cache_manager, config.model_config)
+            else:
+                handshakes = {r["rank"]: r["kv_connector_handshake"] for r in self.kv_cache_reports
+                              if r["kv_connector_handshake"] is not None}
+                self.connector = factory.create_scheduler_connector(kvt, config.block_size, self.kv_cache_manager,
+                                                                    handshakes)
         # 8. Scheduler: the token budget, queues and preemption over the manager.
         self.scheduler = Scheduler(self.kv_cache_manager, **dataclasses.asdict(config.scheduler_config),
                                    connector=self.connector,
@@ -192,12 +199,14 @@ class LLMEngine:
             sum(r["kv_cache_bytes"] for r in self.kv_cache_reports)
 
     def shutdown(self) -> None:
-        """Stop what runs beside the engine: a KV connector's threads and sockets, the ranks of a
-        tensor-parallel engine (each exits; nothing is left running), and the KV event publisher. An engine
-        with none of them has nothing to stop. Also run by ``with LLMEngine(...) as engine:``; the ranks also
-        stop when their executor is collected."""
+        """Stop what runs beside the engine: a KV connector's threads and sockets (both halves), the ranks of a
+        tensor-parallel engine (each stops its own half and exits; nothing is left running), and the KV event
+        publisher. An engine with none of them has nothing to stop. Also run by ``with LLMEngine(...) as engine:``;
+        the ranks also stop when their executor is collected."""
         if self.kv_connector_worker is not None:
             self.kv_connector_worker.shutdown()
+        if self.connector is not None and hasattr(self.connector, "shutdown"):
+            self.connector.shutdown()
         if self.rank_executor is not None:
             self.rank_executor.shutdown()
         if self.kv_event_publisher is not None:  # --kv-events-config's publisher, as vLLM's Scheduler.shutdown

@@ -68,5 +68,6 @@ class ExecutorWithExternalLauncher:
         if not self.is_failed and self.driver is not None:
             self.driver.call("shutdown")
         if self.driver is not None:
+            self.driver.worker.close()
             destroy_distributed_environment(self.driver.worker.tp_group, self.world)
             self.driver = None

@@ -27,6 +27,7 @@ timeout, so the others, waiting in a broadcast, never time out for lack of work.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -48,13 +49,14 @@ from kvlab.distributed.parallel_state import (
 )
 from kvlab.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from kvlab.engine.kv_cache_interface import layer_tensors
+from kvlab.engine.kv_connector_model_runner import KVOutputAggregator
 from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, layer_groups
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.registry import load_model
 from kvlab.kv_cache_interface import KVCacheGroupSpec
 
 #: Methods whose every rank's answer is gathered on rank 0 (the others' answer is theirs alone).
-GATHERED = ("initialize_kv_cache", "load_report", "kv_cache_report", "collective_stats", "inject_fault")
+GATHERED = ("initialize_kv_cache", "load_report", "kv_cache_report", "collective_stats", "inject_fault", "kv_blocks")
 #: What ``inject_fault`` can make a rank do at its next step (for tests and notebook 11).
 FAULTS = ("raise", "exit", "hang")
 
@@ -79,6 +81,8 @@ class Worker:
         self.cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or config.dtype
         self.kv_caches: list[Any] = []
         self.model_runner: ModelRunner | None = None
+        self.kv_connector: Any = None  # this rank's worker half of the engine's KV connector, if it has one
+        self.kv_output_aggregator = KVOutputAggregator(tp_group.world_size)  # rank 0 folds every rank's report
         self.num_blocks = 0
         self._fault: str | None = None
 
@@ -96,13 +100,22 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.kv_caches, self.config.block_size,
                                         layer_groups=layer_groups(groups)[0],
                                         attention_backend=self.config.attention_backend)
+        kvt = self.config.kv_transfer_config
+        if kvt is not None and kvt.kv_connector not in (None, "OffloadingConnector"):
+            # each rank its own worker half over its own caches (vLLM's ensure_kv_transfer_initialized)
+            from kvlab.distributed.kv_transfer.kv_connector.factory import create_worker_connector, transfer_topology
+
+            topology = transfer_topology(self.config.model_config, self.rank, self.tp_group.world_size)
+            self.kv_connector = create_worker_connector(kvt, self.config.block_size, self.kv_caches, topology)
+            self.model_runner.kv_connector = self.kv_connector
         return self.kv_cache_report()
 
     def kv_cache_report(self) -> dict[str, Any]:
         """This rank's cache as allocated: every tensor's shape and the bytes they hold (shared tensors once)."""
         unique = {id(t): t for cache in self.kv_caches for t in layer_tensors(cache)}.values()
         return {"rank": self.rank, "num_blocks": self.num_blocks, "kv_cache_bytes": kv_cache_bytes(self.kv_caches),
-                "shapes": [tuple(t.shape) for t in unique], "dtype": str(self.cache_dtype)}
+                "shapes": [tuple(t.shape) for t in unique], "dtype": str(self.cache_dtype),
+                "kv_connector_handshake": self.kv_connector.get_handshake_metadata() if self.kv_connector else None}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run this rank's share of one step (every rank gets the same ``scheduler_output``)."""
@@ -114,10 +127,27 @@ class Worker:
         if fault is not None:
             handle = self.model.model.layers[-1].register_forward_pre_hook(_fault_hook(fault, self.rank))
         try:
-            return self.model_runner.execute_model(scheduler_output)
+            output = self.model_runner.execute_model(scheduler_output)
         finally:
             if handle is not None:
                 handle.remove()
+        if self.kv_connector is not None:  # a request is sent or received once every rank's part of it is
+            reports = self.tp_group.gather_object(output.kv_connector_output)
+            if reports is not None:
+                output = dataclasses.replace(output, kv_connector_output=self.kv_output_aggregator.aggregate(reports))
+        return output
+
+    def close(self) -> None:
+        """Stop this rank's KV connector (its threads and sockets), before the rank leaves its groups."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
+
+    def kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """This rank's K and V (or latent) of every layer at ``block_ids``, copied to the CPU (to inspect what a
+        connector moved): ``[len(block_ids), block_size, this rank's heads, head_size]`` each."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        return [t.index_select(0, index.to(t.device)).cpu() for kv in self.kv_caches for t in layer_tensors(kv)]
 
     def collective_stats(self, reset: bool = False) -> CollectiveStats:
         """What this rank's collectives moved since the last reset (then reset, if asked)."""
@@ -234,6 +264,7 @@ def _drive(driver: Driver, engine: Connection | None) -> None:
 def _exit_cleanly(worker: Worker, world: GroupCoordinator, engine: Connection | None) -> None:
     from kvlab.distributed.parallel_state import destroy_distributed_environment
 
+    worker.close()
     destroy_distributed_environment(worker.tp_group, world)
     if engine is not None:
         engine.close()

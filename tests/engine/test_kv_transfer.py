@@ -2,9 +2,10 @@
 
 One pair of engines per connector serves every test (building an engine costs seconds): a producer and a
 consumer over ``P2pGlooConnector`` (gloo on 127.0.0.1), and over ``ExampleConnector`` (files in a temporary
-folder). The consumer's greedy tokens must equal a colocated engine's and transformers'; the blocks must
-arrive bit for bit in every layer; an abort between the halves, a pull that comes too late, and a shutdown
-must leave no block, thread or file behind.
+folder); the same consumer also pulls from a producer on two ranks (tensor parallelism), each rank's KV head
+landing at its place among the consumer's heads. The consumer's greedy tokens must equal a colocated engine's
+and transformers'; the blocks must arrive bit for bit in every layer; an abort between the halves, a pull that
+comes too late, and a shutdown must leave no block, thread or file behind.
 """
 
 import threading
@@ -15,6 +16,7 @@ import torch
 
 from kvlab.core.request import Request
 from kvlab.data import TINY_MODEL_DIR
+from kvlab.distributed.kv_transfer.kv_connector.utils import HeadSource, TransferTopology
 from kvlab.engine import LLMEngine
 from kvlab.engine.kv_cache_interface import layer_tensors
 from kvlab.engine.kv_transfer_config import KVTransferConfig
@@ -36,6 +38,17 @@ def p2p(role, **extra):
 @pytest.fixture(scope="module")
 def colocated():
     return LLMEngine(TINY_MODEL_DIR, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def hf_tiny_greedy():
+    """transformers' greedy tokens on the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from kvlab.engine.evaluation import hf_greedy
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
+    return lambda prompt, n: hf_greedy(model, prompt, n)
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +205,84 @@ def test_the_config_doors_refuse_what_kvlab_cannot_run():
                   kv_transfer_config=KVTransferConfig("ExampleConnector", kv_role="kv_both"))
 
 
-def test_shutdown_stops_every_thread_the_connectors_started(pair):
+# ----------------------------------------------------------------- a producer on two ranks, a consumer on one
+
+
+@pytest.mark.parametrize(("local_tp", "rank", "heads", "remote_tp", "mla", "expected"), [
+    (1, 0, 2, 2, False, [HeadSource(0, 0, 0, 1), HeadSource(1, 1, 0, 1)]),    # one head from each producer rank
+    (1, 0, 8, 4, False, [HeadSource(r, 2 * r, 0, 2) for r in range(4)]),     # two each, at their place
+    (1, 0, 1, 2, False, [HeadSource(0, 0, 0, 1)]),                            # MQA: rank 1's copy is not read
+    (2, 1, 8, 4, False, [HeadSource(2, 0, 0, 2), HeadSource(3, 2, 0, 2)]),   # a decode rank of two reads two ranks
+    (4, 1, 8, 2, False, [HeadSource(0, 0, 2, 2)]),                            # decode TP > prefill TP: a slice
+    (1, 0, 1, 4, True, [HeadSource(0, 0, 0, 0)]),                             # MLA: the whole latent, from rank 0
+])
+def test_each_local_head_is_read_from_the_first_remote_rank_that_holds_it(local_tp, rank, heads, remote_tp, mla,
+                                                                          expected):
+    assert TransferTopology(rank, local_tp, heads, mla).head_sources(remote_tp) == expected
+
+
+@pytest.fixture(scope="module")
+def tp2_producer():
+    engine = LLMEngine(TINY_MODEL_DIR, **ENGINE, tensor_parallel_size=2,
+                       kv_transfer_config=p2p("kv_producer", kv_timeout=5))
+    yield engine
+    engine.shutdown()
+
+
+def test_a_producer_on_two_ranks_hands_each_ranks_kv_head_to_its_place_in_a_one_rank_consumer(
+        tp2_producer, pair, reference, hf_tiny_greedy):
+    producer, consumer = tp2_producer, pair[1]  # the consumer pulls from the one-rank producer too
+    worker = consumer.kv_connector_worker.connector_worker
+    received, moved = worker.num_blocks_received, worker.num_bytes_received
+    proxy = DisaggProxy(producer, consumer)
+    prompt = random_token_ids(59, seed=21)
+    (tokens,) = proxy.generate([prompt], max_tokens=8)
+    assert tokens == reference(prompt, 8) == hf_tiny_greedy(prompt, 8)
+    rid = next(iter(proxy.requests))
+    params = proxy.requests[rid].kv_transfer_params
+    assert params["tp_size"] == 2 and len(params["remote_block_ids"]) == 4
+    # Each rank sent its one KV head of the four blocks: half a block's bytes each, whole blocks in all.
+    assert (worker.num_blocks_received - received, worker.num_bytes_received - moved) == \
+        (4, 4 * consumer.bytes_per_block)
+    # Bit for bit: head r of every layer's K and V, in the consumer's blocks, is rank r's (the freed producer blocks
+    # still hold it: nothing reused them yet).
+    ranks = producer.rank_executor.collective_rpc("kv_blocks", params["remote_block_ids"])
+    mine = [t[worker.pulled[rid]] for kv in consumer.kv_caches for t in layer_tensors(kv)]
+    assert len(ranks) == 2 and all(len(r) == len(mine) for r in ranks)
+    for r, theirs in enumerate(ranks):
+        for a, b in zip(theirs, mine, strict=True):  # [4, block_size, 1, head_size] against [4, block_size, 2, ...]
+            assert torch.equal(a[:, :, 0].reshape(-1)[:58 * 64].view(torch.uint8),
+                               b[:, :, r].reshape(-1)[:58 * 64].view(torch.uint8))
+    assert_nothing_held(producer, consumer)  # both ranks reported the send before the blocks were freed
+
+
+def test_an_abort_between_the_halves_releases_the_blocks_on_every_producer_rank(tp2_producer, pair):
+    producer, consumer = tp2_producer, pair[1]
+    proxy = DisaggProxy(producer, consumer)
+    rid = proxy.add_request(random_token_ids(40, seed=22), max_tokens=4)
+    while proxy.requests[rid].phase != TRANSFER:
+        proxy.step()
+    assert producer.kv_cache_manager.usage > 0
+    proxy.abort(rid)
+    proxy.run()
+    assert_nothing_held(producer, consumer)
+
+
+def test_the_doors_say_which_connector_runs_on_several_ranks(tmp_path):
+    with pytest.raises(KvlabValueError, match="ExampleConnector.*tensor_parallel_size=2"):
+        LLMEngine(TINY_MODEL_DIR, **ENGINE, tensor_parallel_size=2, kv_transfer_config=KVTransferConfig(
+            "ExampleConnector", kv_role="kv_producer",
+            kv_connector_extra_config={"shared_storage_path": str(tmp_path)}))
+    with pytest.raises(KvlabValueError, match="kv_role='kv_consumer' with tensor_parallel_size=2"):
+        LLMEngine(TINY_MODEL_DIR, **ENGINE, tensor_parallel_size=2, kv_transfer_config=p2p("kv_consumer"))
+
+
+def test_shutdown_stops_every_thread_the_connectors_started(pair, tp2_producer):
     names = {t.name for t in threading.enumerate()}
-    assert {"p2p-gloo-side-channel", "p2p-gloo-pull"} <= names
-    for engine in pair:
+    started = {"p2p-gloo-side-channel", "p2p-gloo-pull", "p2p-gloo-handshake"}
+    assert started <= names
+    pids = tp2_producer.rank_executor.pids
+    for engine in (*pair, tp2_producer):
         engine.shutdown()
-    assert not {t.name for t in threading.enumerate()} & {"p2p-gloo-side-channel", "p2p-gloo-pull"}
+    assert not {t.name for t in threading.enumerate()} & started
+    assert [p.exitcode for p in tp2_producer.rank_executor.procs] == [0, 0] and pids  # each rank left cleanly

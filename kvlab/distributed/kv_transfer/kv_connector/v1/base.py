@@ -28,6 +28,7 @@ import enum
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+from kvlab.distributed.kv_transfer.kv_connector.utils import TransferTopology
 from kvlab.engine.kv_transfer_config import KVTransferConfig
 from kvlab.errors import KvlabValueError
 
@@ -55,7 +56,8 @@ class KVConnectorHandshakeMetadata:  # noqa: B024
 class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     """Base class for KV connectors: one class, two instances (one per role) in each engine."""
 
-    def __init__(self, kv_transfer_config: KVTransferConfig, role: KVConnectorRole, block_size: int) -> None:
+    def __init__(self, kv_transfer_config: KVTransferConfig, role: KVConnectorRole, block_size: int,
+                 topology: TransferTopology | None = None) -> None:
         if not isinstance(kv_transfer_config, KVTransferConfig):
             raise KvlabValueError(f"kv_transfer_config must be a KVTransferConfig, got {kv_transfer_config!r}")
         if not isinstance(role, KVConnectorRole):
@@ -63,6 +65,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         self._kv_transfer_config = kv_transfer_config
         self._role = role
         self._block_size = block_size
+        self._topology = topology or TransferTopology()  # this rank's place (vLLM reads it from its parallel config)
         self._connector_metadata: KVConnectorMetadata | None = None
         self._kv_cache_manager: KVCacheManager | None = None
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvlab.distributed.kv_transfer.kv_connector.utils import TransferTopology
 from kvlab.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -66,8 +67,9 @@ class ExampleConnectorMetadata(KVConnectorMetadata):
 class ExampleConnector(KVConnectorBase_V1):
     """Save and load a prompt's KV as files under ``kv_connector_extra_config["shared_storage_path"]``."""
 
-    def __init__(self, kv_transfer_config: KVTransferConfig, role: KVConnectorRole, block_size: int) -> None:
-        super().__init__(kv_transfer_config, role, block_size)
+    def __init__(self, kv_transfer_config: KVTransferConfig, role: KVConnectorRole, block_size: int,
+                 topology: TransferTopology | None = None) -> None:
+        super().__init__(kv_transfer_config, role, block_size, topology)
         self._storage_path = str(kv_transfer_config.get_from_extra_config("shared_storage_path", "/tmp"))
         self._requests_need_load: dict[str, Any] = {}
         self._admitted: dict[str, Any] = {}  # requests allocated this step (their prompts, for the saves)
