@@ -9,6 +9,7 @@ takes a cached block out of the middle of the queue in O(1).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -28,6 +29,7 @@ class KVCacheBlock:
                  "next_free_block", "is_null", "_pool")
 
     def __init__(self, block_id: int) -> None:
+        object.__setattr__(self, "_pool", None)  # first: ``__setattr__`` reads it
         self.block_id = block_id
         self.ref_cnt = 0  # how many requests' block tables (or direct holders) point here
         self._block_hash: BlockHash | None = None  # set once the block is cached (full, or a partial entry)
@@ -35,7 +37,14 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False  # block 0 when reserved: a placeholder that never holds KV
-        self._pool: object | None = None
+        self._pool: object | None = None  # the pool whose ``_journal`` hears of every change
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Set a slot; while the pool keeps an undo journal (a step's ``Snapshot``), first note the block's state."""
+        journal = getattr(self._pool, "_journal", None)
+        if journal is not None and self not in journal:
+            journal[self] = _BLOCK_STATE(self)
+        object.__setattr__(self, name, value)
 
     @property
     def block_hash(self) -> BlockHash | None:
@@ -70,6 +79,10 @@ class KVCacheBlock:
         cached = "" if self._block_hash is None else f", hash={short_hash(self._block_hash)}"
         null = ", null" if self.is_null else ""
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached}{null})"
+
+
+#: A block's slots as a tuple: the state an undo journal keeps (``kvlab.core.sched.snapshot``).
+_BLOCK_STATE = operator.attrgetter(*KVCacheBlock.__slots__)
 
 
 @dataclasses.dataclass

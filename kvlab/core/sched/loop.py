@@ -62,8 +62,9 @@ def step(scheduler: Scheduler, executor: Executor, *, atomic: bool = True
     design kvlab chose over failing the step's requests, so a Ctrl-C costs no request), blocks the
     step took out of the prefix cache stay out of it (it may have written them), and the exception
     is raised again. The next call schedules the same step afresh. ``atomic=False`` skips the snapshot
-    (a pass over the pool's blocks) for a caller that throws the scheduler away when a step raises:
-    a simulation builds its own and keeps nothing of an interrupted run.
+    (a walk of the scheduler's state; the pool's blocks journal their own changes) for a caller that
+    throws the scheduler away when a step raises: a simulation builds its own and keeps nothing of an
+    interrupted run.
     """
     before = Snapshot(scheduler) if atomic else None
     try:
@@ -73,11 +74,14 @@ def step(scheduler: Scheduler, executor: Executor, *, atomic: bool = True
         except BaseException as error:  # noqa: BLE001 - nothing may strand the step's requests; re-raised by callers
             model_runner_output = scheduler.fail_step(scheduler_output, error)
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
-        return scheduler_output, outputs, scheduler.make_stats()
+        stats = scheduler.make_stats()
     except BaseException:
         if before is not None:
             _undo(scheduler, before)
         raise
+    if before is not None:
+        before.close()
+    return scheduler_output, outputs, stats
 
 
 def _undo(scheduler: Scheduler, before: Snapshot) -> None:

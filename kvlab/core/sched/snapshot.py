@@ -10,11 +10,14 @@ class keeps, so it stays right as ``kvlab.core`` changes. Immutable values (numb
 enums, frozensets) are shared; functions, classes and modules are left alone, as are objects with
 neither ``__dict__`` nor ``__slots__`` (locks, C objects); a ``random.Random`` keeps its state.
 
-A list of objects of one slotted class (the pool's blocks) is saved in one pass, and what they refer
-to is walked from its first item only: blocks refer to each other, to their pool and to hashes.
-That pass is the snapshot's cost, which grows with the pool: nothing to speak of for the notebooks'
-pools of tens of blocks, and some milliseconds of CPU per step for the 8,193 blocks a default engine
-gives the tiny Llama (measured 3-25 ms on a shared, loaded 2-core machine; not a benchmark).
+A pool's blocks are not copied: each ``KVCacheBlock`` notes its own slots in its pool's ``_journal``
+before its first change while a snapshot is open (``KVCacheBlock.__setattr__``, which every write to a
+block goes through), and ``restore()`` writes those back first; ``close()`` ends the journal when the
+step succeeded. So a snapshot costs the scheduler's queues and requests plus one C-speed pass over the
+pool's block list to find its pools (under 1 ms for the tiny Llama's 8,193 blocks against 3-25 ms when
+every block was copied; measured on a shared, loaded 2-core machine, not a benchmark), and an undo costs
+the blocks the step touched. A list of objects of one other slotted class is saved in one pass, and
+what they refer to is walked from its first item only.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from kvlab.core.kv_cache_utils import KVCacheBlock
+
 #: Values a step may replace but never changes in place: kept by reference, not walked.
 _ATOMS: tuple[type, ...] = (int, float, complex, str, bytes, bool, type(None), range, frozenset, enum.Enum, type,
                             types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
 _UNSET = object()  # a slot that holds nothing
+_POOL_OF = operator.attrgetter("_pool")
 
 
 class Snapshot:
@@ -40,15 +46,35 @@ class Snapshot:
     def __init__(self, root: object) -> None:
         self._saved: list[tuple[Any, Any]] = []  # (object, its contents), or (_Items, the items' contents)
         self._seen: set[int] = set()
+        self._pools: dict[int, Any] = {}  # the pools whose blocks journal their own changes
         queue = deque([root])  # breadth first: the pool's list of blocks comes before the free queue's links
         while queue:
             obj = queue.popleft()
             if not isinstance(obj, _ATOMS) and id(obj) not in self._seen:
                 self._seen.add(id(obj))
                 self._save(obj, queue)
+        self._journals = []
+        for pool in self._pools.values():
+            pool._journal = {}  # replaces one an interrupt left open between a snapshot and its step
+            self._journals.append(pool._journal)
+
+    def _journaled(self, block: Any) -> bool:
+        """True for a block of a pool (it notes its own state before a change); its pool joins ``_pools``."""
+        pool = block._pool
+        if pool is None or not hasattr(pool, "_journal"):
+            return False
+        self._pools[id(pool)] = pool
+        return True
+
+    def close(self) -> None:
+        """The step succeeded: stop the pools' journals (``restore`` is no longer possible)."""
+        for pool in self._pools.values():
+            pool._journal = None
 
     def _save(self, obj: Any, queue: deque[Any]) -> None:
         """Keep a shallow copy of ``obj``'s contents; what it refers to joins ``queue``."""
+        if isinstance(obj, KVCacheBlock) and self._journaled(obj):
+            return
         if isinstance(obj, tuple):  # named tuples too: immutable, but they may hold what is not
             queue.extend(obj)
         elif isinstance(obj, list | deque | dict):
@@ -80,6 +106,11 @@ class Snapshot:
         cls = type(items[0])
         if set(map(type, items)) != {cls} or isinstance(items[0], (*_ATOMS, tuple)):
             return False
+        if cls is KVCacheBlock:  # a pool's blocks journal themselves: one C-speed pass to find their pools
+            pools = list(dict.fromkeys(map(_POOL_OF, items)))
+            if None not in pools and all(hasattr(pool, "_journal") for pool in pools):
+                self._pools.update((id(pool), pool) for pool in pools)
+                return True
         fresh = [item for item in items if id(item) not in self._seen]
         if cls in (dict, set, list):
             self._saved += [(item, cls(item)) for item in fresh]
@@ -93,7 +124,11 @@ class Snapshot:
         return True
 
     def restore(self) -> None:
-        """Put every saved object back as it was when the snapshot was taken."""
+        """Put every saved object back as it was when the snapshot was taken (the journals' blocks first)."""
+        names = _slot_names(KVCacheBlock)
+        for journal in self._journals:
+            for block, values in journal.items():
+                _set_slots(block, names, values)
         for obj, state in self._saved:
             if isinstance(obj, _Items):
                 names = _slot_names(obj.cls)
