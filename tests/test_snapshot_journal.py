@@ -2,6 +2,7 @@
 state before their first change (the pool's journal), so ``Snapshot`` copies none of them up front."""
 
 from kvlab.core.kv_cache_manager import KVCacheManager
+from kvlab.core.kv_cache_utils import KVCacheBlock
 from kvlab.core.sched.loop import NoComputeExecutor, step
 from kvlab.core.sched.output import GenerationRequest, SamplingParams
 from kvlab.core.sched.scheduler import Scheduler
@@ -38,3 +39,15 @@ def test_a_step_that_succeeds_closes_the_journal_so_later_changes_are_not_record
     pool = s.kv_cache_manager.block_pool
     step(s, NoComputeExecutor(1000))
     assert pool._journal is None
+
+
+def test_blocks_note_their_writes_only_while_a_journal_is_open():
+    s = busy_scheduler(64)
+    assert "__setattr__" not in KVCacheBlock.__dict__  # outside a step a write to a block is a plain slot write
+    other = Snapshot(busy_scheduler(64))
+    before = Snapshot(s)
+    assert "__setattr__" in KVCacheBlock.__dict__
+    before.close()
+    assert "__setattr__" in KVCacheBlock.__dict__  # another pool still journals
+    other.restore()
+    assert "__setattr__" not in KVCacheBlock.__dict__

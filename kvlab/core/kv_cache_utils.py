@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import weakref
 from collections.abc import Hashable, Iterable, Sequence
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from kvlab._validate import checked, non_negative_int
 from kvlab.errors import BlockStateError, OutOfBlocksError
@@ -28,8 +29,11 @@ class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens", "prev_free_block",
                  "next_free_block", "is_null", "_pool")
 
+    #: The pools whose ``_journal`` is open (a step's ``Snapshot``): while there is one, every write to a block's
+    #: slot goes through ``_note_then_set`` (``open_journal``); with none, writes cost nothing extra.
+    _journalling: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+
     def __init__(self, block_id: int) -> None:
-        object.__setattr__(self, "_pool", None)  # first: ``__setattr__`` reads it
         self.block_id = block_id
         self.ref_cnt = 0  # how many requests' block tables (or direct holders) point here
         self._block_hash: BlockHash | None = None  # set once the block is cached (full, or a partial entry)
@@ -37,14 +41,7 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False  # block 0 when reserved: a placeholder that never holds KV
-        self._pool: object | None = None  # the pool whose ``_journal`` hears of every change
-
-    def __setattr__(self, name: str, value: object) -> None:
-        """Set a slot; while the pool keeps an undo journal (a step's ``Snapshot``), first note the block's state."""
-        journal = getattr(self._pool, "_journal", None)
-        if journal is not None and self not in journal:
-            journal[self] = _BLOCK_STATE(self)
-        object.__setattr__(self, name, value)
+        self._pool: object | None = None  # the pool that owns it, whose ``_journal`` hears of its changes
 
     @property
     def block_hash(self) -> BlockHash | None:
@@ -83,6 +80,36 @@ class KVCacheBlock:
 
 #: A block's slots as a tuple: the state an undo journal keeps (``kvlab.core.sched.snapshot``).
 _BLOCK_STATE = operator.attrgetter(*KVCacheBlock.__slots__)
+
+
+def _note_then_set(block: KVCacheBlock, name: str, value: object) -> None:
+    """``KVCacheBlock.__setattr__`` while a journal is open: a block of a journalling pool notes its slots in the
+    pool's journal before its first change, then the slot is set."""
+    journal = getattr(getattr(block, "_pool", None), "_journal", None)
+    if journal is not None and block not in journal:
+        journal[block] = _BLOCK_STATE(block)
+    object.__setattr__(block, name, value)
+
+
+def open_journal(pool: object) -> dict[KVCacheBlock, tuple[object, ...]]:
+    """Start an undo journal on ``pool`` (a fresh one replaces any left open); its blocks note themselves in it.
+
+    The undo record of a step (``kvlab.core.sched.snapshot``) then costs the blocks the step changes,
+    not the pool's size. Writes to blocks are noted only while some pool journals: the class's
+    ``__setattr__`` is swapped in by the first journal opened and out when the last one closes.
+    """
+    pool._journal = journal = {}  # type: ignore[attr-defined]
+    KVCacheBlock._journalling.add(pool)
+    KVCacheBlock.__setattr__ = _note_then_set  # type: ignore[method-assign]
+    return journal
+
+
+def close_journal(pool: object) -> None:
+    """End ``pool``'s journal (the step succeeded, or was undone); the last one closed makes writes plain again."""
+    pool._journal = None  # type: ignore[attr-defined]
+    KVCacheBlock._journalling.discard(pool)
+    if not KVCacheBlock._journalling and "__setattr__" in KVCacheBlock.__dict__:
+        del KVCacheBlock.__setattr__
 
 
 @dataclasses.dataclass

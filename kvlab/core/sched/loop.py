@@ -21,7 +21,7 @@ import zlib
 from kvlab._validate import checked, positive_int
 from kvlab.core.sched.output import Executor, ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from kvlab.core.sched.scheduler import Scheduler
-from kvlab.core.sched.snapshot import Snapshot
+from kvlab.core.sched.snapshot import Snapshot, commit
 from kvlab.errors import RequestStateError
 
 
@@ -66,22 +66,29 @@ def step(scheduler: Scheduler, executor: Executor, *, atomic: bool = True
     throws the scheduler away when a step raises: a simulation builds its own and keeps nothing of an
     interrupted run.
     """
-    before = Snapshot(scheduler) if atomic else None
-    try:
+    before = None
+    try:  # nothing above this line changes anything, and every line below is undone if it raises
+        before = Snapshot(scheduler) if atomic else None
         scheduler_output = scheduler.schedule()
-        try:
-            model_runner_output = executor.execute_model(scheduler_output)
-        except BaseException as error:  # noqa: BLE001 - nothing may strand the step's requests; re-raised by callers
-            model_runner_output = scheduler.fail_step(scheduler_output, error)
+        model_runner_output = _execute(scheduler, executor, scheduler_output)
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
-        stats = scheduler.make_stats()
+        return commit(before, (scheduler_output, outputs, scheduler.make_stats()))  # the journal closes last
     except BaseException:
         if before is not None:
             _undo(scheduler, before)
         raise
-    if before is not None:
-        before.close()
-    return scheduler_output, outputs, stats
+
+
+def _execute(scheduler: Scheduler, executor: Executor, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    """The executor's output; if the executor raised, the output that fails the step's requests (``fail_step``).
+
+    A function of its own because CPython 3.11 leaves the ``try:`` line of a ``try`` nested in another
+    one outside both handlers: an interrupt landing there would have skipped ``step``'s undo.
+    """
+    try:
+        return executor.execute_model(scheduler_output)
+    except BaseException as error:  # noqa: BLE001 - nothing may strand the step's requests; re-raised by callers
+        return scheduler.fail_step(scheduler_output, error)
 
 
 def _undo(scheduler: Scheduler, before: Snapshot) -> None:

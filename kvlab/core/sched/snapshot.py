@@ -10,14 +10,15 @@ class keeps, so it stays right as ``kvlab.core`` changes. Immutable values (numb
 enums, frozensets) are shared; functions, classes and modules are left alone, as are objects with
 neither ``__dict__`` nor ``__slots__`` (locks, C objects); a ``random.Random`` keeps its state.
 
-A pool's blocks are not copied: each ``KVCacheBlock`` notes its own slots in its pool's ``_journal``
-before its first change while a snapshot is open (``KVCacheBlock.__setattr__``, which every write to a
-block goes through), and ``restore()`` writes those back first; ``close()`` ends the journal when the
-step succeeded. So a snapshot costs the scheduler's queues and requests plus one C-speed pass over the
-pool's block list to find its pools (under 1 ms for the tiny Llama's 8,193 blocks against 3-25 ms when
-every block was copied; measured on a shared, loaded 2-core machine, not a benchmark), and an undo costs
-the blocks the step touched. A list of objects of one other slotted class is saved in one pass, and
-what they refer to is walked from its first item only.
+A pool's blocks are not copied: while a snapshot is open, each ``KVCacheBlock`` notes its own slots in
+its pool's journal before its first change (``kvlab.core.kv_cache_utils.open_journal``: the class's
+``__setattr__`` is swapped in while some journal is open, so outside a step a write to a block costs
+nothing extra), and ``restore()`` writes those back first; ``commit()`` ends the journals when the step
+succeeded, ``restore()`` when it was undone. So a snapshot costs the scheduler's queues and requests plus
+one C-speed pass over the pool's block list to find its pools (about 0.5 ms for the tiny Llama's 8,193
+blocks against 3-7 ms when every block was copied: ``benchmarks/bench_step.py`` on a shared, loaded 2-core
+machine), and an undo costs the blocks the step touched. A list of objects of one other slotted class
+is saved in one pass, and what they refer to is walked from its first item only.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ import random
 import types
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from kvlab.core.kv_cache_utils import KVCacheBlock
+from kvlab.core.kv_cache_utils import KVCacheBlock, close_journal, open_journal
 
 #: Values a step may replace but never changes in place: kept by reference, not walked.
 _ATOMS: tuple[type, ...] = (int, float, complex, str, bytes, bool, type(None), range, frozenset, enum.Enum, type,
                             types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
 _UNSET = object()  # a slot that holds nothing
+_T = TypeVar("_T")
 _POOL_OF = operator.attrgetter("_pool")
 
 
@@ -53,10 +55,9 @@ class Snapshot:
             if not isinstance(obj, _ATOMS) and id(obj) not in self._seen:
                 self._seen.add(id(obj))
                 self._save(obj, queue)
-        self._journals = []
-        for pool in self._pools.values():
-            pool._journal = {}  # replaces one an interrupt left open between a snapshot and its step
-            self._journals.append(pool._journal)
+        # Opened last, so the walk above changes nothing they record; a fresh journal replaces one an interrupt
+        # left open between a snapshot and its step.
+        self._journals = [open_journal(pool) for pool in self._pools.values()]
 
     def _journaled(self, block: Any) -> bool:
         """True for a block of a pool (it notes its own state before a change); its pool joins ``_pools``."""
@@ -67,9 +68,9 @@ class Snapshot:
         return True
 
     def close(self) -> None:
-        """The step succeeded: stop the pools' journals (``restore`` is no longer possible)."""
+        """The step succeeded (or was undone): stop the pools' journals (``restore`` is no longer possible)."""
         for pool in self._pools.values():
-            pool._journal = None
+            close_journal(pool)
 
     def _save(self, obj: Any, queue: deque[Any]) -> None:
         """Keep a shallow copy of ``obj``'s contents; what it refers to joins ``queue``."""
@@ -124,7 +125,8 @@ class Snapshot:
         return True
 
     def restore(self) -> None:
-        """Put every saved object back as it was when the snapshot was taken (the journals' blocks first)."""
+        """Put every saved object back as it was when the snapshot was taken (the journals' blocks first), and
+        close the journals."""
         names = _slot_names(KVCacheBlock)
         for journal in self._journals:
             for block, values in journal.items():
@@ -151,6 +153,19 @@ class Snapshot:
                     obj.__dict__.update(attrs)
                 if slots is not None:
                     _set_slots(obj, _slot_names(type(obj)), slots)
+        self.close()
+
+
+def commit(snapshot: Snapshot | None, result: _T) -> _T:
+    """The step succeeded: close ``snapshot``'s journals (if any) and return ``result``.
+
+    ``loop.step`` returns through this, so the journals close after the step's last line of
+    ``kvlab.core`` ran and before the step returns: an interrupt on any earlier line still finds
+    them open, and undoes the step.
+    """
+    if snapshot is not None:
+        snapshot.close()
+    return result
 
 
 class _Items:
