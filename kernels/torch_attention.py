@@ -8,7 +8,10 @@ mask (causal with context, varlen keys). Query heads are packed per KV head, ``[
 group * max_query_len, head_size]``, so GQA never repeats K or V. Decode steps (one query token)
 and longer queries (prefill chunks) run as two batches, so a long prompt does not pad every
 decode to its length. FP8 caches are dequantized after the gather; everything is computed in
-float32, as in the reference and the Triton kernel, then cast to the query's dtype.
+float32, as in the reference and the Triton kernel, then cast to the query's dtype. What every layer
+of a step shares (the checks, the gather indices, the masks: ``plan_attention``) is computed once per
+step when the caller keeps a ``plans`` dict for the step (the engine does), and each layer then only
+gathers its own K and V and calls SDPA; ``reshape_and_cache_torch`` writes the cache the same way.
 
 vLLM runs on CPUs with ``CPU_ATTN`` (``vllm/v1/attention/backends/cpu_attn.py``), a C++ kernel
 (``ops.cpu_attention_with_kv_cache``) that this function does not imitate. It reads the cache in
@@ -25,10 +28,13 @@ shorter gather.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from kvlab.kernels.checks import AttentionBatch, HostMetadata, check_attention
-from kvlab.kernels.fp8 import dequantize_fp8
+from kvlab.kernels.checks import AttentionBatch, HostMetadata, check_attention, check_cache_write, check_no_aliasing
+from kvlab.kernels.fp8 import dequantize_fp8, quantize_fp8
 from kvlab.kernels.grid import KernelConfig
 
 
@@ -68,54 +74,106 @@ def slot_positions(block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_le
 
 
 def gather_padded(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                  scale: float | None) -> torch.Tensor:
+                  scale: float | None, flat: torch.Tensor | None = None) -> torch.Tensor:
     """K (or V) at those slots, ``[num_seqs, max_seq_len, num_kv_heads, head_size]`` float32, in one gather.
 
-    ``scale`` is the FP8 dequantization scale, or None for a float cache.
+    ``scale`` is the FP8 dequantization scale, or None for a float cache. ``flat``, if given, is
+    ``(blocks * block_size + offsets).flatten()`` computed once for every layer of a step.
     """
     if cache.stride(0) == cache.shape[1] * cache.stride(1):   # slots flatten as a view: copy whole [H, D] rows
-        rows = cache.flatten(0, 1).index_select(0, (blocks * cache.shape[1] + offsets).flatten())
+        flat = (blocks * cache.shape[1] + offsets).flatten() if flat is None else flat
+        rows = cache.flatten(0, 1).index_select(0, flat)
         kv = rows.view(*blocks.shape, *cache.shape[2:])                                  # [S, Lk, H, D]
     else:
         kv = cache[blocks, offsets]                                                      # [S, Lk, H, D]
     return dequantize_fp8(kv, scale) if scale is not None else kv.float()
 
 
-def attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                 batch: AttentionBatch, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention for the sequences ``seqs`` as one padded SDPA call: ``(token indices, [n, Hq, D] float32)``."""
-    device = query.device
+@dataclasses.dataclass(frozen=True, eq=False)
+class SDPACall:
+    """One padded SDPA call's layout: which query tokens it serves, where its keys live, what each row sees."""
+
+    seqs: int                       # S: sequences in the call
+    max_query_len: int              # Lq
+    tokens: torch.Tensor            # [n]: the query tokens, sequence by sequence
+    real: torch.Tensor | None       # [S, Lq]: rows that are not padding (None: every row is real)
+    blocks: torch.Tensor            # [S, Lk]: the block of each key
+    offsets: torch.Tensor           # [S, Lk]: its offset in the block
+    flat: torch.Tensor              # [S * Lk]: blocks * block_size + offsets
+    mask: torch.Tensor              # [S, 1, G * Lq, Lk] (decodes: [S, 1, 1, Lk]): may the row read the key?
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TorchAttentionPlan:
+    """A checked batch and its SDPA calls (decodes, then longer queries): what every layer of a step shares.
+
+    Built once per step by ``plan_attention`` (the checks, the gather indices, the masks); each layer
+    then only gathers its own K and V and runs SDPA (``attend``).
+    """
+
+    batch: AttentionBatch
+    calls: tuple[SDPACall, ...]
+
+
+def plan_call(batch: AttentionBatch, block_table: torch.Tensor, seqs: list[int], device: torch.device) -> SDPACall:
+    """The layout of one padded SDPA call over the sequences ``seqs`` (indices into the batch)."""
     starts = [batch.query_start_loc[i] for i in seqs]
     q_lens = [batch.query_lens[i] for i in seqs]
     lens = [batch.seq_lens[i] for i in seqs]
     num_seqs, max_q, max_k = len(seqs), max(q_lens), max(lens)
-    h_kv, group, head_size = batch.num_kv_heads, batch.num_queries_per_kv, batch.head_size
+    group = batch.num_queries_per_kv
     seq_lens = torch.tensor(lens, device=device)                              # [S]
     query_lens = torch.tensor(q_lens, device=device)
     rows = torch.arange(max_q, device=device)
     real = rows[None, :] < query_lens[:, None]                                # [S, Lq]: not padding
     tokens = (torch.tensor(starts, device=device)[:, None] + rows[None, :])[real]   # [n]
-    picked = query[tokens].float()                                            # [n, Hq, D]
-    if len(picked) == num_seqs * max_q:                                       # equal lengths: nothing to pad
-        q = picked.view(num_seqs, max_q, batch.num_q_heads, head_size)
-    else:
-        q = picked.new_zeros((num_seqs, max_q, batch.num_q_heads, head_size))
-        q[real] = picked                                                      # [S, Lq, Hq, D]
-    q = q.view(num_seqs, max_q, h_kv, group, head_size).permute(0, 2, 3, 1, 4)
-    q = q.reshape(num_seqs, h_kv, group * max_q, head_size)                  # [S, Hkv, G * Lq, D]
     table = block_table[torch.tensor(seqs, device=block_table.device)]
     blocks, offsets = slot_positions(table, seq_lens, max_k, batch.block_size)
-    k = gather_padded(key_cache, blocks, offsets, batch.k_scale if batch.fp8 else None)
-    v = gather_padded(value_cache, blocks, offsets, batch.v_scale if batch.fp8 else None)
     mask = visible_keys(seq_lens, query_lens, max_q, max_k, batch.causal, batch.sliding_window)  # [S, Lq, Lk]
     if max_q == 1:                                                            # decodes: one row for the group
         mask = mask[:, None]                                                  # [S, 1, 1, Lk]
     else:
         mask = mask[:, None, None].expand(-1, 1, group, -1, -1).reshape(num_seqs, 1, group * max_q, max_k)
-    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+    return SDPACall(num_seqs, max_q, tokens, None if len(tokens) == num_seqs * max_q else real, blocks, offsets,
+                    (blocks * batch.block_size + offsets).flatten(), mask)
+
+
+def plan_attention(batch: AttentionBatch, block_table: torch.Tensor, device: torch.device) -> TorchAttentionPlan:
+    """Decode steps and longer queries (prefill chunks) as two calls, so a long prompt does not pad every decode."""
+    decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
+    longer = [i for i, n in enumerate(batch.query_lens) if n > 1]
+    return TorchAttentionPlan(batch, tuple(plan_call(batch, block_table, seqs, device)
+                                           for seqs in (decodes, longer) if seqs))
+
+
+def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch,
+           call: SDPACall) -> torch.Tensor:
+    """One call's attention, ``[n, Hq, D]`` float32 (its query tokens in ``call.tokens`` order)."""
+    num_seqs, max_q = call.seqs, call.max_query_len
+    h_kv, group, head_size = batch.num_kv_heads, batch.num_queries_per_kv, batch.head_size
+    picked = query[call.tokens].float()                                       # [n, Hq, D]
+    if call.real is None:                                                     # equal lengths: nothing to pad
+        q = picked.view(num_seqs, max_q, batch.num_q_heads, head_size)
+    else:
+        q = picked.new_zeros((num_seqs, max_q, batch.num_q_heads, head_size))
+        q[call.real] = picked                                                 # [S, Lq, Hq, D]
+    q = q.view(num_seqs, max_q, h_kv, group, head_size).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, h_kv, group * max_q, head_size)                  # [S, Hkv, G * Lq, D]
+    k = gather_padded(key_cache, call.blocks, call.offsets, batch.k_scale if batch.fp8 else None, call.flat)
+    v = gather_padded(value_cache, call.blocks, call.offsets, batch.v_scale if batch.fp8 else None, call.flat)
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=call.mask,
                                        scale=batch.scale)                     # [S, Hkv, G * Lq, D]
     o = o.view(num_seqs, h_kv, group, max_q, head_size).permute(0, 3, 1, 2, 4)
-    return tokens, o.reshape(num_seqs, max_q, batch.num_q_heads, head_size)[real]   # [n, Hq, D]
+    o = o.reshape(num_seqs, max_q, batch.num_q_heads, head_size)             # [S, Lq, Hq, D]
+    return o.reshape(-1, batch.num_q_heads, head_size) if call.real is None else o[call.real]   # [n, Hq, D]
+
+
+def _same_call_key(*tensors: torch.Tensor | None) -> tuple[object, ...]:
+    """What two calls must share to share a plan: the index tensors themselves, and every other tensor's layout."""
+    key: list[object] = []
+    for t in tensors:
+        key += [None] if t is None else [tuple(t.shape), t.dtype, t.device, t.stride()]
+    return tuple(key)
 
 
 def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -123,22 +181,68 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           scale: float | None = None, causal: bool = True, k_scale: float = 1.0,
                           v_scale: float = 1.0, num_kv_splits: int | None = None, out: torch.Tensor | None = None,
                           config: KernelConfig | None = None, sliding_window: int | None = None,
-                          host_metadata: HostMetadata | None = None) -> torch.Tensor:
+                          host_metadata: HostMetadata | None = None,
+                          plans: dict[tuple[object, ...], Any] | None = None) -> torch.Tensor:
     """``paged_attention`` through a batched gather and SDPA (module docstring): ``[num_tokens, Hq, D]``.
 
     Same arguments and checks as ``paged_attention``; ``num_kv_splits`` and ``config`` schedule
     the Triton kernel's work and are accepted and ignored here. ``sliding_window`` W hides keys
     W or more positions before a query (they are still gathered: the Triton kernel skips them).
-    Decode steps and longer queries are attended in two batched calls.
+    Decode steps and longer queries are attended in two batched calls. ``plans``: a dict the caller
+    keeps for one step's index tensors (the engine's ``AttentionMetadata.plans``): the first call checks
+    the batch and keeps its plan there (``plan_attention``: gather indices and masks), and a later call
+    with the same index tensors and tensors laid out alike (the step's other layers) reuses it.
     """
-    batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
-                            causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits, out=out,
-                            sliding_window=sliding_window, host_metadata=host_metadata)
+    key = None
+    if plans is not None and out is None:
+        key = ("attend", id(block_table), id(seq_lens), id(query_start_loc), id(host_metadata), scale, causal,
+               k_scale, v_scale, num_kv_splits, sliding_window, *_same_call_key(query, key_cache, value_cache))
+    plan = None if key is None else plans.get(key)
+    if plan is None:
+        batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
+                                causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits,
+                                out=out, sliding_window=sliding_window, host_metadata=host_metadata)
+        plan = plan_attention(batch, block_table, query.device)
+        if key is not None:
+            plans[key] = plan
+    if out is None and len(plan.calls) == 1 and plan.calls[0].real is None and \
+            plan.calls[0].seqs == plan.batch.num_seqs:   # one call, every token in order: its answer is the output
+        return attend(query, key_cache, value_cache, plan.batch, plan.calls[0]).to(query.dtype)
     out = torch.empty_like(query) if out is None else out
-    decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
-    longer = [i for i, n in enumerate(batch.query_lens) if n > 1]
-    for seqs in (decodes, longer):
-        if seqs:
-            tokens, result = attend_group(query, key_cache, value_cache, block_table, batch, seqs)
-            out[tokens] = result.to(out.dtype)
+    for call in plan.calls:
+        out[call.tokens] = attend(query, key_cache, value_cache, plan.batch, call).to(out.dtype)
     return out
+
+
+def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                            v_scale: float = 1.0, slot_mapping_cpu: torch.Tensor | None = None, *,
+                            plans: dict[tuple[object, ...], Any] | None = None) -> None:
+    """``reshape_and_cache_ref``'s write (token ``t``'s K and V into slot ``slot_mapping[t]``, -1 skipped, FP8
+    stores value / scale) as one indexed copy per cache.
+
+    ``plans`` as in ``paged_attention_torch``: the first call of a step checks the slots (range, no
+    slot twice) and keeps them; a later call with the same slot mapping and tensors laid out alike
+    checks only that the caches it writes share no memory with its inputs.
+    """
+    signature = ("write", id(slot_mapping), id(slot_mapping_cpu), k_scale, v_scale,
+                 *_same_call_key(key, value, key_cache, value_cache))
+    written = None if plans is None else plans.get(signature)
+    if written is None:
+        w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, slot_mapping_cpu)
+        keep = slot_mapping >= 0
+        host = slot_mapping_cpu if slot_mapping_cpu is not None else slot_mapping
+        written = (w, None if bool((host >= 0).all()) else keep, slot_mapping[keep].long())
+        if plans is not None:
+            plans[signature] = written
+    else:
+        check_no_aliasing(dict(key_cache=key_cache, value_cache=value_cache),
+                          dict(key=key, value=value, slot_mapping=slot_mapping))
+    w, keep, slots = written
+    for src, cache, scale in ((key, key_cache, w.k_scale), (value, value_cache, w.v_scale)):
+        rows = src if keep is None else src[keep]                       # [num_written, H, D]
+        rows = quantize_fp8(rows, scale) if w.fp8 else rows
+        if cache.stride(0) == cache.shape[1] * cache.stride(1):         # slots flatten as a view
+            cache.flatten(0, 1).index_copy_(0, slots, rows.to(cache.dtype))
+        else:
+            cache[slots // w.block_size, slots % w.block_size] = rows
