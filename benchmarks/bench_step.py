@@ -85,20 +85,19 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 def _instrument(engine: Any, clock: Clock, stack: contextlib.ExitStack) -> None:
     """Wrap the step's phases with ``clock``; every wrapper is removed when ``stack`` closes."""
-    from kvlab.core.sched import loop
-    from kvlab.engine import model_runner
-    from kvlab.engine.attention import Attention
     from kvlab.kernels import torch_attention
+
+    from kvlab.core.sched import loop
+    from kvlab.engine.attention import Attention
 
     runner, scheduler = engine.model_runner, engine.scheduler
     wraps = [(loop, "Snapshot", "snapshot"), (loop, "commit", "snapshot"),
              (scheduler, "schedule", "schedule"), (scheduler, "update_from_output", "update_from_output"),
              (scheduler, "make_stats", "update_from_output"), (engine.executor, "execute_model", "execute_model"),
-             (runner, "prepare_inputs", "prepare_inputs"), (model_runner, "prepare_inputs", "prepare_inputs"),
-             (runner.model, "compute_logits", "lm_head"), (runner, "sample", "sampling"),
-             (runner.sampler, "sample", "sampling"), (kvlab.kernels, "reshape_and_cache_ref", "attn_write"),
+             (runner, "prepare_inputs", "prepare_inputs"), (runner.model, "compute_logits", "lm_head"),
+             (runner, "sample", "sampling"), (kvlab.kernels, "reshape_and_cache_torch", "attn_write"),
              (torch_attention, "plan_attention", "attn_plan"), (torch_attention, "gather_padded", "attn_gather"),
-             (torch_attention, "check_attention", "attn_plan"), (torch_attention, "paged_attention_torch", "attn_all")]
+             (torch_attention, "check_attention", "attn_plan")]
     for obj, name, phase in wraps:
         if hasattr(obj, name):
             stack.enter_context(patched(obj, name, clock.timed(phase, getattr(obj, name))))
@@ -181,11 +180,14 @@ def hf_phases(hf_model: Any, prompts: list[list[int]], steps: int = STEPS, pad_t
     try:
         with torch.no_grad():
             hf_model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=pad_token_id)
-            marks.clear(), forward.clear()
+            marks.clear()
+            forward.clear()
             hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                              do_sample=False, pad_token_id=pad_token_id, stopping_criteria=StoppingCriteriaList([Mark()]))
+                              do_sample=False, pad_token_id=pad_token_id,
+                              stopping_criteria=StoppingCriteriaList([Mark()]))
     finally:
-        pre.remove(), post.remove()
+        pre.remove()
+        post.remove()
     step_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:], strict=False)]  # decode steps only
     forward_ms = [1e3 * f for f in forward[1:]]
     return {"step": statistics.median(step_ms), "forward": statistics.median(forward_ms),

@@ -151,7 +151,8 @@ def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     """One call's attention, ``[n, Hq, D]`` float32 (its query tokens in ``call.tokens`` order)."""
     num_seqs, max_q = call.seqs, call.max_query_len
     h_kv, group, head_size = batch.num_kv_heads, batch.num_queries_per_kv, batch.head_size
-    picked = query[call.tokens].float()                                       # [n, Hq, D]
+    every_token = call.real is None and num_seqs == batch.num_seqs            # the whole batch, in order
+    picked = (query if every_token else query[call.tokens]).float()           # [n, Hq, D]
     if call.real is None:                                                     # equal lengths: nothing to pad
         q = picked.view(num_seqs, max_q, batch.num_q_heads, head_size)
     else:
@@ -223,7 +224,8 @@ def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, key_cache: t
 
     ``plans`` as in ``paged_attention_torch``: the first call of a step checks the slots (range, no
     slot twice) and keeps them; a later call with the same slot mapping and tensors laid out alike
-    checks only that the caches it writes share no memory with its inputs.
+    checks only that the caches it writes share no memory with its inputs (byte ranges are compared
+    only when two of them share a storage).
     """
     signature = ("write", id(slot_mapping), id(slot_mapping_cpu), k_scale, v_scale,
                  *_same_call_key(key, value, key_cache, value_cache))
@@ -235,14 +237,14 @@ def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, key_cache: t
         written = (w, None if bool((host >= 0).all()) else keep, slot_mapping[keep].long())
         if plans is not None:
             plans[signature] = written
-    else:
-        check_no_aliasing(dict(key_cache=key_cache, value_cache=value_cache),
+    elif len({t.untyped_storage().data_ptr() for t in (key_cache, value_cache, key, value, slot_mapping)}) < 5:
+        check_no_aliasing(dict(key_cache=key_cache, value_cache=value_cache),  # some share storage: compare bytes
                           dict(key=key, value=value, slot_mapping=slot_mapping))
     w, keep, slots = written
     for src, cache, scale in ((key, key_cache, w.k_scale), (value, value_cache, w.v_scale)):
         rows = src if keep is None else src[keep]                       # [num_written, H, D]
         rows = quantize_fp8(rows, scale) if w.fp8 else rows
         if cache.stride(0) == cache.shape[1] * cache.stride(1):         # slots flatten as a view
-            cache.flatten(0, 1).index_copy_(0, slots, rows.to(cache.dtype))
+            cache.flatten(0, 1)[slots] = rows
         else:
             cache[slots // w.block_size, slots % w.block_size] = rows

@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
     """Project to q, k, v; (Qwen3: normalise each head); rotate; paged attention; project out."""
 
     def __init__(self, config: DecoderConfig, qkv_bias: bool = False, o_bias: bool = False,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -72,7 +72,7 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.rope, self.head_dim)
+        self.rotary_emb = rotary_emb or RotaryEmbedding(config.rope, self.head_dim)  # the model's, shared
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5,
                               sliding_window=sliding_window)
 
@@ -94,10 +94,10 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
 
     def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, sliding_window)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, sliding_window, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, mlp_bias)
 
@@ -121,8 +121,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(config.rope, config.head_dim)  # one for every layer: a step's angles once
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias, config.layer_sliding_window(i))
+            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias, config.layer_sliding_window(i), rotary_emb)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -95,14 +95,16 @@ def _undo(scheduler: Scheduler, before: Snapshot) -> None:
     """Put the scheduler back as ``before`` saw it; a block whose cached hash the step changed loses it.
 
     Such a block was evicted for reuse during the step, and the step's forward may have written
-    new KV into it, so its old hash must not serve a prefix hit. (A second interrupt during the undo
-    itself, a few milliseconds, is not guarded against.)
+    new KV into it, so its old hash must not serve a prefix hit. The executor may have applied the
+    undone step's new block ids to its copy of the tables, so the next step sends every table whole.
+    (A second interrupt during the undo itself, a few milliseconds, is not guarded against.)
     """
     blocks = scheduler.kv_cache_manager.block_pool.blocks
     hashes = [block.block_hash for block in blocks]
     before.restore()
     rewritten = [b.block_id for b, h in zip(blocks, hashes, strict=True) if b.block_hash not in (None, h)]
     scheduler.kv_cache_manager.block_pool.evict_blocks(rewritten, notify=False)
+    scheduler._send_every_table = True  # the executor may have applied the undone step's new block ids
 
 
 @checked

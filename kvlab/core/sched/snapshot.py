@@ -14,11 +14,12 @@ A pool's blocks are not copied: while a snapshot is open, each ``KVCacheBlock`` 
 its pool's journal before its first change (``kvlab.core.kv_cache_utils.open_journal``: the class's
 ``__setattr__`` is swapped in while some journal is open, so outside a step a write to a block costs
 nothing extra), and ``restore()`` writes those back first; ``commit()`` ends the journals when the step
-succeeded, ``restore()`` when it was undone. So a snapshot costs the scheduler's queues and requests plus
-one C-speed pass over the pool's block list to find its pools (about 0.5 ms for the tiny Llama's 8,193
-blocks against 3-7 ms when every block was copied: ``benchmarks/bench_step.py`` on a shared, loaded 2-core
-machine), and an undo costs the blocks the step touched. A list of objects of one other slotted class
-is saved in one pass, and what they refer to is walked from its first item only.
+succeeded, ``restore()`` when it was undone. The pool's own list of its blocks, fixed when the pool is
+made, is recognised and skipped; so a snapshot costs what the scheduler's queues, requests and indexes
+hold, not the pool's size (8,193 blocks for the tiny Llama: 3-7 ms when every block was copied, a pass
+over the list still cost about 0.5 ms; ``benchmarks/bench_step.py`` on a shared, loaded 2-core machine),
+and an undo costs the blocks the step touched. A list of objects of one other slotted class is saved
+in one pass, and what they refer to is walked from its first item only.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvlab.core.kv_cache_utils import KVCacheBlock, close_journal, open_journal
+from kvlab.core.sched.output import SamplingParams, ScheduledRequest
 
-#: Values a step may replace but never changes in place: kept by reference, not walked.
+#: Values a step may replace but never changes in place: kept by reference, not walked (a step's frozen
+#: records of numbers and tuples among them: the last step's output holds one per request).
 _ATOMS: tuple[type, ...] = (int, float, complex, str, bytes, bool, type(None), range, frozenset, enum.Enum, type,
-                            types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+                            types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
+                            SamplingParams, ScheduledRequest)
 _UNSET = object()  # a slot that holds nothing
 _T = TypeVar("_T")
 _POOL_OF = operator.attrgetter("_pool")
@@ -67,6 +71,14 @@ class Snapshot:
         self._pools[id(pool)] = pool
         return True
 
+    def _is_pool_list(self, blocks: list[Any]) -> bool:
+        """True for the block list of a pool that journals (``BlockPool.blocks``); the pool joins ``_pools``."""
+        pool = blocks[0]._pool
+        if getattr(pool, "blocks", None) is not blocks or not hasattr(pool, "_journal"):
+            return False
+        self._pools[id(pool)] = pool
+        return True
+
     def close(self) -> None:
         """The step succeeded (or was undone): stop the pools' journals (``restore`` is no longer possible)."""
         for pool in self._pools.values():
@@ -78,6 +90,8 @@ class Snapshot:
             return
         if isinstance(obj, tuple):  # named tuples too: immutable, but they may hold what is not
             queue.extend(obj)
+        elif type(obj) is list and obj and type(obj[0]) is KVCacheBlock and self._is_pool_list(obj):
+            return  # a pool's own list of its blocks: fixed at its making, and every block journals itself
         elif isinstance(obj, list | deque | dict):
             items = list(obj.values() if isinstance(obj, dict) else obj)
             self._saved.append((obj, dict(obj) if isinstance(obj, dict) else items))
