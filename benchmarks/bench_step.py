@@ -1,7 +1,7 @@
 """Where one decode step's CPU goes, at 1, 4 and 16 running requests: kvlab's ``LLMEngine`` against transformers.
 
 Method: the trained ``tiny-pydoc-llama`` (float32, 1 torch thread, kvlab's torch attention backend, blocks
-of 16, the default pool), N chat prompts of 26-30 tokens (``kvlab.engine.throughput.text_workload``)
+of 16, a pool of N times the blocks one request needs, as ``bench_throughput.py`` sizes it), N chat prompts of 26-30 tokens (``kvlab.engine.throughput.text_workload``)
 admitted at once and prefilled, then ``STEPS`` decode steps, each timed phase by phase in process CPU
 time (``time.process_time``) through wrappers put around kvlab's own functions for the measurement:
 the step's undo record (``Snapshot``, opened and closed), ``Scheduler.schedule``, the model runner's
@@ -34,6 +34,7 @@ import kvlab.kernels  # noqa: F401 - first: sets Triton up before transformers i
 import torch
 
 from kvlab.data import TINY_MODEL_DIR
+from kvlab.units import cdiv
 
 STEPS = 24
 RUNNING = (1, 4, 16)
@@ -116,7 +117,9 @@ def kvlab_phases(prompts: list[list[int]], steps: int = STEPS) -> dict[str, floa
     """Median CPU milliseconds per decode step of each phase, ``len(prompts)`` requests running."""
     from kvlab.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(TINY_MODEL_DIR, attention_backend="torch", dtype="float32", block_size=16)
+    longest = max(map(len, prompts)) + steps + 2
+    engine = LLMEngine(TINY_MODEL_DIR, attention_backend="torch", dtype="float32", block_size=16,
+                       num_gpu_blocks=1 + len(prompts) * cdiv(longest, 16))  # sized as bench_throughput's pools
     engine.generate([prompts[0]], max_tokens=2, use_tqdm=False)  # warm-up, untimed
     for prompt in prompts:
         engine.add_request(prompt, max_tokens=steps + 2, ignore_eos=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from kvlab.kernels.checks import AttentionBatch, HostMetadata, check_attention, check_cache_write, check_no_aliasing
@@ -38,39 +39,53 @@ from kvlab.kernels.fp8 import dequantize_fp8, quantize_fp8
 from kvlab.kernels.grid import KernelConfig
 
 
-def visible_keys(seq_lens: torch.Tensor, query_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
-                 causal: bool, sliding_window: int | None = None) -> torch.Tensor:
-    """``[num_seqs, max_query_len, max_seq_len]``: may query row ``r`` of sequence ``s`` read key ``j``?
+def visible_keys(seq_lens: torch.Tensor | np.ndarray, query_lens: torch.Tensor | np.ndarray, max_query_len: int,
+                 max_seq_len: int, causal: bool, sliding_window: int | None = None) -> torch.Tensor:
+    """``[num_seqs, max_query_len, max_seq_len]`` (a host tensor): may query row ``r`` of sequence ``s`` read key ``j``?
 
     Key ``j`` exists if ``j < seq_lens[s]``; with ``causal`` it must also not lie after the query,
     whose absolute position is ``seq_lens[s] - query_lens[s] + r`` (the queries are the last
     tokens), and with a ``sliding_window`` W not lie W or more before it. Rows past
-    ``query_lens[s]`` are padding and copy the last real row, so no row is empty.
+    ``query_lens[s]`` are padding and copy the last real row, so no row is empty. Host arithmetic
+    (numpy) on host lengths: a step's masks are computed once, before any layer runs.
     """
-    device = seq_lens.device
-    rows = torch.arange(max_query_len, device=device)                        # [Lq]
-    keys = torch.arange(max_seq_len, device=device)[None, None, :]           # [1, 1, Lk]
-    visible = (keys < seq_lens[:, None, None]).expand(-1, max_query_len, -1)
+    return torch.from_numpy(_visible_keys(np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64),
+                                          max_query_len, max_seq_len, causal, sliding_window))
+
+
+def _visible_keys(seq_lens: np.ndarray, query_lens: np.ndarray, max_query_len: int, max_seq_len: int, causal: bool,
+                  sliding_window: int | None) -> np.ndarray:
+    rows = np.arange(max_query_len)                                           # [Lq]
+    keys = np.arange(max_seq_len)[None, None, :]                              # [1, 1, Lk]
+    visible = np.broadcast_to(keys < seq_lens[:, None, None], (len(seq_lens), max_query_len, max_seq_len))
     if causal:
-        rows = torch.minimum(rows[None, :], query_lens[:, None] - 1)         # [S, Lq]: padding -> last row
-        q_pos = (seq_lens - query_lens)[:, None, None] + rows[:, :, None]    # [S, Lq, 1] absolute positions
+        rows = np.minimum(rows[None, :], query_lens[:, None] - 1)             # [S, Lq]: padding -> last row
+        q_pos = (seq_lens - query_lens)[:, None, None] + rows[:, :, None]     # [S, Lq, 1] absolute positions
         visible = visible & (keys <= q_pos)
         if sliding_window is not None:
             visible = visible & (keys > q_pos - sliding_window)
-    return visible                                                            # [S, Lq, Lk]
+    return np.require(visible, requirements=("C", "W"))                      # [S, Lq, Lk]
 
 
-def slot_positions(block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+def slot_positions(block_table: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray, max_seq_len: int,
                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(block ids, offsets)``, each ``[num_seqs, max_seq_len]``: where token ``j`` of sequence ``s`` lives.
+    """``(block ids, offsets)``, each ``[num_seqs, max_seq_len]`` (host tensors): where token ``j`` of sequence ``s``
+    lives, read from the host copy of the block table.
 
     Token ``j`` is at ``block_table[s, j // block_size]``, offset ``j % block_size``. Positions past
     ``seq_lens[s]`` are padding; they read token 0's slot, which the checks saw and the mask hides,
     so no table entry past a sequence is followed and no slot past it is read.
     """
-    positions = torch.arange(max_seq_len, device=block_table.device)[None, :]          # [1, Lk]
-    positions = torch.where(positions < seq_lens[:, None], positions, 0)                # [S, Lk]
-    return block_table.long().gather(1, positions // block_size), positions % block_size
+    blocks, offsets = _slot_positions(np.asarray(block_table), np.asarray(seq_lens, dtype=np.int64), max_seq_len,
+                                      block_size)
+    return torch.from_numpy(blocks), torch.from_numpy(offsets)
+
+
+def _slot_positions(block_table: np.ndarray, seq_lens: np.ndarray, max_seq_len: int, block_size: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    positions = np.arange(max_seq_len)[None, :]                               # [1, Lk]
+    positions = np.where(positions < seq_lens[:, None], positions, 0)         # [S, Lk]
+    return np.take_along_axis(block_table.astype(np.int64), positions // block_size, axis=1), positions % block_size
 
 
 def gather_padded(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
@@ -86,7 +101,9 @@ def gather_padded(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tens
         kv = rows.view(*blocks.shape, *cache.shape[2:])                                  # [S, Lk, H, D]
     else:
         kv = cache[blocks, offsets]                                                      # [S, Lk, H, D]
-    return dequantize_fp8(kv, scale) if scale is not None else kv.float()
+    if scale is not None:
+        return dequantize_fp8(kv, scale)
+    return kv if kv.dtype == torch.float32 else kv.float()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -100,7 +117,8 @@ class SDPACall:
     blocks: torch.Tensor            # [S, Lk]: the block of each key
     offsets: torch.Tensor           # [S, Lk]: its offset in the block
     flat: torch.Tensor              # [S * Lk]: blocks * block_size + offsets
-    mask: torch.Tensor              # [S, 1, G * Lq, Lk] (decodes: [S, 1, 1, Lk]): may the row read the key?
+    mask: torch.Tensor              # [S, 1, G * Lq, Lk] (decodes: [S, 1, 1, Lk]): 0 where the row reads the key, -inf
+                                    # where it may not (float32, the boolean mask as SDPA itself would turn it)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,31 +133,39 @@ class TorchAttentionPlan:
     calls: tuple[SDPACall, ...]
 
 
-def plan_call(batch: AttentionBatch, block_table: torch.Tensor, seqs: list[int], device: torch.device) -> SDPACall:
-    """The layout of one padded SDPA call over the sequences ``seqs`` (indices into the batch)."""
-    starts = [batch.query_start_loc[i] for i in seqs]
-    q_lens = [batch.query_lens[i] for i in seqs]
-    lens = [batch.seq_lens[i] for i in seqs]
-    num_seqs, max_q, max_k = len(seqs), max(q_lens), max(lens)
+def plan_call(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int], device: torch.device) -> SDPACall:
+    """The layout of one padded SDPA call over the sequences ``seqs`` (indices into the batch), computed on the host
+    from the checked batch and the block table's host copy, then put on ``device``."""
+    index = np.asarray(seqs)
+    query_start_loc = np.asarray(batch.query_start_loc, dtype=np.int64)
+    starts = query_start_loc[:-1][index]                                      # [S]
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1])[index]
+    lens = np.asarray(batch.seq_lens, dtype=np.int64)[index]
+    num_seqs, max_q, max_k = len(seqs), int(q_lens.max()), int(lens.max())
     group = batch.num_queries_per_kv
-    seq_lens = torch.tensor(lens, device=device)                              # [S]
-    query_lens = torch.tensor(q_lens, device=device)
-    rows = torch.arange(max_q, device=device)
-    real = rows[None, :] < query_lens[:, None]                                # [S, Lq]: not padding
-    tokens = (torch.tensor(starts, device=device)[:, None] + rows[None, :])[real]   # [n]
-    table = block_table[torch.tensor(seqs, device=block_table.device)]
-    blocks, offsets = slot_positions(table, seq_lens, max_k, batch.block_size)
-    mask = visible_keys(seq_lens, query_lens, max_q, max_k, batch.causal, batch.sliding_window)  # [S, Lq, Lk]
+    rows = np.arange(max_q)
+    real = rows[None, :] < q_lens[:, None]                                    # [S, Lq]: not padding
+    tokens = (starts[:, None] + rows[None, :])[real]                          # [n]
+    blocks, offsets = _slot_positions(block_table[index], lens, max_k, batch.block_size)
+    mask = _visible_keys(lens, q_lens, max_q, max_k, batch.causal, batch.sliding_window)   # [S, Lq, Lk]
     if max_q == 1:                                                            # decodes: one row for the group
         mask = mask[:, None]                                                  # [S, 1, 1, Lk]
     else:
-        mask = mask[:, None, None].expand(-1, 1, group, -1, -1).reshape(num_seqs, 1, group * max_q, max_k)
-    return SDPACall(num_seqs, max_q, tokens, None if len(tokens) == num_seqs * max_q else real, blocks, offsets,
-                    (blocks * batch.block_size + offsets).flatten(), mask)
+        mask = np.broadcast_to(mask[:, None, None], (num_seqs, 1, group, max_q, max_k)).reshape(
+            num_seqs, 1, group * max_q, max_k)
+    mask = np.where(mask, np.float32(0), np.float32(-np.inf))  # added to the scores: what SDPA makes of a boolean mask
+    on_device = [torch.from_numpy(np.require(a, requirements=("C", "W"))).to(device)
+                 for a in (tokens, real, blocks, offsets, (blocks * batch.block_size + offsets).reshape(-1), mask)]
+    tokens_t, real_t, blocks_t, offsets_t, flat_t, mask_t = on_device
+    return SDPACall(num_seqs, max_q, tokens_t, None if len(tokens) == num_seqs * max_q else real_t, blocks_t,
+                    offsets_t, flat_t, mask_t)
 
 
-def plan_attention(batch: AttentionBatch, block_table: torch.Tensor, device: torch.device) -> TorchAttentionPlan:
-    """Decode steps and longer queries (prefill chunks) as two calls, so a long prompt does not pad every decode."""
+def plan_attention(batch: AttentionBatch, block_table: np.ndarray, device: torch.device) -> TorchAttentionPlan:
+    """Decode steps and longer queries (prefill chunks) as two calls, so a long prompt does not pad every decode.
+
+    ``block_table`` is the table's host copy (``HostMetadata.block_table_cpu``, as a numpy array).
+    """
     decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
     longer = [i for i, n in enumerate(batch.query_lens) if n > 1]
     return TorchAttentionPlan(batch, tuple(plan_call(batch, block_table, seqs, device)
@@ -152,7 +178,8 @@ def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     num_seqs, max_q = call.seqs, call.max_query_len
     h_kv, group, head_size = batch.num_kv_heads, batch.num_queries_per_kv, batch.head_size
     every_token = call.real is None and num_seqs == batch.num_seqs            # the whole batch, in order
-    picked = (query if every_token else query[call.tokens]).float()           # [n, Hq, D]
+    picked = query if every_token else query[call.tokens]                     # [n, Hq, D]
+    picked = picked if picked.dtype == torch.float32 else picked.float()
     if call.real is None:                                                     # equal lengths: nothing to pad
         q = picked.view(num_seqs, max_q, batch.num_q_heads, head_size)
     else:
@@ -203,7 +230,8 @@ def paged_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         batch = check_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale,
                                 causal=causal, k_scale=k_scale, v_scale=v_scale, num_kv_splits=num_kv_splits,
                                 out=out, sliding_window=sliding_window, host_metadata=host_metadata)
-        plan = plan_attention(batch, block_table, query.device)
+        host_table = host_metadata.block_table_cpu if host_metadata is not None else block_table.cpu()
+        plan = plan_attention(batch, host_table.numpy(), query.device)
         if key is not None:
             plans[key] = plan
     if out is None and len(plan.calls) == 1 and plan.calls[0].real is None and \
@@ -232,9 +260,12 @@ def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, key_cache: t
     written = None if plans is None else plans.get(signature)
     if written is None:
         w = check_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, slot_mapping_cpu)
-        keep = slot_mapping >= 0
         host = slot_mapping_cpu if slot_mapping_cpu is not None else slot_mapping
-        written = (w, None if bool((host >= 0).all()) else keep, slot_mapping[keep].long())
+        if w.num_tokens == 0 or int(host.min()) >= 0:   # no padding token: every row is written
+            written = (w, None, slot_mapping.long())
+        else:
+            keep = slot_mapping >= 0
+            written = (w, keep, slot_mapping[keep].long())
         if plans is not None:
             plans[signature] = written
     elif len({t.untyped_storage().data_ptr() for t in (key_cache, value_cache, key, value, slot_mapping)}) < 5:
@@ -244,7 +275,9 @@ def reshape_and_cache_torch(key: torch.Tensor, value: torch.Tensor, key_cache: t
     for src, cache, scale in ((key, key_cache, w.k_scale), (value, value_cache, w.v_scale)):
         rows = src if keep is None else src[keep]                       # [num_written, H, D]
         rows = quantize_fp8(rows, scale) if w.fp8 else rows
-        if cache.stride(0) == cache.shape[1] * cache.stride(1):         # slots flatten as a view
+        if cache.stride(0) != cache.shape[1] * cache.stride(1):         # slots do not flatten as a view
+            cache[slots // w.block_size, slots % w.block_size] = rows
+        elif w.fp8:                                                     # index_copy_ has no float8 kernel
             cache.flatten(0, 1)[slots] = rows
         else:
-            cache[slots // w.block_size, slots % w.block_size] = rows
+            cache.flatten(0, 1).index_copy_(0, slots, rows)

@@ -131,9 +131,10 @@ class InputBatch:
         and per group the block-table rows and each token's slot."""
         scheduled = scheduler_output.scheduled
         num_reqs = len(scheduled)
-        rows = np.fromiter((self.req_id_to_index[s.request_id] for s in scheduled), np.int64, num_reqs)
-        num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_reqs)
-        num_scheduled = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_reqs)
+        index = self.req_id_to_index
+        rows = np.array([index[s.request_id] for s in scheduled], dtype=np.int64)
+        num_computed = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
+        num_scheduled = np.array([len(s.token_ids) for s in scheduled], dtype=np.int64)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -142,7 +143,10 @@ class InputBatch:
         else:
             req_of_token = np.repeat(np.arange(num_reqs), num_scheduled)  # [num_tokens]
             positions = np.arange(num_tokens) - (query_start_loc[:-1] - num_computed)[req_of_token]
-        token_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in scheduled), np.int64, num_tokens)
+        if num_tokens == num_reqs:
+            token_ids = np.array([s.token_ids[0] for s in scheduled], dtype=np.int64)
+        else:  # the tokens are chained and copied at C speed, not looped over in Python
+            token_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in scheduled), np.int64, num_tokens)
         tables, slots = [], []
         for table in self.block_tables:
             width = max(int(table.num_blocks_per_row[rows].max()), 1)

@@ -42,7 +42,9 @@ class Sampler:
         errors: dict[str, Exception] = {}
         if not rows:
             return sampled, errors
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [num_seqs]
+        # A row whose sum is finite holds no NaN or infinity (one reduction, not a mask of the whole batch); a sum
+        # that overflowed only sends its row to ``sample``, which checks it element by element.
+        finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # [num_seqs]
         greedy = logits.argmax(dim=-1).tolist()  # [num_seqs]
         for row, (request_id, params) in zip(rows, requests, strict=True):
             if params.is_greedy and finite[row]:

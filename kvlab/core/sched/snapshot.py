@@ -34,16 +34,27 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvlab.core.kv_cache_utils import KVCacheBlock, close_journal, open_journal
-from kvlab.core.sched.output import SamplingParams, ScheduledRequest
+from kvlab.core.sched.output import SamplingParams, ScheduledRequest, SchedulerOutput
 
-#: Values a step may replace but never changes in place: kept by reference, not walked (a step's frozen
-#: records of numbers and tuples among them: the last step's output holds one per request).
+#: Values a step may replace but never changes in place: kept by reference, not walked (among them a step's
+#: output and its frozen records of numbers and tuples, one per request, which nothing changes once made).
 _ATOMS: tuple[type, ...] = (int, float, complex, str, bytes, bool, type(None), range, frozenset, enum.Enum, type,
                             types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
-                            SamplingParams, ScheduledRequest)
+                            SamplingParams, ScheduledRequest, SchedulerOutput)
 _UNSET = object()  # a slot that holds nothing
 _T = TypeVar("_T")
 _POOL_OF = operator.attrgetter("_pool")
+
+
+@functools.cache  # a class is an atom or not once and for all
+def _is_atom(cls: type) -> bool:
+    return issubclass(cls, _ATOMS)
+
+
+def _extend(queue: deque[Any], items: Any) -> None:
+    """Queue what ``items`` hold, unless every one is an atom (a request's token ids: checked at C speed)."""
+    if not all(map(_is_atom, set(map(type, items)))):
+        queue.extend(items)
 
 
 class Snapshot:
@@ -54,10 +65,11 @@ class Snapshot:
         self._seen: set[int] = set()
         self._pools: dict[int, Any] = {}  # the pools whose blocks journal their own changes
         queue = deque([root])  # breadth first: the pool's list of blocks comes before the free queue's links
+        seen, is_atom = self._seen, _is_atom
         while queue:
             obj = queue.popleft()
-            if not isinstance(obj, _ATOMS) and id(obj) not in self._seen:
-                self._seen.add(id(obj))
+            if not is_atom(type(obj)) and id(obj) not in seen:
+                seen.add(id(obj))
                 self._save(obj, queue)
         # Opened last, so the walk above changes nothing they record; a fresh journal replaces one an interrupt
         # left open between a snapshot and its step.
@@ -89,7 +101,7 @@ class Snapshot:
         if isinstance(obj, KVCacheBlock) and self._journaled(obj):
             return
         if isinstance(obj, tuple):  # named tuples too: immutable, but they may hold what is not
-            queue.extend(obj)
+            _extend(queue, obj)
         elif type(obj) is list and obj and type(obj[0]) is KVCacheBlock and self._is_pool_list(obj):
             return  # a pool's own list of its blocks: fixed at its making, and every block journals itself
         elif isinstance(obj, list | deque | dict):
@@ -97,10 +109,10 @@ class Snapshot:
             self._saved.append((obj, dict(obj) if isinstance(obj, dict) else items))
             if len(items) > 1 and self._save_alike(items, queue):
                 return
-            queue.extend(items)  # a dict's keys are hashable, so never changed in place
+            _extend(queue, items)  # a dict's keys are hashable, so never changed in place
         elif isinstance(obj, set):
             self._saved.append((obj, set(obj)))
-            queue.extend(obj)
+            _extend(queue, obj)
         elif isinstance(obj, random.Random):
             self._saved.append((obj, obj.getstate()))
         else:
