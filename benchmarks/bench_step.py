@@ -1,22 +1,25 @@
 """Where one decode step's CPU goes, at 1, 4 and 16 running requests: kvlab's ``LLMEngine`` against transformers.
 
-Method: the trained ``tiny-pydoc-llama`` (float32, 1 torch thread, kvlab's torch attention backend, blocks
-of 16, a pool of N times the blocks one request needs, as ``bench_throughput.py`` sizes it), N chat prompts of 26-30 tokens (``kvlab.engine.throughput.text_workload``)
-admitted at once and prefilled, then ``STEPS`` decode steps, each timed phase by phase in process CPU
-time (``time.process_time``) through wrappers put around kvlab's own functions for the measurement:
-the step's undo record (``Snapshot``, opened and closed), ``Scheduler.schedule``, the model runner's
-input preparation (the persistent batch updated from the step's new block ids, then positions, slot
-mapping, block tables, sequence lengths and query start locations), the forward by layer (the
-attention's cache write, its per-step plan (checks, gather indices, masks; built by the first layer
-and reused by the others), its K/V gather and SDPA apart, and the rest of the layer: norms,
-projections, RoPE, MLP), the LM head on the sampled rows, sampling, ``update_from_output`` with
-``make_stats``, and the engine's own bookkeeping (the rest of ``LLMEngine.step``: outputs, latency
-and metrics). Each figure is the median over the steps of one run. transformers' ``generate`` runs
-the same N prompts (left-padded, greedy, ``STEPS`` + 1 new tokens) with a stopping criterion that
-notes the CPU time at each step and a forward hook that times the model's forward; its decode
-steps' medians are printed beside kvlab's: the forward, and the rest of ``generate``'s step (logits
-processors, the cache, stopping). The wrappers cost about a microsecond each, a few dozen per step.
-Printed, and returned by ``breakdown`` for ``bench_throughput.py``, which saves it with its ratios.
+Method: the trained ``tiny-pydoc-llama`` (float32, 1 torch thread, kvlab's torch attention backend,
+blocks of 16, a pool of N times the blocks one request needs, as ``bench_throughput.py`` sizes it),
+N chat prompts of 26-34 tokens (``kvlab.engine.throughput.text_workload``) admitted at once and
+prefilled, then decode steps, each timed phase by phase in process CPU time (``time.process_time``)
+through wrappers put around kvlab's own functions for the measurement: the step's undo record
+(``Snapshot``, opened and closed), ``Scheduler.schedule``, the model runner's input preparation (the
+persistent batch updated from the step's new block ids, then positions, slot mapping, block tables,
+sequence lengths and query start locations), the forward by layer (the attention's cache write, its
+per-step plan (checks, gather indices, masks; built by the first layer and reused by the others),
+its K/V gather and SDPA apart, and the rest of the layer: norms, projections, RoPE, MLP), the LM
+head on the sampled rows, sampling, ``update_from_output`` with ``make_stats``, and the engine's own
+bookkeeping (the rest of ``LLMEngine.step``: outputs, latency and metrics). transformers' ``generate``
+runs the same N prompts (left-padded, greedy) with a stopping criterion that notes the CPU time at
+each step and a forward hook that times the model's forward: its decode steps, split into the
+forward and the rest of ``generate``'s step (logits processors, the cache, stopping). The two
+alternate, ``ROUNDS`` rounds of ``STEPS`` decode steps each (a shared machine's load then falls on
+both alike; kvlab's context keeps growing over the rounds, transformers' restarts at the prompt), and
+each figure is the median over all the steps. The wrappers cost about a microsecond each, a few
+dozen per step, and count in kvlab's phases. Printed, and returned by ``breakdown`` for
+``bench_throughput.py``, which saves it with its ratios.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import torch
 from kvlab.data import TINY_MODEL_DIR
 from kvlab.units import cdiv
 
-STEPS = 24
+STEPS = 8  # decode steps per round
+ROUNDS = 4
 RUNNING = (1, 4, 16)
 
 
@@ -113,30 +117,11 @@ def _instrument(engine: Any, clock: Clock, stack: contextlib.ExitStack) -> None:
         stack.enter_context(patched(attn, "forward", clock.timed("attention", attn.forward)))
 
 
-def kvlab_phases(prompts: list[list[int]], steps: int = STEPS) -> dict[str, float]:
-    """Median CPU milliseconds per decode step of each phase, ``len(prompts)`` requests running."""
-    from kvlab.engine.llm_engine import LLMEngine
-
-    longest = max(map(len, prompts)) + steps + 2
-    engine = LLMEngine(TINY_MODEL_DIR, attention_backend="torch", dtype="float32", block_size=16,
-                       num_gpu_blocks=1 + len(prompts) * cdiv(longest, 16))  # sized as bench_throughput's pools
-    engine.generate([prompts[0]], max_tokens=2, use_tqdm=False)  # warm-up, untimed
-    for prompt in prompts:
-        engine.add_request(prompt, max_tokens=steps + 2, ignore_eos=True)
-    engine.step()  # the prefill
-    clock = Clock()
-    with contextlib.ExitStack() as stack:
-        _instrument(engine, clock, stack)
-        for _ in range(steps):
-            started = time.process_time()
-            engine.step()
-            clock.add("step", time.process_time() - started)
-            clock.end_step()
-    m = clock.medians()
-    get = m.get
+def kvlab_phases(clock: Clock, num_layers: int) -> dict[str, float]:
+    """Median CPU milliseconds per decode step of each phase, from ``clock``'s steps."""
+    get = clock.medians().get
     attention_other = get("attention", 0) - get("attn_gather", 0) - get("attn_sdpa", 0) - get("attn_write", 0) \
         - get("attn_plan", 0)
-    num_layers = len(engine.model.model.layers)
     return {
         "step": get("step", 0),
         "snapshot": get("snapshot", 0),
@@ -161,9 +146,40 @@ def kvlab_phases(prompts: list[list[int]], steps: int = STEPS) -> dict[str, floa
     }
 
 
-def hf_phases(hf_model: Any, prompts: list[list[int]], steps: int = STEPS, pad_token_id: int = 0
-              ) -> dict[str, float]:
-    """Median CPU milliseconds per decode step of transformers' ``generate`` on the same prompts (left-padded)."""
+def phases(hf_model: Any, prompts: list[list[int]], rounds: int = ROUNDS, steps: int = STEPS
+           ) -> tuple[dict[str, float], dict[str, float]]:
+    """kvlab's phases and transformers' step, ``len(prompts)`` requests running, the two alternating."""
+    from kvlab.engine.llm_engine import LLMEngine
+
+    longest = max(map(len, prompts)) + rounds * steps + 2
+    engine = LLMEngine(TINY_MODEL_DIR, attention_backend="torch", dtype="float32", block_size=16,
+                       num_gpu_blocks=1 + len(prompts) * cdiv(longest, 16))  # sized as bench_throughput's pools
+    engine.generate([prompts[0]], max_tokens=2, use_tqdm=False)  # warm-up, untimed
+    for prompt in prompts:
+        engine.add_request(prompt, max_tokens=rounds * steps + 2, ignore_eos=True)
+    engine.step()  # the prefill
+    hf_phases(hf_model, prompts, 2)  # warm-up, untimed
+    clock, hf_steps, hf_forward = Clock(), [], []
+    for _ in range(rounds):
+        with contextlib.ExitStack() as stack:
+            _instrument(engine, clock, stack)
+            for _ in range(steps):
+                started = time.process_time()
+                engine.step()
+                clock.add("step", time.process_time() - started)
+                clock.end_step()
+        step_ms, forward_ms = hf_phases(hf_model, prompts, steps)
+        hf_steps += step_ms
+        hf_forward += forward_ms
+    hf = {"step": statistics.median(hf_steps), "forward": statistics.median(hf_forward)}
+    hf["rest"] = hf["step"] - hf["forward"]
+    return kvlab_phases(clock, len(engine.model.model.layers)), hf
+
+
+def hf_phases(hf_model: Any, prompts: list[list[int]], steps: int, pad_token_id: int = 0
+              ) -> tuple[list[float], list[float]]:
+    """CPU milliseconds of each decode step of transformers' ``generate`` on the prompts (left-padded), and of each
+    step's forward."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     marks: list[float] = []
@@ -182,9 +198,6 @@ def hf_phases(hf_model: Any, prompts: list[list[int]], steps: int = STEPS, pad_t
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     try:
         with torch.no_grad():
-            hf_model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=pad_token_id)
-            marks.clear()
-            forward.clear()
             hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
                               do_sample=False, pad_token_id=pad_token_id,
                               stopping_criteria=StoppingCriteriaList([Mark()]))
@@ -192,12 +205,10 @@ def hf_phases(hf_model: Any, prompts: list[list[int]], steps: int = STEPS, pad_t
         pre.remove()
         post.remove()
     step_ms = [1e3 * (b - a) for a, b in zip(marks, marks[1:], strict=False)]  # decode steps only
-    forward_ms = [1e3 * f for f in forward[1:]]
-    return {"step": statistics.median(step_ms), "forward": statistics.median(forward_ms),
-            "rest": statistics.median(step_ms) - statistics.median(forward_ms)}
+    return step_ms, [1e3 * f for f in forward[1:]]
 
 
-def breakdown(running: tuple[int, ...] = RUNNING, steps: int = STEPS, hf_model: Any = None) -> list[dict[str, Any]]:
+def breakdown(running: tuple[int, ...] = RUNNING, hf_model: Any = None) -> list[dict[str, Any]]:
     """One row per running count: kvlab's phases and transformers' step, CPU milliseconds per decode step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -209,14 +220,14 @@ def breakdown(running: tuple[int, ...] = RUNNING, steps: int = STEPS, hf_model: 
     with torch_threads(1):
         for n in running:
             prompts = [list(p) for p in text_workload(tokenizer, n).prompts]
-            rows.append({"running": n, "kvlab": kvlab_phases(prompts, steps), "transformers": hf_phases(hf_model,
-                                                                                                     prompts, steps)})
+            kvlab, transformers = phases(hf_model, prompts)
+            rows.append({"running": n, "kvlab": kvlab, "transformers": transformers})
     return rows
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     phases = [p for p in rows[0]["kvlab"] if p != "layers"]
-    print(f"CPU ms per decode step (median of {STEPS} steps); attention and layer rows are summed over "
+    print(f"CPU ms per decode step (median of {ROUNDS} x {STEPS} steps); attention and layer rows are summed over "
           f"{rows[0]['kvlab']['layers']} layers")
     print(f"{'phase':>22} " + " ".join(f"{r['running']:>7} run" for r in rows))
     for phase in phases:

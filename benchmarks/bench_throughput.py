@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from bench_step import STEPS, breakdown, print_rows
+    from bench_step import ROUNDS, STEPS, breakdown, print_rows
     from transformers import AutoTokenizer
 
     workload = text_workload(AutoTokenizer.from_pretrained(TINY_MODEL_DIR), NUM_REQUESTS)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                   prompt_lens=[min(map(len, workload.prompts)), max(map(len, workload.prompts))],
                   tokens=workload.num_tokens)
     load = os.getloadavg()[0]
-    result["step_breakdown"] = {"steps": STEPS, "unit": "CPU ms per decode step (median over the steps)",
+    result["step_breakdown"] = {"steps": ROUNDS * STEPS, "unit": "CPU ms per decode step (median over the steps)",
                                 "load_1min": load, "rows": breakdown()}
     print(f"tiny-pydoc-llama, {NUM_REQUESTS} requests, {workload.num_tokens} tokens, on {machine_line()}")
     print(f"load average (1 min) {result['load_1min']}; torch threads {args.threads}")
