@@ -49,8 +49,9 @@ def visible_keys(seq_lens: torch.Tensor | np.ndarray, query_lens: torch.Tensor |
     ``query_lens[s]`` are padding and copy the last real row, so no row is empty. Host arithmetic
     (numpy) on host lengths: a step's masks are computed once, before any layer runs.
     """
-    return torch.from_numpy(_visible_keys(np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64),
-                                          max_query_len, max_seq_len, causal, sliding_window))
+    visible = _visible_keys(np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64),
+                            max_query_len, max_seq_len, causal, sliding_window)
+    return torch.from_numpy(np.require(visible, requirements=("C", "W")))
 
 
 def _visible_keys(seq_lens: np.ndarray, query_lens: np.ndarray, max_query_len: int, max_seq_len: int, causal: bool,
@@ -64,7 +65,7 @@ def _visible_keys(seq_lens: np.ndarray, query_lens: np.ndarray, max_query_len: i
         visible = visible & (keys <= q_pos)
         if sliding_window is not None:
             visible = visible & (keys > q_pos - sliding_window)
-    return np.require(visible, requirements=("C", "W"))                      # [S, Lq, Lk]
+    return visible                                                            # [S, Lq, Lk] (maybe a read-only view)
 
 
 def slot_positions(block_table: torch.Tensor | np.ndarray, seq_lens: torch.Tensor | np.ndarray, max_seq_len: int,
@@ -154,7 +155,8 @@ def plan_call(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int], d
         mask = np.broadcast_to(mask[:, None, None], (num_seqs, 1, group, max_q, max_k)).reshape(
             num_seqs, 1, group * max_q, max_k)
     mask = np.where(mask, np.float32(0), np.float32(-np.inf))  # added to the scores: what SDPA makes of a boolean mask
-    on_device = [torch.from_numpy(np.require(a, requirements=("C", "W"))).to(device)
+    # Every array is a fresh result (contiguous, writable): shared with a host tensor, copied only to another device.
+    on_device = [torch.from_numpy(a) if device.type == "cpu" else torch.from_numpy(a).to(device)
                  for a in (tokens, real, blocks, offsets, (blocks * batch.block_size + offsets).reshape(-1), mask)]
     tokens_t, real_t, blocks_t, offsets_t, flat_t, mask_t = on_device
     return SDPACall(num_seqs, max_q, tokens_t, None if len(tokens) == num_seqs * max_q else real_t, blocks_t,
