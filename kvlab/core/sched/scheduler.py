@@ -413,9 +413,13 @@ class Scheduler:
         """
         untrusted: set[int] = set()
         failed: dict[str, BaseException] = {}
-        for s in scheduler_output.scheduled:
-            for table in self.kv_cache_manager.get_block_ids_per_group(s.request_id):
-                untrusted.update(table[s.num_computed_tokens // self.block_size:])
+        manager = self.kv_cache_manager
+        for s in scheduler_output.scheduled:  # the output sends new block ids only: the tables are the manager's
+            first = s.num_computed_tokens // self.block_size
+            if s.request_id in manager.req_to_blocks:
+                untrusted.update(*(table[first:] for table in manager.get_block_ids_per_group(s.request_id)))
+            else:  # freed already: the blocks the step sent are the ones it can have written
+                untrusted.update(*(table[first:] if s.whole_table else table for table in s.new_block_ids))
             failed.update(dict.fromkeys((s.request_id, *(child for child, _ in s.forked)), error))
         self.kv_cache_manager.block_pool.evict_blocks(untrusted, notify=False)
         self.finished_req_ids |= scheduler_output.finished_req_ids  # the executor may not have seen them
