@@ -7,7 +7,8 @@
   (``attention.py``; its grid and index arithmetic: ``grid.py``).
 * ``paged_attention_ref`` / ``reshape_and_cache_ref``: the torch specification (``reference.py``).
 * ``paged_attention_torch``: the same answer for CPUs, one batched gather plus torch's SDPA
-  (``torch_attention.py``), as fast as torch allows without Triton's interpreter.
+  (``torch_attention.py``), as fast as torch allows without Triton's interpreter; ``reshape_and_cache_torch``
+  writes the cache as the reference does, with its checks run once per step.
 * MLA's latent cache: ``concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping)`` writes each
   token's ``[c_kv, k_pe]`` into its slot of ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
   (``mla_cache_write.py``); ``mla_decode(q_latent, q_pe, kv_cache, block_table, seq_lens, scale=...)``
@@ -75,7 +76,7 @@ from kvlab.kernels.reference import (
     paged_attention_ref,
     reshape_and_cache_ref,
 )
-from kvlab.kernels.torch_attention import paged_attention_torch
+from kvlab.kernels.torch_attention import paged_attention_torch, reshape_and_cache_torch
 from kvlab.kernels.verify import PACKAGED_BATCHES, BatchSpec, KernelReport, check_kernel
 
 from kvlab.errors import KernelInputError, UnknownNameError
@@ -240,5 +241,6 @@ __all__ = [
     "quantize_fp8",
     "reshape_and_cache",
     "reshape_and_cache_ref",
+    "reshape_and_cache_torch",
     "to_legacy_layout",
 ]

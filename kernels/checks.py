@@ -22,6 +22,7 @@ import dataclasses
 import math
 import numbers
 
+import numpy as np
 import torch
 from kvlab.kernels._backend import TRITON_CUDA
 
@@ -226,14 +227,15 @@ def check_slot_mapping(slot_mapping: object, num_tokens: int, num_blocks: int, b
     elif slot_mapping.device.type != "cpu":
         slot_mapping = slot_mapping.cpu()                          # the one synchronisation
     num_slots = num_blocks * block_size
-    outside = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()
+    slots = slot_mapping.numpy()                                   # host values: numpy is quicker on a few
+    outside = np.flatnonzero((slots < -1) | (slots >= num_slots))
     if len(outside):
         token = int(outside[0])
         raise KernelInputError(
-            f"slot_mapping[{token}] = {int(slot_mapping[token])} is outside the cache: slots are "
+            f"slot_mapping[{token}] = {int(slots[token])} is outside the cache: slots are "
             f"0..{num_slots - 1} ({num_blocks} blocks of {block_size}), or -1 for padding"
         )
-    written = slot_mapping[slot_mapping >= 0].sort().values
+    written = np.sort(slots[slots >= 0])
     twice = written[1:][written[1:] == written[:-1]]
     if len(twice):
         raise KernelInputError(
@@ -254,13 +256,14 @@ def check_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, lens: l
                 f"seq_lens[{i}] = {length} needs {cdiv(length, block_size)} blocks of {block_size}, but "
                 f"block_table has only {max_blocks} columns: the sequence is longer than its table covers"
             )
-    used = torch.arange(max_blocks, device=block_table.device)[None, :] < (
-        (seq_lens.to(torch.int64) + block_size - 1) // block_size)[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_blocks))
-    if bool(bad.any()):
-        seq, col = (int(i) for i in bad.nonzero()[0].tolist())
+    table = block_table.numpy()                                    # host values: numpy is quicker on a few
+    blocks_needed = (seq_lens.numpy().astype(np.int64) + block_size - 1) // block_size  # [num_seqs]
+    used = np.arange(max_blocks)[None, :] < blocks_needed[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        seq, col = (int(i) for i in np.argwhere(bad)[0])
         raise KernelInputError(
-            f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the cache: block ids must be "
+            f"block_table[{seq}, {col}] = {int(table[seq, col])} is outside the cache: block ids must be "
             f"in [0, {num_blocks}) for a cache of {num_blocks} blocks"
         )
 

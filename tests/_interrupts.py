@@ -1,7 +1,8 @@
 """A Ctrl-C at a chosen line: a tracer that raises ``KeyboardInterrupt`` at the k-th line kvlab.core runs in a step.
 
-Lines under the executor are left out (a failure there fails the step's requests, a behaviour of its own),
-and so are the undo record's (``kvlab.core.sched.snapshot``), which runs only once the interrupt came.
+Lines under the executor are left out (a failure there fails the step's requests, a behaviour of its own), the
+line that calls it included (``kvlab.core.sched.loop._execute``, whose ``try`` holds that call), and so are the
+undo record's (``kvlab.core.sched.snapshot``), which runs only once the interrupt came.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ def calls_the_executor(frame) -> bool:
 
 
 def under_executor_or_snapshot(frame) -> bool:
-    """True inside an executor's ``execute_model`` or the undo record, however deep."""
+    """True inside an executor's ``execute_model`` (or the loop's call of it) or the undo record, however deep."""
     while frame is not None:
-        if frame.f_code.co_name == "execute_model" or frame.f_code.co_filename.endswith("snapshot.py"):
+        if frame.f_code.co_name in ("execute_model", "_execute") or frame.f_code.co_filename.endswith("snapshot.py"):
             return True
         frame = frame.f_back
     return False

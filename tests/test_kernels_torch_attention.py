@@ -9,7 +9,15 @@ import random
 
 import pytest
 import torch
-from kvlab.kernels import PACKAGED_BATCHES, check_kernel, paged_attention_ref, paged_attention_torch, quantize_fp8
+from kvlab.kernels import (
+    PACKAGED_BATCHES,
+    check_kernel,
+    paged_attention_ref,
+    paged_attention_torch,
+    quantize_fp8,
+    reshape_and_cache_ref,
+    reshape_and_cache_torch,
+)
 from kvlab.kernels.batches import FP8_BOUND, TOLERANCE, fresh_seed, make_batch, poisoned_out, relative_error
 from kvlab.kernels.torch_attention import visible_keys
 
@@ -133,3 +141,45 @@ def test_visible_keys_is_causal_with_context_and_stops_at_the_sequence():
     assert window[0].int().tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
     full = visible_keys(torch.tensor([5, 2]), torch.tensor([2, 1]), max_query_len=2, max_seq_len=5, causal=False)
     assert full[0].all() and full[1, 0].int().tolist() == [1, 1, 0, 0, 0]
+
+
+# ----------------------------------------------------------------- one plan per step, shared by every layer
+
+
+def test_layers_of_one_step_share_one_plan_and_get_the_answer_they_would_alone():
+    batch = make_batch([50, 17, 1, 9], [20, 1, 1, 9], group=2)
+    layer2 = (batch.query * 0.5, batch.key_cache.flip(-1).contiguous(), batch.value_cache * 2)  # its own q, K, V
+    plans = {}
+    first = paged_attention_torch(*batch.args(), plans=plans)
+    second = paged_attention_torch(*layer2, *batch.args()[3:], plans=plans)
+    assert len(plans) == 1                                                # the second layer reused the first's
+    assert torch.equal(first, paged_attention_torch(*batch.args()))      # bit for bit what no plan gives
+    assert torch.equal(second, paged_attention_torch(*layer2, *batch.args()[3:]))
+    paged_attention_torch(*batch.args(), sliding_window=4, plans=plans)   # another window: a plan of its own
+    assert len(plans) == 2
+
+
+def test_a_shared_plan_still_refuses_a_layer_whose_tensors_differ():
+    batch = make_batch([20, 5], [1, 5], group=2)
+    plans = {}
+    paged_attention_torch(*batch.args(), plans=plans)
+    wrong = batch.key_cache[:, :, :, :8]                                  # another head size: checked afresh
+    with pytest.raises(KernelInputError):
+        paged_attention_torch(batch.query, wrong, wrong, *batch.args()[3:], plans=plans)
+
+
+def test_the_torch_cache_write_is_the_references_and_checks_its_slots_once():
+    batch = make_batch([20, 5], [1, 5])
+    key, value = batch.query[:, :2].clone(), batch.query[:, 2:4].clone()  # [6, 2, D] for a cache of 2 KV heads
+    slots = torch.tensor([3, 40, 41, 42, 43, 44])
+    caches = [(batch.key_cache.clone(), batch.value_cache.clone()) for _ in range(3)]
+    reshape_and_cache_ref(key, value, *caches[0], slots)
+    plans = {}
+    reshape_and_cache_torch(key, value, *caches[1], slots, plans=plans)
+    reshape_and_cache_torch(key, value, *caches[2], slots, plans=plans)  # a second layer: the same plan
+    assert len(plans) == 1
+    for k, v in caches[1:]:
+        assert torch.equal(k.nan_to_num(7.0), caches[0][0].nan_to_num(7.0))
+        assert torch.equal(v.nan_to_num(7.0), caches[0][1].nan_to_num(7.0))
+    with pytest.raises(KernelInputError, match="shares memory"):          # aliasing is checked on every call
+        reshape_and_cache_torch(key, value, caches[1][0], caches[1][0], slots, plans=plans)

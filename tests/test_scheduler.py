@@ -177,6 +177,53 @@ def test_parallel_sampling_forks_after_the_prompt_and_copies_the_partial_block_o
     assert s.kv_cache_manager.usage == 0
 
 
+def replay_block_ids(scheduler, executor, tables):
+    """One step, its block ids applied as an executor applies them; returns the step's output."""
+    out, _, _ = step(scheduler, executor)
+    for request_id in (*out.finished_req_ids, *out.preempted_req_ids):
+        tables.pop(request_id, None)
+    for s in out.scheduled:
+        tables[s.request_id] = list(s.block_ids) if s.whole_table else tables[s.request_id] + list(s.block_ids)
+    return out
+
+
+def test_a_step_sends_only_the_new_block_ids_and_they_rebuild_every_block_table():
+    # As vLLM's SchedulerOutput: a new or resumed request's whole table, then only the blocks a step adds.
+    # kvlab also sends the whole table where it changed a table otherwise: a forked sample, a copy-on-write.
+    s = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    for r in (req("a", [7] * 9, max_tokens=9), req("b", [7] * 8 + [3], max_tokens=6),
+              req("c", 6, max_tokens=5, n=2, temperature=1.0, seed=0), req("d", 5, max_tokens=12)):
+        s.add_request(r)
+    executor, tables, outputs = NoComputeExecutor(vocab_size=1000), {}, []
+    while s.has_unfinished_requests():
+        outputs.append(replay_block_ids(s, executor, tables))
+        for request_id, table in tables.items():
+            if request_id in s.kv_cache_manager.req_to_blocks:
+                assert table == s.kv_cache_manager.get_block_ids(request_id), (len(outputs), request_id)
+    sent = [x for o in outputs for x in o.scheduled]
+    assert s.num_preemptions and s.kv_cache_manager.prefix_cache_stats.hits  # resumed requests and hits are sent
+    assert sum(not x.whole_table and not x.block_ids for x in sent) > len(sent) / 2  # most steps send no block id
+    assert all(x.whole_table for o in outputs for x in o.scheduled
+               if x.request_id in (*o.scheduled_new_req_ids, *o.scheduled_resumed_req_ids))
+    first_of_sample = next(x for x in sent if x.request_id == "c#1")
+    assert first_of_sample.whole_table and first_of_sample.block_ids  # the fork's table, from its first step
+
+
+def test_after_an_undone_step_every_table_is_sent_whole():
+    s = make_scheduler()
+    s.add_request(req("a", 6, max_tokens=5))
+    executor = NoComputeExecutor()
+    step(s, executor)
+    update = s.update_from_output
+    s.update_from_output = lambda *args: (_ for _ in ()).throw(KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        step(s, executor)  # the executor may have applied its new block ids: the step is undone after it
+    s.update_from_output = update
+    out, _, _ = step(s, executor)
+    assert out.scheduled[0].whole_table and out.scheduled[0].block_ids == tuple(s.kv_cache_manager.get_block_ids("a"))
+    assert not step(s, executor)[0].scheduled[0].whole_table
+
+
 def test_forked_samples_count_against_max_num_seqs():
     s = make_scheduler(max_num_seqs=4)
     s.add_request(req("a", 5, n=3))

@@ -122,6 +122,9 @@ class BlockPool:
         for block in self.blocks:
             block._pool = self
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_block_queue.fake_free_list_head._pool = self.free_block_queue.fake_free_list_tail._pool = self
+        # While a step's ``Snapshot`` is open: every block a change reaches, with its slots before the first change.
+        self._journal: dict[KVCacheBlock, tuple[Any, ...]] | None = None
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # Hashes a block holds besides its primary ``block_hash``: a partial entry registered on a
         # block that already had a full hash (vLLM's ``cached_block_hashes_by_block``).

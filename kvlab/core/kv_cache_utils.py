@@ -9,8 +9,10 @@ takes a cached block out of the middle of the queue in O(1).
 from __future__ import annotations
 
 import dataclasses
+import operator
+import weakref
 from collections.abc import Hashable, Iterable, Sequence
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from kvlab._validate import checked
 from kvlab.errors import BlockStateError, OutOfBlocksError
@@ -27,6 +29,10 @@ class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "_block_hash", "_block_hash_num_tokens", "prev_free_block",
                  "next_free_block", "is_null", "_pool")
 
+    #: The pools whose ``_journal`` is open (a step's ``Snapshot``): while there is one, every write to a block's
+    #: slot goes through ``_note_then_set`` (``open_journal``); with none, writes cost nothing extra.
+    _journalling: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0  # how many requests' block tables (or direct holders) point here
@@ -35,7 +41,7 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False  # block 0 when reserved: a placeholder that never holds KV
-        self._pool: object | None = None
+        self._pool: object | None = None  # the pool that owns it, whose ``_journal`` hears of its changes
 
     @property
     def block_hash(self) -> BlockHash | None:
@@ -70,6 +76,40 @@ class KVCacheBlock:
         cached = "" if self._block_hash is None else f", hash={short_hash(self._block_hash)}"
         null = ", null" if self.is_null else ""
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached}{null})"
+
+
+#: A block's slots as a tuple: the state an undo journal keeps (``kvlab.core.sched.snapshot``).
+_BLOCK_STATE = operator.attrgetter(*KVCacheBlock.__slots__)
+
+
+def _note_then_set(block: KVCacheBlock, name: str, value: object) -> None:
+    """``KVCacheBlock.__setattr__`` while a journal is open: a block of a journalling pool notes its slots in the
+    pool's journal before its first change, then the slot is set."""
+    journal = getattr(getattr(block, "_pool", None), "_journal", None)
+    if journal is not None and block not in journal:
+        journal[block] = _BLOCK_STATE(block)
+    object.__setattr__(block, name, value)
+
+
+def open_journal(pool: object) -> dict[KVCacheBlock, tuple[object, ...]]:
+    """Start an undo journal on ``pool`` (a fresh one replaces any left open); its blocks note themselves in it.
+
+    The undo record of a step (``kvlab.core.sched.snapshot``) then costs the blocks the step changes,
+    not the pool's size. Writes to blocks are noted only while some pool journals: the class's
+    ``__setattr__`` is swapped in by the first journal opened and out when the last one closes.
+    """
+    pool._journal = journal = {}  # type: ignore[attr-defined]
+    KVCacheBlock._journalling.add(pool)
+    KVCacheBlock.__setattr__ = _note_then_set  # type: ignore[method-assign]
+    return journal
+
+
+def close_journal(pool: object) -> None:
+    """End ``pool``'s journal (the step succeeded, or was undone); the last one closed makes writes plain again."""
+    pool._journal = None  # type: ignore[attr-defined]
+    KVCacheBlock._journalling.discard(pool)
+    if not KVCacheBlock._journalling and "__setattr__" in KVCacheBlock.__dict__:
+        del KVCacheBlock.__setattr__
 
 
 @dataclasses.dataclass

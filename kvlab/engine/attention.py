@@ -23,11 +23,13 @@ import torch
 from kvlab import kernels
 
 #: attention_backend -> (cache write, attention), names on ``kvlab.kernels``, looked up at each call
-#: (so a test that swaps a kernel there reaches the engine). The torch write is the reference: the
-#: interpreted Triton write costs milliseconds per layer and step on a CPU, the torch one microseconds.
+#: (so a test that swaps a kernel there reaches the engine). The torch write is the reference's (one
+#: indexed copy): the interpreted Triton write costs milliseconds per layer and step on a CPU, the torch
+#: one microseconds. The torch pair also take the step's ``plans``, so that their checks, gather indices
+#: and masks are computed by the step's first layer and reused by the others.
 BACKEND_KERNELS: dict[str, tuple[str, str]] = {
     "triton": ("reshape_and_cache", "paged_attention"),
-    "torch": ("reshape_and_cache_ref", "paged_attention_torch"),
+    "torch": ("reshape_and_cache_torch", "paged_attention_torch"),
 }
 
 
@@ -48,6 +50,8 @@ class AttentionMetadata:
     #: never the device ones, so they cost no device-to-host synchronisation.
     host: kernels.HostMetadata | None = None
     slot_mapping_cpu: torch.Tensor | None = None  # [num_tokens]
+    #: What the torch backend's kernels computed once for this step and every layer reuses (their ``plans``).
+    plans: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -94,8 +98,9 @@ class Attention(torch.nn.Module):
         key_cache, value_cache = kv_cache
         decode_only = query.shape[0] == attn_metadata.num_seqs  # one token per request (no device sync needed)
         write, attend = (getattr(kernels, name) for name in BACKEND_KERNELS[self.attention_backend])
+        shared = {"plans": attn_metadata.plans} if self.attention_backend == "torch" else {}
         write(key, value, key_cache, value_cache, attn_metadata.slot_mapping,
-              k_scale=self.k_scale, v_scale=self.v_scale, slot_mapping_cpu=attn_metadata.slot_mapping_cpu)
+              k_scale=self.k_scale, v_scale=self.v_scale, slot_mapping_cpu=attn_metadata.slot_mapping_cpu, **shared)
         return attend(
             query,
             key_cache,
@@ -111,4 +116,5 @@ class Attention(torch.nn.Module):
             config=self.kernel_config,
             sliding_window=self.sliding_window,
             host_metadata=attn_metadata.host,
+            **shared,
         )

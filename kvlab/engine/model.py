@@ -48,9 +48,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.to(torch.float32)
+        x = x if dtype == torch.float32 else x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
 class LlamaMLP(nn.Module):
@@ -81,7 +81,8 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: DecoderConfig, qkv_bias: bool = False, o_bias: bool = False,
                  sliding_window: int | None = None, rope: RopeConfig | None = None,
-                 norm: type[nn.Module] = RMSNorm, tp_group: GroupCoordinator | None = None) -> None:
+                 norm: type[nn.Module] = RMSNorm, tp_group: GroupCoordinator | None = None,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         tp_group = tp_group or single_rank()
         part = qkv_partition(config.num_attention_heads, config.num_key_value_heads, tp_group.world_size)
@@ -93,10 +94,12 @@ class LlamaAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, total_kv, qkv_bias, tp_group, num_replicas=part.num_kv_head_replicas)
         self.v_proj = ColumnParallelLinear(h, total_kv, qkv_bias, tp_group, num_replicas=part.num_kv_head_replicas)
         self.o_proj = RowParallelLinear(total_q, h, o_bias, tp_group)
+        self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(rope or config.rope, self.head_dim)
+        # the model's, shared by its layers (a step's angles once), unless this layer rotates its own way
+        self.rotary_emb = rotary_emb or RotaryEmbedding(rope or config.rope, self.head_dim)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=config.attention_scale,
                               sliding_window=sliding_window)
 
@@ -107,7 +110,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(hidden_states).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, Hq, D]
@@ -118,10 +121,12 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
 
     def __init__(self, config: DecoderConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 sliding_window: int | None = None, tp_group: GroupCoordinator | None = None) -> None:
+                 sliding_window: int | None = None, tp_group: GroupCoordinator | None = None,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, sliding_window, tp_group=tp_group)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, sliding_window, tp_group=tp_group,
+                                        rotary_emb=rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, mlp_bias, tp_group)
 
@@ -146,8 +151,9 @@ class LlamaModel(nn.Module):
                  tp_group: GroupCoordinator | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group)
+        rotary_emb = RotaryEmbedding(config.rope, config.head_dim)  # one for every layer: a step's angles once
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias, config.layer_sliding_window(i), tp_group)
+            LlamaDecoderLayer(config, qkv_bias, o_bias, mlp_bias, config.layer_sliding_window(i), tp_group, rotary_emb)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,13 +1,13 @@
 """The executor: one ``SchedulerOutput`` in, the forward pass on the paged cache, sampled tokens out.
 
-Mirrors the job of vLLM's ``GPUModelRunner.execute_model``, much reduced: copy blocks the
-scheduler asked for (copy-on-write), flatten the step's requests into one batch
-(``prepare_inputs``), run the model, compute logits only at each request's last token,
-sample. vLLM keeps a persistent batch on the GPU and updates it incrementally; kvlab
-rebuilds the small tensors every step, which is simpler to read and costs nothing next to
-the model on a CPU. A request that cannot be sampled (``RequestFailedError``: non-finite
-logits; or any other exception its sampling raises) goes into the output's ``errors``, and the
-rest of the batch is sampled as usual.
+Mirrors the job of vLLM's ``GPUModelRunner.execute_model``, much reduced: apply the step's changes to
+the persistent batch (``kvlab.engine.input_batch.InputBatch``: block tables kept from step to step,
+written only where a request got new blocks), copy blocks the scheduler asked for (copy-on-write),
+build the step's flat batch from it (``prepare_inputs``: token ids, positions, slot mapping, block
+tables, sequence lengths and query start locations, in numpy, no Python loop over tokens), run the
+model, compute logits only at each request's last token, and sample them all at once. A request that
+cannot be sampled (``RequestFailedError``: non-finite logits; or any other exception its sampling
+raises) goes into the output's ``errors``, and the rest of the batch is sampled as usual.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 
 from kvlab import kernels
 from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from kvlab.core.sequence import BlockCopy, compute_slot_mapping
+from kvlab.core.sequence import BlockCopy
 from kvlab.engine.attention import Attention, AttentionMetadata
+from kvlab.engine.input_batch import InputBatch, StepInputs
 from kvlab.engine.kv_cache_interface import KVCache, layer_tensors
 from kvlab.engine.kv_connector_model_runner import kv_connector_step, kv_layer_names
 from kvlab.engine.mla import MLAAttention
@@ -33,38 +34,31 @@ from kvlab.kernels.checks import check_num_kv_splits
 def prepare_inputs(
     scheduler_output: SchedulerOutput, block_size: int, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | tuple[AttentionMetadata, ...]]:
-    """``input_ids [num_tokens]``, ``positions [num_tokens]`` and the attention metadata of a step, on ``device``.
+    """``input_ids [num_tokens]``, ``positions [num_tokens]`` and the attention metadata of one step, on ``device``.
 
+    A batch of its own: every request must send its whole block table (``ScheduledRequest.whole_table``,
+    as in a first step); the model runner keeps its tables from step to step instead (``InputBatch``).
     Token ``j`` of request ``i`` sits at position ``num_computed_tokens + j`` and its K/V go to
     ``slot_mapping`` of that position through the request's block table. Block-table rows
     are padded with block 0, the null block, which no kernel reads past ``seq_lens``. With
     several KV cache groups each has its own block tables, hence its own ``slot_mapping`` and
     ``block_table``: the metadata is then one per group (``seq_lens`` and ``query_start_loc`` shared).
     """
-    input_ids: list[int] = []
-    positions: list[int] = []
-    seq_lens: list[int] = []
-    query_start_loc = [0]
-    num_groups = len(scheduler_output.scheduled[0].block_tables)
-    slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
-    for s in scheduler_output.scheduled:
-        step_positions = range(s.num_computed_tokens, s.num_computed_tokens + s.num_tokens)
-        input_ids += s.token_ids
-        positions += step_positions
-        for slots, table in zip(slot_mappings, s.block_tables, strict=True):
-            slots += compute_slot_mapping(table, block_size, step_positions)
-        seq_lens.append(s.num_computed_tokens + s.num_tokens)
-        query_start_loc.append(query_start_loc[-1] + s.num_tokens)
-    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)  # [num_seqs], kept on the host for the checks
-    query_start_loc_cpu = torch.tensor(query_start_loc, dtype=torch.int32)  # [num_seqs + 1]
+    batch = InputBatch(len(scheduler_output.scheduled[0].new_block_ids))
+    batch.update(scheduler_output)
+    return build_inputs(batch.prepare(scheduler_output, block_size), device)
+
+
+def build_inputs(step: StepInputs, device: str | torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | tuple[AttentionMetadata, ...]]:
+    """The step's tensors on ``device``, with the host copies the kernels' checks read (no device sync)."""
+    seq_lens_cpu = step.tensor(step.seq_lens)  # [num_seqs], kept on the host for the checks
+    query_start_loc_cpu = step.tensor(step.query_start_loc)  # [num_seqs + 1]
     seq_lens_t, query_start_loc_t = seq_lens_cpu.to(device), query_start_loc_cpu.to(device)
     metadata = []
-    for g, slots in enumerate(slot_mappings):
-        tables = [s.block_tables[g] for s in scheduler_output.scheduled]
-        width = max(len(t) for t in tables)
-        table_cpu = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables],
-                                 dtype=torch.int32)  # [num_seqs, max_blocks_per_seq]
-        slots_cpu = torch.tensor(slots, dtype=torch.int64)  # [num_tokens]
+    for table, slots in zip(step.block_tables, step.slot_mappings, strict=True):
+        table_cpu = step.tensor(table)  # [num_seqs, max_blocks_per_seq]
+        slots_cpu = step.tensor(slots)  # [num_tokens]
         metadata.append(AttentionMetadata(
             slot_mapping=slots_cpu.to(device),
             block_table=table_cpu.to(device),
@@ -73,9 +67,9 @@ def prepare_inputs(
             host=kernels.HostMetadata(seq_lens_cpu, table_cpu, query_start_loc_cpu),
             slot_mapping_cpu=slots_cpu,
         ))
-    input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)  # [num_tokens]
-    positions_t = torch.tensor(positions, dtype=torch.int64, device=device)  # [num_tokens]
-    return input_ids_t, positions_t, metadata[0] if num_groups == 1 else tuple(metadata)
+    input_ids_t = step.tensor(step.token_ids).to(device)  # [num_tokens]
+    positions_t = step.tensor(step.positions).to(device)  # [num_tokens]
+    return input_ids_t, positions_t, metadata[0] if len(metadata) == 1 else tuple(metadata)
 
 
 def copy_blocks(kv_caches: Sequence[KVCache], blocks_to_copy: Sequence[BlockCopy]) -> None:
@@ -131,6 +125,7 @@ class ModelRunner:
             if isinstance(layer, Attention):  # MLA layers keep their own kernels (kvlab.kernels.mla_decode)
                 layer.attention_backend = attention_backend
         self.attention_backend = attention_backend
+        self._input_batch: InputBatch | None = None
 
     @property
     def kernel_config(self) -> kernels.KernelConfig | None:
@@ -169,9 +164,21 @@ class ModelRunner:
     #: A KV connector's worker half (``kvlab.distributed.kv_transfer``), set by ``LLMEngine``; None: no connector.
     kv_connector: Any = None
 
+    @property
+    def input_batch(self) -> InputBatch:
+        """The persistent batch: every running request's block tables, one per KV cache group."""
+        if self._input_batch is None:
+            self._input_batch = InputBatch(1 if self.layer_groups is None else max(self.layer_groups) + 1)
+        return self._input_batch
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | tuple[AttentionMetadata, ...]]:
+        """The step's inputs from the persistent batch (already updated with the step's new block ids)."""
+        return build_inputs(self.input_batch.prepare(scheduler_output, self.block_size), self.device)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Copy blocks, run the forward over the flat batch, sample where the scheduler asked; with a KV connector,
-        its loads, saves and report around that (``kvlab.engine.kv_connector_model_runner``)."""
+        """Update the persistent batch, copy blocks, run the forward over the flat batch, sample where asked; with
+        a KV connector, its loads, saves and report around that (``kvlab.engine.kv_connector_model_runner``)."""
         if self.kv_connector is None:
             return self._execute_model(scheduler_output)
         layers = dict(zip(kv_layer_names(len(self.kv_caches)), self.kv_caches, strict=True))
@@ -182,25 +189,30 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.drop(scheduler_output.finished_req_ids)
+        self.input_batch.update(scheduler_output)
         copy_blocks(self.kv_caches, scheduler_output.blocks_to_copy)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput({})
-        input_ids, positions, metadata = prepare_inputs(scheduler_output, self.block_size, self.device)
+        input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         per_layer = metadata if isinstance(metadata, AttentionMetadata) else \
             [metadata[g] for g in self.layer_groups or [0] * len(self.kv_caches)]
         first = metadata if isinstance(metadata, AttentionMetadata) else metadata[0]
         hidden_states = self.model(input_ids, positions, self.kv_caches, per_layer)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden_states[first.logits_indices])  # [num_seqs, vocab]
-        sampled: dict[str, int] = {}
-        errors: dict[str, BaseException] = {}  # requests that cannot be sampled; the others go on
-        for row, s in zip(logits, scheduler_output.scheduled, strict=True):
-            if not s.sample:
-                continue  # a prefill chunk that does not reach the prompt's end
-            for request_id, params in ((s.request_id, s.sampling_params), *s.forked):
-                try:
-                    sampled[request_id] = self.sampler.sample(row, request_id, params)
-                except Exception as error:  # noqa: BLE001 - one request's failure (bad logits, a bad parameter) is its own
-                    errors[request_id] = error
-                if self.keep_logits:
-                    self.logits.setdefault(request_id, []).append(row.to("cpu", copy=True))
+        if hidden_states.shape[0] != first.num_seqs:  # else one token each (decodes): every row is sampled
+            hidden_states = hidden_states[first.logits_indices]  # [num_seqs, hidden]
+        logits = self.model.compute_logits(hidden_states)  # [num_seqs, vocab]
+        return self.sample(logits, scheduler_output)
+
+    def sample(self, logits: torch.Tensor, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Every request that samples this step (forked samples from their parent's row), in one batched call."""
+        rows, wanted = [], []
+        for i, s in enumerate(scheduler_output.scheduled):
+            if s.sample:  # else a prefill chunk that does not reach the prompt's end
+                for request_id, params in ((s.request_id, s.sampling_params), *s.forked):
+                    rows.append(i)
+                    wanted.append((request_id, params))
+        sampled, errors = self.sampler.sample_batch(logits, rows, wanted)
+        if self.keep_logits:
+            for row, (request_id, _) in zip(rows, wanted, strict=True):
+                self.logits.setdefault(request_id, []).append(logits[row].to("cpu", copy=True))
         return ModelRunnerOutput(sampled, errors)

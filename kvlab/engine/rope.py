@@ -43,12 +43,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies the rotation to query and key heads, given each token's absolute position."""
+    """Applies the rotation to query and key heads, given each token's absolute position.
+
+    One instance serves every layer of a model (as vLLM's ``get_rope`` hands every layer the same one),
+    and it keeps the cos and sin of the last ``positions`` tensor it saw: a step's layers share that
+    tensor (a fresh one every step, never changed in place), so the angles are computed once per step.
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         # A plain attribute, not a buffer: `model.to(bf16)` must not round the frequencies.
         self.inv_freq = rope_inv_freq(rope, head_dim)  # [head_dim // 2], float32
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[num_tokens, head_dim]`` for integer ``positions [num_tokens]``."""
@@ -61,6 +67,11 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [num_tokens, num_heads, head_dim]`` and ``key [num_tokens, num_kv_heads, head_dim]``."""
-        cos, sin = self.cos_sin(positions)
-        cos, sin = cos[:, None, :].to(query.dtype), sin[:, None, :].to(query.dtype)  # broadcast over heads
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == query.dtype:
+            cos, sin = last[2], last[3]  # this step's: another layer computed them from the same tensor
+        else:
+            cos, sin = self.cos_sin(positions)
+            cos, sin = cos[:, None, :].to(query.dtype), sin[:, None, :].to(query.dtype)  # broadcast over heads
+            self._last = (positions, query.dtype, cos, sin)
         return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin

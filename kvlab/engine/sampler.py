@@ -15,7 +15,7 @@ and raises, for the whole step, only with ``VLLM_RAISE_ON_LOGIT_NANS=1``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -28,6 +28,33 @@ class Sampler:
 
     def __init__(self) -> None:
         self.generators: dict[str, torch.Generator] = {}
+
+    def sample_batch(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[tuple[str, SamplingParams]]
+                     ) -> tuple[dict[str, int], dict[str, Exception]]:
+        """The next token of each of ``requests`` from its row of ``logits [num_seqs, vocab_size]``, and the
+        requests that could not be sampled with why (their exception; the others are sampled all the same).
+
+        One finiteness check and one ``argmax`` serve every greedy request at once (vLLM's sampler also
+        takes the whole batch); a draw at a temperature, or a row that is not finite, goes through ``sample``
+        request by request (a draw needs the request's own generator).
+        """
+        sampled: dict[str, int] = {}
+        errors: dict[str, Exception] = {}
+        if not rows:
+            return sampled, errors
+        # A row whose sum is finite holds no NaN or infinity (one reduction, not a mask of the whole batch); a sum
+        # that overflowed only sends its row to ``sample``, which checks it element by element.
+        finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # [num_seqs]
+        greedy = logits.argmax(dim=-1).tolist()  # [num_seqs]
+        for row, (request_id, params) in zip(rows, requests, strict=True):
+            if params.is_greedy and finite[row]:
+                sampled[request_id] = greedy[row]
+                continue
+            try:
+                sampled[request_id] = self.sample(logits[row], request_id, params)
+            except Exception as error:  # noqa: BLE001 - one request's failure (bad logits, a bad parameter) is its own
+                errors[request_id] = error
+        return sampled, errors
 
     def sample(self, logits: torch.Tensor, request_id: str, params: SamplingParams) -> int:
         """The next token for one request from its logits ``[vocab_size]``; non-finite logits raise."""

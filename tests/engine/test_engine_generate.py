@@ -17,6 +17,7 @@ from kvlab.kernels import TRITON_CUDA, backend, default_device
 from kvlab.core.sched.output import SamplingParams, ScheduledRequest, SchedulerOutput
 from kvlab.engine import LLMEngine, kv_pool, llm_engine, model_runner
 from kvlab.engine.evaluation import relative_error
+from kvlab.engine.input_batch import InputBatch
 from kvlab.engine.model_runner import copy_blocks, prepare_inputs
 from kvlab.engine.toy import random_token_ids
 from kvlab.errors import KernelInputError, KvlabValueError, RequestStateError, RequestTooLongError
@@ -250,6 +251,30 @@ def test_prepare_inputs_flattens_a_mixed_batch():
     assert meta.block_table.tolist() == [[3, 9, 0], [4, 1, 2]]  # padded with the null block
     assert meta.seq_lens.tolist() == [3, 18] and meta.query_start_loc.tolist() == [0, 3, 4]
     assert meta.logits_indices.tolist() == [2, 3]
+
+
+def test_the_persistent_batch_writes_a_table_once_and_then_only_the_new_block_ids():
+    params = SamplingParams()
+
+    def decode(*entries):  # (request id, position, block ids sent, whole table?) -> one step of decodes
+        scheduled = [ScheduledRequest(rid, (5,), pos, tuple(ids), True, params, whole_table=whole)
+                     for rid, pos, ids, whole in entries]
+        return SchedulerOutput(step=0, scheduled=scheduled, scheduled_new_req_ids=[], scheduled_resumed_req_ids=[],
+                               scheduled_running_req_ids=[], preempted_req_ids=[], finished_req_ids=set(),
+                               blocks_to_copy=[])
+
+    batch = InputBatch(num_groups=1)
+    batch.update(decode(("a", 9, (3, 9), True), ("b", 3, (4,), True)))      # first steps: whole tables
+    batch.update(decode(("b", 4, (), False), ("a", 16, (5,), False)))        # a crosses into a third block
+    step = batch.prepare(decode(("b", 7, (), False), ("a", 17, (), False)), block_size=8)
+    assert step.block_tables[0].tolist() == [[4, 0, 0], [3, 9, 5]]          # in the step's order, padded with 0
+    assert step.slot_mappings[0].tolist() == [4 * 8 + 7, 5 * 8 + 1]
+    assert step.positions.tolist() == [7, 17] and step.seq_lens.tolist() == [8, 18]
+    batch.update(SchedulerOutput(0, [], [], [], [], [], {"a"}, []))         # a finished: its row is free again
+    batch.add_request("c", [list(range(1, 41))])                              # row 0 again, the table grows
+    assert batch.req_id_to_index == {"b": 1, "c": 0} and batch.block_tables[0].block_table.shape[1] >= 40
+    with pytest.raises(KvlabValueError, match="whole block table"):
+        batch.update(decode(("stranger", 3, (6,), False)))
 
 
 def test_copy_blocks_copies_every_layer_k_and_v():

@@ -7,10 +7,10 @@ checkpoint directory (a ``config.json`` only), ``CacheConfig`` and a CPU ``Devic
 ``num_blocks``, and ``StructuredOutputManager``. The twin speaks vLLM's V1 model-runner protocol
 (``use_v2_model_runner`` off), where a request back from preemption is a cached request marked resumed
 (the V2 runner gets it as a new request), as kvlab's output marks it. Each step both schedule, the twin compares the two
-``SchedulerOutput`` through ``step_view`` (an adapter: kvlab's output states every block table, vLLM's
-only the new block ids), feeds both the same sampled tokens (``ModelRunnerOutput``), and compares
-what finished and why, each request's ``num_computed_tokens``, the queues in order and the
-prefix-cache stats of ``make_stats``.
+``SchedulerOutput`` through ``StepView`` (the new block ids each sends included: kvlab's, like vLLM's, are a new
+or resumed request's whole table and a running request's added blocks), feeds both the same sampled tokens
+(``ModelRunnerOutput``), and compares what finished and why, each request's ``num_computed_tokens``, the queues in
+order and the prefix-cache stats of ``make_stats``.
 
 The differences kvlab makes on purpose are in ``DELIBERATE_DIFFERENCES``; the twin steers clear of
 them (it runs vLLM synchronously, as kvlab runs) rather than papering over them.
@@ -112,36 +112,19 @@ def vllm_step_view(out) -> StepView:
     )
 
 
-class KvlabStepView:
-    """kvlab's ``SchedulerOutput`` as a ``StepView``: new block ids are read where the output carries them,
-    else found as what each block table gained since the request's previous step."""
-
-    def __init__(self) -> None:
-        self.tables: dict[str, tuple[tuple[int, ...], ...]] = {}
-
-    def __call__(self, out) -> StepView:
-        fresh = set(out.scheduled_new_req_ids) | set(out.scheduled_resumed_req_ids)
-        new_blocks = {}
-        for s in out.scheduled:
-            tables = s.block_tables
-            if hasattr(s, "new_block_ids"):  # the output states them itself
-                new_blocks[s.request_id] = tuple(tuple(g) for g in s.new_block_ids)
-            else:
-                before = () if s.request_id in fresh else self.tables.get(s.request_id, ())
-                new_blocks[s.request_id] = tuple(
-                    tuple(t[len(before[g]) if g < len(before) else 0:]) for g, t in enumerate(tables))
-            self.tables[s.request_id] = tables
-        for rid in (*out.preempted_req_ids, *out.finished_req_ids):
-            self.tables.pop(rid, None)
-        return StepView(
-            num_scheduled_tokens={s.request_id: s.num_tokens for s in out.scheduled},
-            new_req_ids=list(out.scheduled_new_req_ids),
-            resumed_req_ids=list(out.scheduled_resumed_req_ids),
-            running_req_ids=list(out.scheduled_running_req_ids),
-            new_block_ids={rid: ids for rid, ids in new_blocks.items() if any(ids)},
-            preempted_req_ids=sorted(out.preempted_req_ids),
-            finished_req_ids=set(out.finished_req_ids),
-        )
+def kvlab_step_view(out) -> StepView:
+    """kvlab's ``SchedulerOutput`` as a ``StepView``: each request's new block ids are what its record sends
+    (``ScheduledRequest.new_block_ids``: a new or resumed request's whole table, a running one's added blocks)."""
+    new_blocks = {s.request_id: tuple(tuple(g) for g in s.new_block_ids) for s in out.scheduled}
+    return StepView(
+        num_scheduled_tokens={s.request_id: s.num_tokens for s in out.scheduled},
+        new_req_ids=list(out.scheduled_new_req_ids),
+        resumed_req_ids=list(out.scheduled_resumed_req_ids),
+        running_req_ids=list(out.scheduled_running_req_ids),
+        new_block_ids={rid: ids for rid, ids in new_blocks.items() if any(ids)},
+        preempted_req_ids=sorted(out.preempted_req_ids),
+        finished_req_ids=set(out.finished_req_ids),
+    )
 
 
 @dataclass
@@ -167,7 +150,6 @@ class SchedTwin:
                                  max_model_len=self.max_model_len, kv_cache_groups=k_specs)
         self.k = Scheduler(manager, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                            max_model_len=self.max_model_len)
-        self.k_view = KvlabStepView()
         self.v = self._vllm_scheduler()
         vllm_utils.init_none_hash(sha256)
         self.v_hasher = vllm_utils.get_request_block_hasher(self.block_size, sha256) if self.enable_caching else None
@@ -216,7 +198,7 @@ class SchedTwin:
         self.steps += 1
         where = f"step {self.steps}"
         k_out, v_out = self.k.schedule(), self.v.schedule()
-        view = self.k_view(k_out)
+        view = kvlab_step_view(k_out)
         self.same(f"{where}: the step", view, vllm_step_view(v_out))
         samplers = [rid for rid in v_out.num_scheduled_tokens
                     if self.v.requests[rid].num_computed_tokens >= self.v.requests[rid].num_tokens]

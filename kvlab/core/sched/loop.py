@@ -21,7 +21,7 @@ import zlib
 from kvlab._validate import checked, positive_int
 from kvlab.core.sched.output import Executor, ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from kvlab.core.sched.scheduler import Scheduler
-from kvlab.core.sched.snapshot import Snapshot
+from kvlab.core.sched.snapshot import Snapshot, commit
 from kvlab.errors import RequestStateError
 
 
@@ -62,36 +62,49 @@ def step(scheduler: Scheduler, executor: Executor, *, atomic: bool = True
     design kvlab chose over failing the step's requests, so a Ctrl-C costs no request), blocks the
     step took out of the prefix cache stay out of it (it may have written them), and the exception
     is raised again. The next call schedules the same step afresh. ``atomic=False`` skips the snapshot
-    (a pass over the pool's blocks) for a caller that throws the scheduler away when a step raises:
-    a simulation builds its own and keeps nothing of an interrupted run.
+    (a walk of the scheduler's state; the pool's blocks journal their own changes) for a caller that
+    throws the scheduler away when a step raises: a simulation builds its own and keeps nothing of an
+    interrupted run.
     """
-    before = Snapshot(scheduler) if atomic else None
-    try:
+    before = None
+    try:  # nothing above this line changes anything, and every line below is undone if it raises
+        before = Snapshot(scheduler) if atomic else None
         scheduler_output = scheduler.schedule()
-        try:
-            model_runner_output = executor.execute_model(scheduler_output)
-        except BaseException as error:  # noqa: BLE001 - nothing may strand the step's requests; re-raised by callers
-            model_runner_output = scheduler.fail_step(scheduler_output, error)
+        model_runner_output = _execute(scheduler, executor, scheduler_output)
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
-        return scheduler_output, outputs, scheduler.make_stats()
+        return commit(before, (scheduler_output, outputs, scheduler.make_stats()))  # the journal closes last
     except BaseException:
         if before is not None:
             _undo(scheduler, before)
         raise
 
 
+def _execute(scheduler: Scheduler, executor: Executor, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    """The executor's output; if the executor raised, the output that fails the step's requests (``fail_step``).
+
+    A function of its own because CPython 3.11 leaves the ``try:`` line of a ``try`` nested in another
+    one outside both handlers: an interrupt landing there would have skipped ``step``'s undo.
+    """
+    try:
+        return executor.execute_model(scheduler_output)
+    except BaseException as error:  # noqa: BLE001 - nothing may strand the step's requests; re-raised by callers
+        return scheduler.fail_step(scheduler_output, error)
+
+
 def _undo(scheduler: Scheduler, before: Snapshot) -> None:
     """Put the scheduler back as ``before`` saw it; a block whose cached hash the step changed loses it.
 
     Such a block was evicted for reuse during the step, and the step's forward may have written
-    new KV into it, so its old hash must not serve a prefix hit. (A second interrupt during the undo
-    itself, a few milliseconds, is not guarded against.)
+    new KV into it, so its old hash must not serve a prefix hit. The executor may have applied the
+    undone step's new block ids to its copy of the tables, so the next step sends every table whole.
+    (A second interrupt during the undo itself, a few milliseconds, is not guarded against.)
     """
     blocks = scheduler.kv_cache_manager.block_pool.blocks
     hashes = [block.block_hash for block in blocks]
     before.restore()
     rewritten = [b.block_id for b, h in zip(blocks, hashes, strict=True) if b.block_hash not in (None, h)]
     scheduler.kv_cache_manager.block_pool.evict_blocks(rewritten, notify=False)
+    scheduler._send_every_table = True  # the executor may have applied the undone step's new block ids
 
 
 @checked

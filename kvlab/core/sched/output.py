@@ -144,26 +144,34 @@ class GenerationRequest(Request):
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step: the tokens to compute, where they sit, and whether to sample.
+    """One request's share of a step: the tokens to compute, where they sit, its new block ids, whether to sample.
 
-    vLLM splits this into ``NewRequestData`` / ``CachedRequestData`` because its model runner
-    lives in another process and keeps its own copy of each request; kvlab's executor runs in
-    the same process, so each step states everything outright.
+    vLLM splits this into ``NewRequestData`` / ``CachedRequestData`` because its model runner lives in
+    another process and keeps its own copy of each request; kvlab keeps one record per request, but
+    sends block ids as vLLM does: a request's whole block table when the executor does not have it yet
+    (``whole_table``: a new or resumed request, as ``NewRequestData.block_ids`` and a resumed request's
+    ``CachedRequestData.new_block_ids`` carry it), and otherwise only the blocks this step added
+    (``CachedRequestData.new_block_ids``; none on most decode steps). kvlab also sends the whole table
+    where only it changes a table other than by appending: a forked sample's first step, a
+    copy-on-write, and the step after one was undone (``kvlab.core.sched.loop``). The executor keeps
+    the tables (``kvlab.engine.input_batch.InputBatch``, vLLM's persistent batch).
     """
 
     request_id: str
     token_ids: tuple[int, ...]  # tokens whose KV this step computes
     num_computed_tokens: int  # tokens already cached: the position of token_ids[0]
-    block_ids: tuple[int, ...]  # the request's block table after this step's allocation (the first group's)
+    block_ids: tuple[int, ...]  # the first group's block ids this step sends (whole_table: all of them)
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     sampling_params: SamplingParams
     forked: tuple[tuple[str, SamplingParams], ...] = ()  # children forked now, sampled from the same logits
-    # One block table per KV cache group (vLLM's tuple of lists), block_ids first; () means (block_ids,).
+    # Every KV cache group's block ids (vLLM's tuple of lists), block_ids first; () means (block_ids,).
     group_block_ids: tuple[tuple[int, ...], ...] = ()
+    # True: the block ids are the request's whole table, replacing the executor's; False: blocks added this step.
+    whole_table: bool = True
 
     @property
-    def block_tables(self) -> tuple[tuple[int, ...], ...]:
-        """The request's block table in every KV cache group (one group: ``(block_ids,)``)."""
+    def new_block_ids(self) -> tuple[tuple[int, ...], ...]:
+        """The block ids this step sends, per KV cache group (the whole table per group when ``whole_table``)."""
         return self.group_block_ids or (self.block_ids,)
 
     @property

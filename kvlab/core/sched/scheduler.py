@@ -122,6 +122,10 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0  # since start: vllm:num_preemptions
         self._pending_copies: dict[str, list[BlockCopy]] = {}  # copy-on-write copies not yet executed
+        # Whose next step sends its whole block table, not just new block ids (ScheduledRequest.whole_table):
+        # forked samples and requests whose table a copy-on-write changed; after an undone step, everyone's.
+        self._tables_to_send: set[str] = set()
+        self._send_every_table = False
         self._last_step: SchedulerOutput | None = None
         # kvlab.core.kv_offload: the CPU tier (vLLM's KV connector) and how a preempted request is resumed.
         self.preemption_mode = config.preemption_mode
@@ -205,6 +209,7 @@ class Scheduler:
         scheduled_resumed: list[GenerationRequest] = []
         admitted: list[GenerationRequest] = []  # new and resumed, in admission order
         preempted: list[GenerationRequest] = []
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}  # what allocate_slots gave each running request
 
         # 1. RUNNING requests first: their decode token, or the next chunk of their prompt.
         req_index = 0
@@ -215,7 +220,9 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                if self._allocate(request, num_new_tokens):
+                new_blocks = self._allocate(request, num_new_tokens)
+                if new_blocks is not None:
+                    req_to_new_blocks[request.request_id] = new_blocks
                     break
                 # No room: preempt the most recently admitted running request (maybe this one).
                 victim = self.running.pop()
@@ -305,20 +312,23 @@ class Scheduler:
         # and nothing allocates before then, so their retained blocks can go back at once (vLLM's sync path).
         hit_copies, retained = self.kv_cache_manager.take_kv_cache_block_copies()
         self.kv_cache_manager.block_pool.free_blocks(retained)
-        output = self._make_output(scheduled_running + admitted, num_new_tokens_of,
+        output = self._make_output(scheduled_running + admitted, num_new_tokens_of, req_to_new_blocks,
                                    scheduled_new, scheduled_resumed, scheduled_running, preempted, hit_copies)
         self.num_steps += 1
         self.num_preemptions += len(preempted)
         self._last_step = output
         return output
 
-    def _allocate(self, request: GenerationRequest, num_new_tokens: int) -> bool:
-        """Slots for a running request's next tokens, copying a shared partial block first; False if full."""
+    def _allocate(self, request: GenerationRequest, num_new_tokens: int) -> KVCacheBlocks | None:
+        """Slots for a running request's next tokens, copying a shared partial block first; the new blocks, or None
+        if the pool is full. A copy changes a block of the table in place, so its next step sends the whole table."""
         copies = self.kv_cache_manager.copy_on_write(request)
         if copies is None:
-            return False
-        self._pending_copies.setdefault(request.request_id, []).extend(copies)
-        return self.kv_cache_manager.allocate_slots(request, num_new_tokens) is not None
+            return None
+        if copies:
+            self._pending_copies.setdefault(request.request_id, []).extend(copies)
+            self._tables_to_send.add(request.request_id)
+        return self.kv_cache_manager.allocate_slots(request, num_new_tokens)
 
     def _num_seq_slots_used(self) -> int:
         """Sequences running, counting the children a running parent will fork."""
@@ -371,6 +381,7 @@ class Scheduler:
         self._computed_before_preemption[request.request_id] = request.num_computed_tokens
         self.kv_cache_manager.free(request)
         self._pending_copies.pop(request.request_id, None)
+        self._tables_to_send.discard(request.request_id)  # it comes back as a resumed request, whole table
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -380,14 +391,22 @@ class Scheduler:
         self,
         batch: list[GenerationRequest],
         num_new_tokens_of: dict[str, int],
+        req_to_new_blocks: dict[str, KVCacheBlocks],
         scheduled_new: list[GenerationRequest],
         scheduled_resumed: list[GenerationRequest],
         scheduled_running: list[GenerationRequest],
         preempted: list[GenerationRequest],
         hit_copies: list[BlockCopy],
     ) -> SchedulerOutput:
-        """Advance ``num_computed_tokens`` (as vLLM does at schedule time), fork, and describe the step."""
+        """Advance ``num_computed_tokens`` (as vLLM does at schedule time), fork, and describe the step.
+
+        Block ids go as vLLM sends them: a new or resumed request's whole table (``get_block_ids_per_group``),
+        a running request's new blocks only (what ``allocate_slots`` returned), or its whole table where kvlab
+        changed it otherwise (``_tables_to_send``).
+        """
         scheduled, copies = [], []
+        whole_tables = {r.request_id for r in (*scheduled_new, *scheduled_resumed)} | self._tables_to_send
+        no_blocks = ((),) * self.kv_cache_manager.num_kv_cache_groups
         for request in batch:
             start = request.num_computed_tokens
             num_new = num_new_tokens_of[request.request_id]
@@ -395,7 +414,12 @@ class Scheduler:
             sample = request.num_computed_tokens == request.num_tokens
             forked = self._fork_children(request) if sample and request.num_pending_forks else ()
             copies += self._pending_copies.pop(request.request_id, [])
-            tables = tuple(tuple(ids) for ids in self.kv_cache_manager.get_block_ids_per_group(request.request_id))
+            whole = self._send_every_table or request.request_id in whole_tables
+            if whole:
+                tables = tuple(map(tuple, self.kv_cache_manager.get_block_ids_per_group(request.request_id)))
+            else:
+                new_blocks = req_to_new_blocks.get(request.request_id)
+                tables = tuple(map(tuple, new_blocks.get_block_ids())) if new_blocks else no_blocks
             scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.token_ids(start, start + num_new),
@@ -405,7 +429,10 @@ class Scheduler:
                 sampling_params=request.sampling_params.for_sample(0) if forked else request.sampling_params,
                 forked=forked,
                 group_block_ids=tables if len(tables) > 1 else (),
+                whole_table=whole,
             ))
+        self._tables_to_send -= whole_tables
+        self._send_every_table = False
         finished, self.finished_req_ids = self.finished_req_ids, set()
         output = SchedulerOutput(
             step=self.num_steps,
@@ -438,6 +465,7 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             self.requests[child.request_id] = child
             self.running.append(child)
+            self._tables_to_send.add(child.request_id)  # the executor learns its (shared) table on its first step
             children.append((child.request_id, params))
         parent.num_pending_forks = 0
         return tuple(children)
@@ -581,9 +609,13 @@ class Scheduler:
         """
         untrusted: set[int] = set()
         failed: dict[str, BaseException] = {}
-        for s in scheduler_output.scheduled:
-            for table in s.block_tables:
-                untrusted.update(table[s.num_computed_tokens // self.block_size:])
+        manager = self.kv_cache_manager
+        for s in scheduler_output.scheduled:  # the output sends new block ids only: the tables are the manager's
+            first = s.num_computed_tokens // self.block_size
+            if s.request_id in manager.req_to_blocks:
+                untrusted.update(*(table[first:] for table in manager.get_block_ids_per_group(s.request_id)))
+            else:  # freed already: the blocks the step sent are the ones it can have written
+                untrusted.update(*(table[first:] if s.whole_table else table for table in s.new_block_ids))
             failed.update(dict.fromkeys((s.request_id, *(child for child, _ in s.forked)), error))
         self.kv_cache_manager.block_pool.evict_blocks(untrusted, notify=False)
         self.finished_req_ids |= scheduler_output.finished_req_ids  # the executor may not have seen them
@@ -646,6 +678,7 @@ class Scheduler:
                 queue.remove(request)
                 break
         self._pending_copies.pop(request.request_id, None)
+        self._tables_to_send.discard(request.request_id)
         self._computed_before_preemption.pop(request.request_id, None)
         kv_transfer_params = None
         if self.connector is not None:

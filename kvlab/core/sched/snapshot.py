@@ -10,11 +10,16 @@ class keeps, so it stays right as ``kvlab.core`` changes. Immutable values (numb
 enums, frozensets) are shared; functions, classes and modules are left alone, as are objects with
 neither ``__dict__`` nor ``__slots__`` (locks, C objects); a ``random.Random`` keeps its state.
 
-A list of objects of one slotted class (the pool's blocks) is saved in one pass, and what they refer
-to is walked from its first item only: blocks refer to each other, to their pool and to hashes.
-That pass is the snapshot's cost, which grows with the pool: nothing to speak of for the notebooks'
-pools of tens of blocks, and some milliseconds of CPU per step for the 8,193 blocks a default engine
-gives the tiny Llama (measured 3-25 ms on a shared, loaded 2-core machine; not a benchmark).
+A pool's blocks are not copied: while a snapshot is open, each ``KVCacheBlock`` notes its own slots in
+its pool's journal before its first change (``kvlab.core.kv_cache_utils.open_journal``: the class's
+``__setattr__`` is swapped in while some journal is open, so outside a step a write to a block costs
+nothing extra), and ``restore()`` writes those back first; ``commit()`` ends the journals when the step
+succeeded, ``restore()`` when it was undone. The pool's own list of its blocks, fixed when the pool is
+made, is recognised and skipped; so a snapshot costs what the scheduler's queues, requests and indexes
+hold, not the pool's size (8,193 blocks for the tiny Llama: 3-7 ms when every block was copied, a pass
+over the list still cost about 0.5 ms; ``benchmarks/bench_step.py`` on a shared, loaded 2-core machine),
+and an undo costs the blocks the step touched. A list of objects of one other slotted class is saved
+in one pass, and what they refer to is walked from its first item only.
 """
 
 from __future__ import annotations
@@ -26,12 +31,30 @@ import random
 import types
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-#: Values a step may replace but never changes in place: kept by reference, not walked.
+from kvlab.core.kv_cache_utils import KVCacheBlock, close_journal, open_journal
+from kvlab.core.sched.output import SamplingParams, ScheduledRequest, SchedulerOutput
+
+#: Values a step may replace but never changes in place: kept by reference, not walked (among them a step's
+#: output and its frozen records of numbers and tuples, one per request, which nothing changes once made).
 _ATOMS: tuple[type, ...] = (int, float, complex, str, bytes, bool, type(None), range, frozenset, enum.Enum, type,
-                            types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+                            types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
+                            SamplingParams, ScheduledRequest, SchedulerOutput)
 _UNSET = object()  # a slot that holds nothing
+_T = TypeVar("_T")
+_POOL_OF = operator.attrgetter("_pool")
+
+
+@functools.cache  # a class is an atom or not once and for all
+def _is_atom(cls: type) -> bool:
+    return issubclass(cls, _ATOMS)
+
+
+def _extend(queue: deque[Any], items: Any) -> None:
+    """Queue what ``items`` hold, unless every one is an atom (a request's token ids: checked at C speed)."""
+    if not all(map(_is_atom, set(map(type, items)))):
+        queue.extend(items)
 
 
 class Snapshot:
@@ -40,26 +63,56 @@ class Snapshot:
     def __init__(self, root: object) -> None:
         self._saved: list[tuple[Any, Any]] = []  # (object, its contents), or (_Items, the items' contents)
         self._seen: set[int] = set()
+        self._pools: dict[int, Any] = {}  # the pools whose blocks journal their own changes
         queue = deque([root])  # breadth first: the pool's list of blocks comes before the free queue's links
+        seen, is_atom = self._seen, _is_atom
         while queue:
             obj = queue.popleft()
-            if not isinstance(obj, _ATOMS) and id(obj) not in self._seen:
-                self._seen.add(id(obj))
+            if not is_atom(type(obj)) and id(obj) not in seen:
+                seen.add(id(obj))
                 self._save(obj, queue)
+        # Opened last, so the walk above changes nothing they record; a fresh journal replaces one an interrupt
+        # left open between a snapshot and its step.
+        self._journals = [open_journal(pool) for pool in self._pools.values()]
+
+    def _journaled(self, block: Any) -> bool:
+        """True for a block of a pool (it notes its own state before a change); its pool joins ``_pools``."""
+        pool = block._pool
+        if pool is None or not hasattr(pool, "_journal"):
+            return False
+        self._pools[id(pool)] = pool
+        return True
+
+    def _is_pool_list(self, blocks: list[Any]) -> bool:
+        """True for the block list of a pool that journals (``BlockPool.blocks``); the pool joins ``_pools``."""
+        pool = blocks[0]._pool
+        if getattr(pool, "blocks", None) is not blocks or not hasattr(pool, "_journal"):
+            return False
+        self._pools[id(pool)] = pool
+        return True
+
+    def close(self) -> None:
+        """The step succeeded (or was undone): stop the pools' journals (``restore`` is no longer possible)."""
+        for pool in self._pools.values():
+            close_journal(pool)
 
     def _save(self, obj: Any, queue: deque[Any]) -> None:
         """Keep a shallow copy of ``obj``'s contents; what it refers to joins ``queue``."""
+        if isinstance(obj, KVCacheBlock) and self._journaled(obj):
+            return
         if isinstance(obj, tuple):  # named tuples too: immutable, but they may hold what is not
-            queue.extend(obj)
+            _extend(queue, obj)
+        elif type(obj) is list and obj and type(obj[0]) is KVCacheBlock and self._is_pool_list(obj):
+            return  # a pool's own list of its blocks: fixed at its making, and every block journals itself
         elif isinstance(obj, list | deque | dict):
             items = list(obj.values() if isinstance(obj, dict) else obj)
             self._saved.append((obj, dict(obj) if isinstance(obj, dict) else items))
             if len(items) > 1 and self._save_alike(items, queue):
                 return
-            queue.extend(items)  # a dict's keys are hashable, so never changed in place
+            _extend(queue, items)  # a dict's keys are hashable, so never changed in place
         elif isinstance(obj, set):
             self._saved.append((obj, set(obj)))
-            queue.extend(obj)
+            _extend(queue, obj)
         elif isinstance(obj, random.Random):
             self._saved.append((obj, obj.getstate()))
         else:
@@ -80,6 +133,11 @@ class Snapshot:
         cls = type(items[0])
         if set(map(type, items)) != {cls} or isinstance(items[0], (*_ATOMS, tuple)):
             return False
+        if cls is KVCacheBlock:  # a pool's blocks journal themselves: one C-speed pass to find their pools
+            pools = list(dict.fromkeys(map(_POOL_OF, items)))
+            if None not in pools and all(hasattr(pool, "_journal") for pool in pools):
+                self._pools.update((id(pool), pool) for pool in pools)
+                return True
         fresh = [item for item in items if id(item) not in self._seen]
         if cls in (dict, set, list):
             self._saved += [(item, cls(item)) for item in fresh]
@@ -93,7 +151,12 @@ class Snapshot:
         return True
 
     def restore(self) -> None:
-        """Put every saved object back as it was when the snapshot was taken."""
+        """Put every saved object back as it was when the snapshot was taken (the journals' blocks first), and
+        close the journals."""
+        names = _slot_names(KVCacheBlock)
+        for journal in self._journals:
+            for block, values in journal.items():
+                _set_slots(block, names, values)
         for obj, state in self._saved:
             if isinstance(obj, _Items):
                 names = _slot_names(obj.cls)
@@ -116,6 +179,19 @@ class Snapshot:
                     obj.__dict__.update(attrs)
                 if slots is not None:
                     _set_slots(obj, _slot_names(type(obj)), slots)
+        self.close()
+
+
+def commit(snapshot: Snapshot | None, result: _T) -> _T:
+    """The step succeeded: close ``snapshot``'s journals (if any) and return ``result``.
+
+    ``loop.step`` returns through this, so the journals close after the step's last line of
+    ``kvlab.core`` ran and before the step returns: an interrupt on any earlier line still finds
+    them open, and undoes the step.
+    """
+    if snapshot is not None:
+        snapshot.close()
+    return result
 
 
 class _Items:
