@@ -209,7 +209,7 @@ class ConnectorTwin(SchedTwin):
         self.steps += 1
         where = f"step {self.steps}"
         k_out, v_out = self.k.schedule(), self.v.schedule()
-        view = self.k_view(k_out)
+        view = sched_twin.kvlab_step_view(k_out)
         self.same(f"{where}: the step", view, vllm_step_view(v_out))
         samplers = [rid for rid in v_out.num_scheduled_tokens
                     if self.v.requests[rid].num_computed_tokens >= self.v.requests[rid].num_tokens]
