@@ -31,6 +31,7 @@ import torch
 from kvlab.kernels._backend import TRITON_INTERPRETER, backend, require_triton
 
 from kvlab.errors import BackendUnavailableError, KernelInputError
+from kvlab.units import format_ranges
 
 require_triton()
 
@@ -187,7 +188,7 @@ class ProgramTrace:
             return f"{_shown(tensor)}: untouched by program {self.name(program)}"
         folded = [a for a in range(len(shape)) if a not in (rows, cols)]
         if folded:
-            head += " (" + ", ".join(f"{names[a]} {_ranges(sorted({t[a] for t in seen}))}" for a in folded) + ")"
+            head += " (" + ", ".join(f"{names[a]} {format_ranges(sorted({t[a] for t in seen}))}" for a in folded) + ")"
         if cols is None:
             hit = {t[rows] for t in seen}
             return head + f"\n  {names[rows]} 0..{shape[rows] - 1}: " + "".join(
@@ -212,14 +213,15 @@ class ProgramTrace:
         for t in _unravel(flat.tolist(), self.shapes[tensor]):
             groups.setdefault(t[outer], set()).add(t[inner] if inner is not None else 0)
         if inner is None:
-            return f"{names[outer]} {_ranges(sorted(groups))}"
+            return f"{names[outer]} {format_ranges(sorted(groups))}"
         runs: list[tuple[list[int], set[int]]] = []        # neighbours with the same inner indices: one run
         for o, i in groups.items():
             if runs and runs[-1][0][-1] == o - 1 and runs[-1][1] == i:
                 runs[-1][0].append(o)
             else:
                 runs.append(([o], i))
-        return "; ".join(f"{names[outer]} {_ranges(o)} {names[inner]} {_ranges(sorted(i))}" for o, i in runs)
+        return "; ".join(f"{names[outer]} {format_ranges(o)} {names[inner]} {format_ranges(sorted(i))}"
+                         for o, i in runs)
 
     def name(self, program: Sequence[int]) -> tuple[int, ...]:
         """A program's id with the grid's unused trailing axes left out: ``(3,)`` for a 1-D grid."""
@@ -252,17 +254,6 @@ def _axes(grid: Sequence[int]) -> int:
 def _program(program: Sequence[int]) -> Program:
     p = tuple(int(i) for i in program) + (0,) * (3 - len(program))
     return p[0], p[1], p[2]
-
-
-def _ranges(values: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
-    out, start = [], None
-    for i, v in enumerate(values):
-        start = v if start is None else start
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)
 
 
 def traced_launch(kernel: Callable, grid: Sequence[int], tensors: Mapping[str, torch.Tensor],

@@ -32,3 +32,14 @@ def cdiv(a: int, b: int) -> int:
     if type(b) is not int or b < 1:
         b = positive_int("b", b)
     return -(-a // b)
+
+
+def format_ranges(values: list[int]) -> str:
+    """Sorted integers as runs: ``[0, 1, 2, 5]`` as ``0-2, 5`` (which programs, blocks or rows were touched)."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        start = v if start is None else start
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}" if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)

@@ -42,7 +42,7 @@ import torch
 from kvlab.errors import BackendUnavailableError, UnknownNameError
 from kvlab.exercises.core import Case, Exercise, Mistake, Note, get_exercise, register
 from kvlab.exercises.records import LazyCases
-from kvlab.units import cdiv
+from kvlab.units import cdiv, format_ranges
 
 #: ``triton.language`` and kvlab's ``find_seq_idx`` and ``online_softmax_update``, bound by ``_kernels()``.
 tl: Any = None
@@ -174,20 +174,9 @@ def _positions(mask: torch.Tensor, names: Sequence[str]) -> str:
             runs.append(([first], rest))
     words = []
     for firsts, rest in runs[:4]:
-        inner = [f"{names[k + 1]} {_ranges(sorted({r[k] for r in rest}))}" for k in range(len(names) - 1)]
-        words.append(" ".join([f"{names[0]} {_ranges(firsts)}", *inner]))
+        inner = [f"{names[k + 1]} {format_ranges(sorted({r[k] for r in rest}))}" for k in range(len(names) - 1)]
+        words.append(" ".join([f"{names[0]} {format_ranges(firsts)}", *inner]))
     return "; ".join(words) + (f"; and {len(runs) - 4} more" if len(runs) > 4 else "")
-
-
-def _ranges(values: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
-    out, start = [], None
-    for i, v in enumerate(values):
-        start = v if start is None else start
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)
 
 
 def _compare(expected: Any, actual: Any) -> bool | str:
