@@ -34,6 +34,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@checked
 def format_ranges(values: list[int]) -> str:
     """Sorted integers as runs: ``[0, 1, 2, 5]`` as ``0-2, 5`` (which programs, blocks or rows were touched)."""
     out, start = [], None

@@ -220,6 +220,7 @@ def _overrides() -> dict[str, Any]:
         "kvlab.sim.workloads.lognormal_mus": lambda: {"name": "alpaca"},
         "kvlab.units.cdiv": lambda: {"a": 7, "b": 2},
         "kvlab.units.format_bytes": lambda: {"num_bytes": 1 << 20},
+        "kvlab.units.format_ranges": lambda: {"values": [0, 1, 2, 5]},
         "kvlab.capacity.budget.format_gib": lambda: {"num_bytes": 1 << 30},
         "kvlab.capacity.budget.kv_cache_capacity_line": lambda: {"num_tokens": 56320, "max_model_len": 8192,
                                                                  "max_concurrency": 6.875},
