@@ -2,10 +2,13 @@
 
 The plugin is ``tests/_rendered.py`` (why and how: its docstring). At the end every run prints its wall
 time and its five slowest files (the time of their tests added up, on whichever worker ran them), so a
-slow test is seen when it lands.
+slow test is seen when it lands. Every temporary file of the run is made in one folder, removed at its end.
 """
 
+import os
+import shutil
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +26,25 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 SLOWEST_FILES = 5
 START = pytest.StashKey[float]()
+TMPDIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One temporary folder for the run, inherited by every process it starts (xdist's workers, nbval's kernels,
+    the grader's checkers, ranks): nbval kills a notebook's kernel at its end, so the kernel's own clean-up
+    (a ``TemporaryDirectory``'s finalizer, an ``atexit``) never runs, and its files would stay behind."""
+    if hasattr(config, "workerinput"):  # a worker: its controller's folder is already in TMPDIR
+        return
+    path = tempfile.mkdtemp(prefix="kvlab-test-")
+    config.stash[TMPDIR] = path
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = None  # this process, too, finds it on its next call
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(TMPDIR, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
