@@ -5,6 +5,7 @@ time and its five slowest files (the time of their tests added up, on whichever 
 slow test is seen when it lands. Every temporary file of the run is made in one folder, removed at its end.
 """
 
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -35,6 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
     (a ``TemporaryDirectory``'s finalizer, an ``atexit``) never runs, and its files would stay behind."""
     if hasattr(config, "workerinput"):  # a worker: its controller's folder is already in TMPDIR
         return
+    multiprocessing.util.get_temp_dir()  # its folder outside ours: multiprocessing removes it itself, after us
     path = tempfile.mkdtemp(prefix="kvlab-test-")
     config.stash[TMPDIR] = path
     os.environ["TMPDIR"] = path

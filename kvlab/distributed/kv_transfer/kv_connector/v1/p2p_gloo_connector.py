@@ -48,6 +48,7 @@ import datetime
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -69,6 +70,18 @@ from kvlab.errors import KvlabValueError
 
 GET_META_MSG = b"get_meta_msg"  # NIXL's handshake request (to the listener, with a TP rank; to a worker, its join)
 POLL_MS = 20  # how long a side-channel thread waits for a message before it checks whether to stop
+
+
+def _serve_router(router: Any, stop: threading.Event, handle: Callable[[Any, bytes, bytes], None]) -> None:
+    """A side-channel thread: hand each message ``handle(router, identity, payload)`` until ``stop`` is set,
+    waking every ``POLL_MS`` to look; the socket closes when the thread ends."""
+    try:
+        while not stop.is_set():
+            if router.poll(POLL_MS):
+                identity, _, payload = router.recv_multipart()
+                handle(router, identity, payload)
+    finally:
+        router.close(linger=0)
 RETRY_S = 0.002  # a read for a request the producer has not seen finish yet is asked again after this
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
@@ -199,20 +212,16 @@ class P2pConnectorScheduler:
             self._listener.start()
 
     def _listen(self, router: Any) -> None:
+        _serve_router(router, self._stop, self._answer)
+
+    def _answer(self, router: Any, identity: bytes, payload: bytes) -> None:
         try:
-            while not self._stop.is_set():
-                if not router.poll(POLL_MS):
-                    continue
-                identity, _, payload = router.recv_multipart()
-                try:
-                    message, tp_rank = msgspec.msgpack.decode(payload)
-                    reply = self._ranks[tp_rank] if message == GET_META_MSG else None
-                except (msgspec.DecodeError, ValueError, TypeError, KeyError):
-                    reply = None
-                router.send_multipart([identity, b"", reply or msgspec.msgpack.encode(
-                    {"error": f"no rank {payload!r} here: this engine has {self.tp_size} rank(s)"})])
-        finally:
-            router.close(linger=0)
+            message, tp_rank = msgspec.msgpack.decode(payload)
+            reply = self._ranks[tp_rank] if message == GET_META_MSG else None
+        except (msgspec.DecodeError, ValueError, TypeError, KeyError):
+            reply = None
+        router.send_multipart([identity, b"", reply or msgspec.msgpack.encode(
+            {"error": f"no rank {payload!r} here: this engine has {self.tp_size} rank(s)"})])
 
     def shutdown(self) -> None:
         """Stop the handshake listener (it wakes within ``POLL_MS``)."""
@@ -405,24 +414,20 @@ class P2pConnectorWorker:
     # ----------------------------------------------------------------- producer: the side channel
 
     def _serve(self, router: Any) -> None:
+        _serve_router(router, self._stop, self._exchange)
+
+    def _exchange(self, router: Any, identity: bytes, payload: bytes) -> None:
         try:
-            while not self._stop.is_set():
-                if not router.poll(POLL_MS):
-                    continue
-                identity, _, payload = router.recv_multipart()
-                try:
-                    if payload == GET_META_MSG:
-                        self._handshake(router, identity)
-                        continue
-                    message = msgspec.msgpack.decode(payload)
-                    reply = self._read(message)
-                    router.send_multipart([identity, b"", msgspec.msgpack.encode(reply)])
-                    if reply["state"] == "ok":
-                        self._send_blocks(message, reply)
-                except Exception as error:  # noqa: BLE001 - one bad exchange must not stop the side channel
-                    self.errors.append(error)  # the consumer sees its pull fail; the next one may work
-        finally:
-            router.close(linger=0)
+            if payload == GET_META_MSG:
+                self._handshake(router, identity)
+                return
+            message = msgspec.msgpack.decode(payload)
+            reply = self._read(message)
+            router.send_multipart([identity, b"", msgspec.msgpack.encode(reply)])
+            if reply["state"] == "ok":
+                self._send_blocks(message, reply)
+        except Exception as error:  # noqa: BLE001 - one bad exchange must not stop the side channel
+            self.errors.append(error)  # the consumer sees its pull fail; the next one may work
 
     def _handshake(self, router: Any, identity: bytes) -> None:
         if self._consumer is not None and self._consumer[0] != identity:
