@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
 
 from kvlab._validate import checked, non_negative_int, positive_int
 from kvlab.errors import KvlabValueError, RequestStateError
@@ -79,6 +80,9 @@ class Request:
     so ``append_output_token_ids`` extends it whenever a block fills up (vLLM passes the
     hasher to the constructor; kvlab lets the manager that owns the hash seed provide it).
     """
+
+    #: The undo journals of the steps in progress (``open_journal``), by the id of the scheduler each one serves.
+    _journals: ClassVar[dict[int, Journal]] = {}
 
     def __init__(
         self,
@@ -174,6 +178,68 @@ class Request:
             f"computed={self.num_computed_tokens}, full blocks hashed={len(self.block_hashes)}, "
             f"{self.status.value})"
         )
+
+
+# ----------------------------------------------------------------- a step's undo journal
+
+
+class Journal:
+    """A step's record of its requests (``kvlab.core.sched.snapshot``): each request among ``members`` notes its
+    state here before its first change in the step, so the record costs the requests the step touches, not
+    the queue that waits.
+
+    A request's lists are changed in place (``append_output_token_ids``, the manager's block hashes) only
+    after the step set one of its attributes (``num_computed_tokens``, ``status``, the hasher), so noting it
+    at its first attribute write keeps its lists as they were too.
+    """
+
+    def __init__(self, members: set[int]) -> None:
+        self.members = members  # ids of the requests the snapshot found
+        self.noted: dict[int, tuple[Request, dict[str, Any], list[tuple[Any, Any]]]] = {}
+
+    def note(self, request: Request) -> None:
+        """Keep ``request``'s attributes, and a copy of each list, dict or set among them (changed in place)."""
+        attrs = dict(vars(request))
+        contents = [(value, value.copy()) for value in attrs.values() if type(value) in (list, dict, set)]
+        self.noted[id(request)] = (request, attrs, contents)
+
+    def restore(self) -> None:
+        """Put every noted request back as it was before its first change (its containers refilled in place)."""
+        for request, attrs, contents in self.noted.values():
+            for container, saved in contents:
+                if type(container) is list:
+                    container[:] = saved
+                else:
+                    container.clear()
+                    container.update(saved)
+            vars(request).clear()
+            vars(request).update(attrs)
+
+
+def _note_then_set(request: Request, name: str, value: object) -> None:
+    """``Request.__setattr__`` while a journal is open: a request some journal watches notes itself there before
+    its first change, then the attribute is set."""
+    key = id(request)
+    for journal in Request._journals.values():
+        if key in journal.members and key not in journal.noted:
+            journal.note(request)
+    object.__setattr__(request, name, value)
+
+
+def open_journal(owner: object, members: set[int]) -> Journal:
+    """Start the undo journal of ``owner``'s step (a fresh one replaces any an interrupt left open) over the
+    requests whose ids are ``members``; while any is open, requests note themselves before a change."""
+    journal = Request._journals[id(owner)] = Journal(members)
+    Request.__setattr__ = _note_then_set  # type: ignore[method-assign]
+    return journal
+
+
+def close_journal(owner: object, journal: Journal) -> None:
+    """End ``journal`` (the step succeeded, or was undone); the last one closed makes writes plain again."""
+    if Request._journals.get(id(owner)) is journal:
+        del Request._journals[id(owner)]
+    if not Request._journals and "__setattr__" in Request.__dict__:
+        del Request.__setattr__
 
 
 #: The finished states, for a quick membership test (a tuple: members compare by identity, in C).
