@@ -227,19 +227,19 @@ def check_slot_mapping(slot_mapping: object, num_tokens: int, num_blocks: int, b
     elif slot_mapping.device.type != "cpu":
         slot_mapping = slot_mapping.cpu()                          # the one synchronisation
     num_slots = num_blocks * block_size
-    slots = slot_mapping.numpy()                                   # host values: numpy is quicker on a few
-    outside = np.flatnonzero((slots < -1) | (slots >= num_slots))
-    if len(outside):
-        token = int(outside[0])
+    values = slot_mapping.tolist()                                 # host values: a step's few, or a prompt's
+    if values and (min(values) < -1 or max(values) >= num_slots):
+        token = next(i for i, slot in enumerate(values) if not -1 <= slot < num_slots)
         raise KernelInputError(
-            f"slot_mapping[{token}] = {int(slots[token])} is outside the cache: slots are "
+            f"slot_mapping[{token}] = {values[token]} is outside the cache: slots are "
             f"0..{num_slots - 1} ({num_blocks} blocks of {block_size}), or -1 for padding"
         )
-    written = np.sort(slots[slots >= 0])
-    twice = written[1:][written[1:] == written[:-1]]
-    if len(twice):
+    written = [slot for slot in values if slot >= 0]
+    if len(set(written)) != len(written):
+        seen: set[int] = set()
+        twice = next(slot for slot in written if slot in seen or seen.add(slot))
         raise KernelInputError(
-            f"slot_mapping names slot {int(twice[0])} more than once: two tokens cannot share a slot"
+            f"slot_mapping names slot {twice} more than once: two tokens cannot share a slot"
         )
 
 
@@ -257,6 +257,8 @@ def check_block_table(block_table: torch.Tensor, seq_lens: torch.Tensor, lens: l
                 f"block_table has only {max_blocks} columns: the sequence is longer than its table covers"
             )
     table = block_table.numpy()                                    # host values: numpy is quicker on a few
+    if table.size == 0 or (int(table.min()) >= 0 and int(table.max()) < num_blocks):
+        return  # every entry names a block (the runner pads rows with block 0): no need to find the used ones
     blocks_needed = (seq_lens.numpy().astype(np.int64) + block_size - 1) // block_size  # [num_seqs]
     used = np.arange(max_blocks)[None, :] < blocks_needed[:, None]
     bad = used & ((table < 0) | (table >= num_blocks))

@@ -163,6 +163,25 @@ def plan_call(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int], d
                     offsets_t, flat_t, mask_t)
 
 
+def plan_decodes(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int], device: torch.device) -> SDPACall:
+    """``plan_call`` for sequences of one query token each (decodes), in a third of its host arithmetic: no padded
+    query rows, and the one row's mask is the sequence's keys (within the window)."""
+    block_size = batch.block_size
+    lens = np.array([batch.seq_lens[i] for i in seqs], dtype=np.int64)         # [S]
+    keys = np.arange(int(lens.max()))                                         # [Lk]
+    inside = keys < lens[:, None]                                             # [S, Lk]: not padding
+    positions = np.where(inside, keys, 0)                                     # padding reads token 0's slot
+    blocks = np.take_along_axis(block_table[seqs].astype(np.int64), positions // block_size, axis=1)
+    offsets = positions % block_size
+    visible = inside if batch.sliding_window is None else inside & (keys > (lens - 1 - batch.sliding_window)[:, None])
+    mask = np.where(visible, np.float32(0), np.float32(-np.inf)).reshape(len(seqs), 1, 1, -1)   # [S, 1, 1, Lk]
+    tokens = np.array([batch.query_start_loc[i] for i in seqs], dtype=np.int64)  # [S]: each one's query token
+    on_device = [torch.from_numpy(a) if device.type == "cpu" else torch.from_numpy(a).to(device)
+                 for a in (tokens, blocks, offsets, (blocks * block_size + offsets).reshape(-1), mask)]
+    tokens_t, blocks_t, offsets_t, flat_t, mask_t = on_device
+    return SDPACall(len(seqs), 1, tokens_t, None, blocks_t, offsets_t, flat_t, mask_t)
+
+
 def plan_attention(batch: AttentionBatch, block_table: np.ndarray, device: torch.device) -> TorchAttentionPlan:
     """Decode steps and longer queries (prefill chunks) as two calls, so a long prompt does not pad every decode.
 
@@ -170,8 +189,8 @@ def plan_attention(batch: AttentionBatch, block_table: np.ndarray, device: torch
     """
     decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
     longer = [i for i, n in enumerate(batch.query_lens) if n > 1]
-    return TorchAttentionPlan(batch, tuple(plan_call(batch, block_table, seqs, device)
-                                           for seqs in (decodes, longer) if seqs))
+    return TorchAttentionPlan(batch, tuple(plan(batch, block_table, seqs, device)
+                                           for plan, seqs in ((plan_decodes, decodes), (plan_call, longer)) if seqs))
 
 
 def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: AttentionBatch,
@@ -182,6 +201,12 @@ def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     every_token = call.real is None and num_seqs == batch.num_seqs            # the whole batch, in order
     picked = query if every_token else query[call.tokens]                     # [n, Hq, D]
     picked = picked if picked.dtype == torch.float32 else picked.float()
+    k = gather_padded(key_cache, call.blocks, call.offsets, batch.k_scale if batch.fp8 else None, call.flat)
+    v = gather_padded(value_cache, call.blocks, call.offsets, batch.v_scale if batch.fp8 else None, call.flat)
+    if max_q == 1:                                                            # decodes: a group's rows are its heads
+        o = F.scaled_dot_product_attention(picked.view(num_seqs, h_kv, group, head_size), k.transpose(1, 2),
+                                           v.transpose(1, 2), attn_mask=call.mask, scale=batch.scale)
+        return o.view(num_seqs, batch.num_q_heads, head_size)                 # [S, Hq, D]
     if call.real is None:                                                     # equal lengths: nothing to pad
         q = picked.view(num_seqs, max_q, batch.num_q_heads, head_size)
     else:
@@ -189,8 +214,6 @@ def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
         q[call.real] = picked                                                 # [S, Lq, Hq, D]
     q = q.view(num_seqs, max_q, h_kv, group, head_size).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, h_kv, group * max_q, head_size)                  # [S, Hkv, G * Lq, D]
-    k = gather_padded(key_cache, call.blocks, call.offsets, batch.k_scale if batch.fp8 else None, call.flat)
-    v = gather_padded(value_cache, call.blocks, call.offsets, batch.v_scale if batch.fp8 else None, call.flat)
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=call.mask,
                                        scale=batch.scale)                     # [S, Hkv, G * Lq, D]
     o = o.view(num_seqs, h_kv, group, max_q, head_size).permute(0, 3, 1, 2, 4)
