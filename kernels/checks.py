@@ -83,6 +83,8 @@ def has_internal_overlap(tensor: torch.Tensor) -> bool:
     Sorted by stride, each dimension must step past everything the smaller ones reach; an
     ``expand``ed dimension (stride 0) or a hand-made ``as_strided`` view that folds back fails.
     """
+    if tensor.is_contiguous():                          # the usual case, answered in C
+        return False
     reach = 0                                           # the largest offset the dimensions so far reach
     for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1):
         if stride <= reach:
@@ -95,8 +97,10 @@ def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     """``[first, last]`` address of the bytes ``tensor`` can touch (a view's, not its storage's); empty: (0, -1)."""
     if tensor.numel() == 0:
         return 0, -1
-    span = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     first = tensor.data_ptr()
+    if tensor.is_contiguous():                          # the usual case: numel elements in a row
+        return first, first + tensor.numel() * tensor.element_size() - 1
+    span = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     return first, first + (span + 1) * tensor.element_size() - 1
 
 

@@ -27,7 +27,7 @@ from kvlab.errors import KernelInputError
 METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
             torch.Tensor.is_meta.__get__, torch.Tensor.ndim.__get__, torch.Tensor.stride, torch.Tensor.dim,
             torch.Tensor.size, torch.Tensor.data_ptr, torch.Tensor.element_size, torch.Tensor.numel,
-            torch.Tensor.__len__}
+            torch.Tensor.__len__, torch.Tensor.is_contiguous}
 
 
 class DeviceOnly(torch.Tensor):

@@ -72,6 +72,10 @@ class RotaryEmbedding(torch.nn.Module):
             cos, sin = last[2], last[3]  # this step's: another layer computed them from the same tensor
         else:
             cos, sin = self.cos_sin(positions)
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign moved onto sin: exact
             cos, sin = cos[:, None, :].to(query.dtype), sin[:, None, :].to(query.dtype)  # broadcast over heads
             self._last = (positions, query.dtype, cos, sin)
-        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+        # rotate_half(x) * sin == [x2, x1] * [-sin1, sin1], bit for bit: one roll instead of chunk, negate, cat
+        half = query.shape[-1] // 2
+        return query * cos + query.roll(half, -1) * sin, key * cos + key.roll(half, -1) * sin
