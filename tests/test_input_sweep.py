@@ -76,7 +76,9 @@ SKIP: dict[str, str] = {
              "tests/engine/test_engine_interrupts.py (an interrupt at every line of a step)"
        for name in ("kvlab.core.sched.snapshot.Snapshot", "kvlab.core.sched.snapshot.Snapshot.restore",
                     "kvlab.core.sched.snapshot.Snapshot.close", "kvlab.core.sched.snapshot.commit",
-                    "kvlab.core.kv_cache_utils.open_journal", "kvlab.core.kv_cache_utils.close_journal")},
+                    "kvlab.core.kv_cache_utils.open_journal", "kvlab.core.kv_cache_utils.close_journal",
+                    "kvlab.core.request.open_journal", "kvlab.core.request.close_journal", "kvlab.core.request.Journal",
+                    "kvlab.core.request.Journal.note", "kvlab.core.request.Journal.restore")},
     "kvlab.core.request.RequestStatus": "an enum; its values are the input",
     **{name: LIVE for name in (
         "kvlab.core.block_pool.BlockPool.cache_full_blocks", "kvlab.core.block_pool.BlockPool.cache_partial_block",
