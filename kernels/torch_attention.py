@@ -155,12 +155,16 @@ def plan_call(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int], d
         mask = np.broadcast_to(mask[:, None, None], (num_seqs, 1, group, max_q, max_k)).reshape(
             num_seqs, 1, group * max_q, max_k)
     mask = np.where(mask, np.float32(0), np.float32(-np.inf))  # added to the scores: what SDPA makes of a boolean mask
-    # Every array is a fresh result (contiguous, writable): shared with a host tensor, copied only to another device.
-    on_device = [torch.from_numpy(a) if device.type == "cpu" else torch.from_numpy(a).to(device)
-                 for a in (tokens, real, blocks, offsets, (blocks * batch.block_size + offsets).reshape(-1), mask)]
-    tokens_t, real_t, blocks_t, offsets_t, flat_t, mask_t = on_device
+    tokens_t, real_t, blocks_t, offsets_t, flat_t, mask_t = _on_device(
+        device, tokens, real, blocks, offsets, (blocks * batch.block_size + offsets).reshape(-1), mask)
     return SDPACall(num_seqs, max_q, tokens_t, None if len(tokens) == num_seqs * max_q else real_t, blocks_t,
                     offsets_t, flat_t, mask_t)
+
+
+def _on_device(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """Host arrays as tensors on ``device``: each is a fresh result (contiguous, writable), so on the CPU the tensor
+    shares its memory, and only another device gets a copy."""
+    return [torch.from_numpy(a) if device.type == "cpu" else torch.from_numpy(a).to(device) for a in arrays]
 
 
 def plan_decodes(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int], device: torch.device) -> SDPACall:
@@ -176,9 +180,8 @@ def plan_decodes(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int]
     visible = inside if batch.sliding_window is None else inside & (keys > (lens - 1 - batch.sliding_window)[:, None])
     mask = np.where(visible, np.float32(0), np.float32(-np.inf)).reshape(len(seqs), 1, 1, -1)   # [S, 1, 1, Lk]
     tokens = np.array([batch.query_start_loc[i] for i in seqs], dtype=np.int64)  # [S]: each one's query token
-    on_device = [torch.from_numpy(a) if device.type == "cpu" else torch.from_numpy(a).to(device)
-                 for a in (tokens, blocks, offsets, (blocks * block_size + offsets).reshape(-1), mask)]
-    tokens_t, blocks_t, offsets_t, flat_t, mask_t = on_device
+    tokens_t, blocks_t, offsets_t, flat_t, mask_t = _on_device(
+        device, tokens, blocks, offsets, (blocks * block_size + offsets).reshape(-1), mask)
     return SDPACall(len(seqs), 1, tokens_t, None, blocks_t, offsets_t, flat_t, mask_t)
 
 

@@ -340,6 +340,12 @@ OTHER_MUTANTS: list[Mutant] = [
            "on = tl.where(mask, on, 1)",
            "a masked-off lane is an access too: the program touched every address it computed",
            ("05",), ("tests/test_kernels_program_view.py",)),
+    # --- the torch attention backend's plan for decodes
+    Mutant("decode_window_one_short", "kernels", "kernels/torch_attention.py",
+           "inside & (keys > (lens - 1 - batch.sliding_window)[:, None])",
+           "inside & (keys > (lens - batch.sliding_window)[:, None])",
+           "a decode's window of W keys ends W keys before the sequence's end, the query itself not counted",
+           ("08",), ("tests/test_kernels_torch_attention.py",)),
     Mutant("budget_panel_ignores_tp", "viz", "kvlab/viz/budget.py",
            '"tp": self.tp.value,',
            '"tp": 1,',
