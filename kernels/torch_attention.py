@@ -135,8 +135,9 @@ class TorchAttentionPlan:
 
 
 def plan_call(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int], device: torch.device) -> SDPACall:
-    """The layout of one padded SDPA call over the sequences ``seqs`` (indices into the batch), computed on the host
-    from the checked batch and the block table's host copy, then put on ``device``."""
+    """The layout of one padded SDPA call over the sequences ``seqs`` (indices into the batch; queries of two or more
+    tokens, decodes go to ``plan_decodes``), computed on the host from the checked batch and the block table's host
+    copy, then put on ``device``."""
     index = np.asarray(seqs)
     query_start_loc = np.asarray(batch.query_start_loc, dtype=np.int64)
     starts = query_start_loc[:-1][index]                                      # [S]
@@ -149,11 +150,8 @@ def plan_call(batch: AttentionBatch, block_table: np.ndarray, seqs: list[int], d
     tokens = (starts[:, None] + rows[None, :])[real]                          # [n]
     blocks, offsets = _slot_positions(block_table[index], lens, max_k, batch.block_size)
     mask = _visible_keys(lens, q_lens, max_q, max_k, batch.causal, batch.sliding_window)   # [S, Lq, Lk]
-    if max_q == 1:                                                            # decodes: one row for the group
-        mask = mask[:, None]                                                  # [S, 1, 1, Lk]
-    else:
-        mask = np.broadcast_to(mask[:, None, None], (num_seqs, 1, group, max_q, max_k)).reshape(
-            num_seqs, 1, group * max_q, max_k)
+    mask = np.broadcast_to(mask[:, None, None], (num_seqs, 1, group, max_q, max_k)).reshape(
+        num_seqs, 1, group * max_q, max_k)                                    # [S, 1, G * Lq, Lk]
     mask = np.where(mask, np.float32(0), np.float32(-np.inf))  # added to the scores: what SDPA makes of a boolean mask
     tokens_t, real_t, blocks_t, offsets_t, flat_t, mask_t = _on_device(
         device, tokens, real, blocks, offsets, (blocks * batch.block_size + offsets).reshape(-1), mask)
