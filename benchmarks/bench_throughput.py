@@ -9,6 +9,11 @@ transformers ``generate`` on consecutive padded static batches of c (left-padded
 generating its longest output); transformers on one request at a time does not depend on c and
 is measured once per repeat. Beside them, the case with no queue: the first 16 prompts (the same
 mix of lengths) admitted at once, kvlab with ``max_num_seqs=16`` against one static batch of 16.
+For both cases at 16, kvlab's own engine also batches statically (``run_kvlab(static=True)``: batches of
+16, each member generating its batch's longest output, the next batch once the last is done), which
+splits each ratio against transformers into two factors that multiply to it: continuous against
+static batching on kvlab's one engine (what the scheduling buys: the lesson), and kvlab's static
+batches against transformers' (what kvlab's step costs against ``generate``'s on the same batches).
 Each system is warmed up untimed; every figure is the median of ``--repeats`` runs (systems
 interleaved, so each sees the same load), wall time (``time.perf_counter``) and process CPU time
 (``time.process_time``), with torch on ``--threads`` threads. Tokens count what each request asked
@@ -48,6 +53,8 @@ GOALS = {
                  f"batch of {NO_QUEUE}", 1.1),
     "queued": (f"{NUM_REQUESTS} queued at 16 concurrent: kvlab against padded static batches of 16", 2.0),
 }
+#: the cases whose ratio against transformers is split in two (``split``), and the concurrency of each
+SPLIT = {"queued": 16, "no_queue": NO_QUEUE}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -55,8 +62,8 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
-def kvlab_run(workload: Workload, c: int) -> dict[str, Any]:
-    return run_kvlab(TINY_MODEL_DIR, workload, c, attention_backend="torch", dtype="float32")
+def kvlab_run(workload: Workload, c: int, static: bool = False) -> dict[str, Any]:
+    return run_kvlab(TINY_MODEL_DIR, workload, c, static=static, attention_backend="torch", dtype="float32")
 
 
 def measure(workload: Workload, concurrency: tuple[int, ...], repeats: int) -> dict[str, Any]:
@@ -74,8 +81,10 @@ def measure(workload: Workload, concurrency: tuple[int, ...], repeats: int) -> d
             ("kvlab", lambda c=c: kvlab_run(workload, c)),
             ("static_batch", lambda c=c: run_hf_static(hf, workload, c)))]
         cases += [("one_at_a_time", 0, lambda: run_hf_serial(hf, workload)),
+                  ("kvlab_static", SPLIT["queued"], lambda: kvlab_run(workload, SPLIT["queued"], static=True)),
                   ("no_queue_kvlab", NO_QUEUE, lambda: kvlab_run(no_queue, NO_QUEUE)),
-                  ("no_queue_static_batch", NO_QUEUE, lambda: run_hf_static(hf, no_queue, NO_QUEUE))]
+                  ("no_queue_static_batch", NO_QUEUE, lambda: run_hf_static(hf, no_queue, NO_QUEUE)),
+                  ("no_queue_kvlab_static", NO_QUEUE, lambda: kvlab_run(no_queue, NO_QUEUE, static=True))]
         for system, c, run in cases:
             loads.append(os.getloadavg()[0])
             runs.setdefault((system, c), []).append(run())
@@ -93,9 +102,10 @@ def measure(workload: Workload, concurrency: tuple[int, ...], repeats: int) -> d
                                                                                      NO_QUEUE)])
     no_queue_row = {"requests": NO_QUEUE, "output_lens": list(no_queue.output_lens[:4]), "tokens": no_queue.num_tokens,
                     "kvlab": kvlab, "static_batch": static,
+                    "kvlab_static": median_run(runs[("no_queue_kvlab_static", NO_QUEUE)]),
                     "kvlab_vs_static_batch": kvlab["tokens_per_s"] / static["tokens_per_s"],
                     "kvlab_vs_static_batch_cpu": kvlab["tokens_per_cpu_s"] / static["tokens_per_cpu_s"]}
-    return {"rows": rows, "no_queue": no_queue_row,
+    return {"rows": rows, "no_queue": no_queue_row, "kvlab_static": median_run(runs[("kvlab_static", SPLIT["queued"])]),
             "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}}
 
 
@@ -111,6 +121,22 @@ def goals(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             for name, (what, target) in GOALS.items()}
 
 
+def split(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each ``SPLIT`` case's ratio against transformers as the product of two: continuous against static batching on
+    kvlab's engine (``batching``), times kvlab's static batches against transformers' (``step``); wall and CPU."""
+    at = {r["concurrency"]: r for r in result["rows"]}
+    runs = {"queued": (at[SPLIT["queued"]]["kvlab"], result["kvlab_static"], at[SPLIT["queued"]]["static_batch"]),
+            "no_queue": (result["no_queue"]["kvlab"], result["no_queue"]["kvlab_static"],
+                         result["no_queue"]["static_batch"])}
+    out = {}
+    for name, (continuous, kvlab_static, hf_static) in runs.items():
+        out[name] = {"steps": {"continuous": continuous["steps"], "static": kvlab_static["steps"]}}
+        for suffix, key in (("", "tokens_per_s"), ("_cpu", "tokens_per_cpu_s")):
+            out[name]["batching" + suffix] = continuous[key] / kvlab_static[key]
+            out[name]["step" + suffix] = kvlab_static[key] / hf_static[key]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -122,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
     workload = text_workload(AutoTokenizer.from_pretrained(TINY_MODEL_DIR), NUM_REQUESTS)
     result = measure(workload, CONCURRENCY, args.repeats)
-    result.update(goals=goals(result), repeats=args.repeats, torch_threads=args.threads,
+    result.update(goals=goals(result), split=split(result), repeats=args.repeats, torch_threads=args.threads,
                   num_requests=NUM_REQUESTS, output_lens=list(workload.output_lens[:4]),
                   prompt_lens=[min(map(len, workload.prompts)), max(map(len, workload.prompts))],
                   tokens=workload.num_tokens)
@@ -139,6 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, g in result["goals"].items():
         print(f"goal {name}: {g['what']}: {g['ratio']:.2f}x wall, {g['ratio_cpu']:.2f}x CPU (>= {g['target']}x: "
               f"{'met' if g['met_wall'] else 'not met'} in wall time, {'met' if g['met_cpu'] else 'not met'} in CPU)")
+    for name, f in result["split"].items():
+        print(f"goal {name} = continuous/static batching on kvlab {f['batching']:.2f}x (steps "
+              f"{f['steps']['static']} -> {f['steps']['continuous']}) x kvlab's static batches/transformers' "
+              f"{f['step']:.2f}x (wall; CPU: "
+              f"{f['batching_cpu']:.2f}x x {f['step_cpu']:.2f}x)")
     print_rows(result["step_breakdown"]["rows"])
     path = save_measurement("engine_throughput", result, method=__doc__.split("Method: ", 1)[1].strip())
     print(f"saved to {path}")

@@ -48,6 +48,16 @@ def test_every_system_serves_exactly_the_tokens_asked_for(tokenizer, hf_trained)
     assert kvlab["peak_kv_tokens"] % 16 == 0 and kvlab["steps"] >= 4
 
 
+def test_kvlab_batching_statically_waits_for_each_batch_longest_output(tokenizer):
+    w = text_workload(tokenizer, 3, output_lens=(1, 4))                    # batches of 2: (1, 4), then (1,)
+    with torch_threads(1):
+        continuous = run_kvlab(TINY_MODEL_DIR, w, 2, dtype="float32")
+        static = run_kvlab(TINY_MODEL_DIR, w, 2, static=True, dtype="float32")
+    assert static["tokens"] == continuous["tokens"] == 6                   # what was asked for, not the padding
+    assert static["steps"] == 4 + 1                                        # each batch as long as its longest output
+    assert continuous["steps"] == 4                                        # the third request took the first's slot
+
+
 @pytest.mark.parametrize(("prompts", "lens", "match"), [(((1, 2),), (1, 2), "one output length per prompt"),
                                                          (((1, 2),), (0,), "output_lens")])
 def test_a_workload_pairs_each_prompt_with_a_positive_length(prompts, lens, match):

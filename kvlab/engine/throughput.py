@@ -99,8 +99,8 @@ def _result(times: dict[str, float], tokens: int, tpot: Sequence[float], **extra
             "tokens_per_cpu_s": tokens / times["cpu_s"], "tpot_ms": 1e3 * sum(tpot) / len(tpot), **extra}
 
 
-def run_kvlab(model_dir: str | os.PathLike, workload: Workload, concurrency: int, **engine_kwargs: Any
-              ) -> dict[str, Any]:
+def run_kvlab(model_dir: str | os.PathLike, workload: Workload, concurrency: int, *, static: bool = False,
+              **engine_kwargs: Any) -> dict[str, Any]:
     """Serve the workload through a fresh ``LLMEngine`` with at most ``concurrency`` requests running.
 
     The pool holds ``concurrency`` of the longest requests (no preemption) and prefix caching is
@@ -109,6 +109,11 @@ def run_kvlab(model_dir: str | os.PathLike, workload: Workload, concurrency: int
     ``executor_cpu_s`` (CPU inside the model runner: the forward, the kernels, sampling; the rest
     is the scheduler and the engine's Python) and ``peak_kv_tokens`` (blocks in use at the fullest
     step, in tokens).
+
+    ``static``: the same engine made to batch as ``run_hf_static`` does, so that continuous batching can
+    be weighed on one engine's step: the requests go in consecutive batches of ``concurrency``, the next
+    only once the last has finished, and every member generates its batch's longest output (only what
+    it asked for counts). Prompts stay unpadded: kvlab's flat batch has no rows to pad.
     """
     from kvlab.engine.llm_engine import LLMEngine
 
@@ -120,13 +125,17 @@ def run_kvlab(model_dir: str | os.PathLike, workload: Workload, concurrency: int
     tpot = engine.latency.histograms["vllm:request_time_per_output_token_seconds"]
     before, steps_before = (tpot.sum, tpot.count), len(engine.history)
     executor_cpu = _cpu_counter(engine.executor, "execute_model")
+    batch = concurrency if static else len(workload.prompts)
+    ids = []
     with timed() as times:
-        ids = [engine.add_request(list(prompt), max_tokens=n, ignore_eos=True)
-               for prompt, n in zip(workload.prompts, workload.output_lens, strict=True)]
-        while engine.has_unfinished_requests():
-            engine.step()
+        for first in range(0, len(workload.prompts), batch):
+            lens = workload.output_lens[first:first + batch]
+            ids += [engine.add_request(list(prompt), max_tokens=max(lens) if static else n, ignore_eos=True)
+                    for prompt, n in zip(workload.prompts[first:first + batch], lens, strict=True)]
+            while engine.has_unfinished_requests():
+                engine.step()
     history = engine.history[steps_before:]
-    tokens = sum(len(engine.outputs[i]) for i in ids)
+    tokens = sum(min(len(engine.outputs[i]), n) for i, n in zip(ids, workload.output_lens, strict=True))
     mean_tpot = (tpot.sum - before[0]) / (tpot.count - before[1])
     peak = max(s.kv_cache_usage for s in history) * engine.kv_cache_manager.block_pool.num_usable_blocks
     return _result(times, tokens, [mean_tpot], steps=len(history), executor_cpu_s=executor_cpu[0],
