@@ -346,6 +346,12 @@ OTHER_MUTANTS: list[Mutant] = [
            "inside & (keys > (lens - batch.sliding_window)[:, None])",
            "a decode's window of W keys ends W keys before the sequence's end, the query itself not counted",
            ("08",), ("tests/test_kernels_torch_attention.py",)),
+    # --- kvlab's engine batching statically, the bench's baseline for continuous batching on one engine
+    Mutant("static_run_counts_padding", "engine", "kvlab/engine/throughput.py",
+           "tokens = sum(min(len(engine.outputs[i]), n) for",
+           "tokens = sum(max(len(engine.outputs[i]), n) for",
+           "a static batch's padding steps count as tokens served, flattering the static run",
+           ("06",), ("tests/test_engine_throughput.py",)),
     Mutant("budget_panel_ignores_tp", "viz", "kvlab/viz/budget.py",
            '"tp": self.tp.value,',
            '"tp": 1,',
