@@ -359,61 +359,63 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [known[n] for n in args.only]
 
     base = Path(tempfile.mkdtemp(prefix="kvlab-mutants-"))
-    pristine = base / "pristine-kernels"
-    for repo_path, content in snapshot.items():
-        if repo_path.startswith("kernels/"):
-            (pristine / repo_path[len("kernels/"):]).parent.mkdir(parents=True, exist_ok=True)
-            (pristine / repo_path[len("kernels/"):]).write_bytes(content)
-    workers: queue.Queue[Scratch] = queue.Queue()
-    for i in range(max(1, args.jobs)):
-        workers.put(Scratch(base, f"copy-{i}", snapshot, pristine, None if args.seed == -1 else args.seed))
-    print(f"{len(chosen)} mutants, scratch copies in {base}, {args.jobs} at a time")
-    start, loads, results, lock = time.monotonic(), [os.getloadavg()], {}, threading.Lock()
-    baseline = run_baseline(workers.queue[0], args.timeout) if args.baseline else None
+    try:  # the scratch copies go, however the run ends (a SuiteError or Ctrl-C included)
+        pristine = base / "pristine-kernels"
+        for repo_path, content in snapshot.items():
+            if repo_path.startswith("kernels/"):
+                (pristine / repo_path[len("kernels/"):]).parent.mkdir(parents=True, exist_ok=True)
+                (pristine / repo_path[len("kernels/"):]).write_bytes(content)
+        workers: queue.Queue[Scratch] = queue.Queue()
+        for i in range(max(1, args.jobs)):
+            workers.put(Scratch(base, f"copy-{i}", snapshot, pristine, None if args.seed == -1 else args.seed))
+        print(f"{len(chosen)} mutants, scratch copies in {base}, {args.jobs} at a time")
+        start, loads, results, lock = time.monotonic(), [os.getloadavg()], {}, threading.Lock()
+        baseline = run_baseline(workers.queue[0], args.timeout) if args.baseline else None
 
-    def one(mutant: Mutant) -> None:
-        scratch = workers.get()
-        if args.stop_after is not None and time.monotonic() - start > args.stop_after:
-            workers.put(scratch)
-            return
-        try:
-            result = run_mutant(scratch, mutant, args.timeout)
-        finally:
-            workers.put(scratch)
-        with lock:
-            results[mutant.name] = result
-            loads.append(os.getloadavg())
-            verdict = "notebooks" if result.by_notebooks else "tests" if result.killed else "SURVIVED"
-            print(f"[{len(results):2d}/{len(chosen)}] {mutant.name:<27} {verdict:<9} "
-                  f"{result.deciding.killer or ''}  ({result.seconds:.0f} s)", flush=True)
-            if result.killed:
-                print(f"      {result.deciding.message}", flush=True)
+        def one(mutant: Mutant) -> None:
+            scratch = workers.get()
+            if args.stop_after is not None and time.monotonic() - start > args.stop_after:
+                workers.put(scratch)
+                return
+            try:
+                result = run_mutant(scratch, mutant, args.timeout)
+            finally:
+                workers.put(scratch)
+            with lock:
+                results[mutant.name] = result
+                loads.append(os.getloadavg())
+                verdict = "notebooks" if result.by_notebooks else "tests" if result.killed else "SURVIVED"
+                print(f"[{len(results):2d}/{len(chosen)}] {mutant.name:<27} {verdict:<9} "
+                      f"{result.deciding.killer or ''}  ({result.seconds:.0f} s)", flush=True)
+                if result.killed:
+                    print(f"      {result.deciding.message}", flush=True)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for future in [pool.submit(one, m) for m in chosen]:
-            future.result()                        # a SuiteError stops the run here, loudly
-    ordered = [results[m.name] for m in chosen if m.name in results]
-    not_run = [m.name for m in chosen if m.name not in results]
-    confirm_killers(list(workers.queue), ordered, args.timeout)
-    wall = time.monotonic() - start
-    print_table(ordered)
-    s = scores(ordered)
-    if not_run:
-        print(f"\n--stop-after: {len(not_run)} mutant(s) not run: {' '.join(not_run)}")
-    print(f"\nkilled by the whole suite: {s['suite']['killed']}/{s['suite']['total']} ({s['suite']['percent']} %)")
-    print(f"killed by the notebooks alone: {s['notebooks']['killed']}/{s['notebooks']['total']} "
-          f"({s['notebooks']['percent']} %)")
-    print(f"wall time {wall / 60:.1f} min, load average (1 min) {loads[0][0]:.1f} at start, "
-          f"{max(load[0] for load in loads):.1f} at most, {os.cpu_count()} cores")
-    if not args.only and not args.no_save:
-        seed = None if args.seed == -1 else args.seed
-        print(f"saved to {save(ordered, wall, loads, args.jobs, baseline, not_run, seed)}")
-    if not args.keep:
-        shutil.rmtree(base, ignore_errors=True)
-    unconfirmed = [r.mutant.name for r in ordered if r.confirmed is False]
-    if unconfirmed:
-        print(f"UNCONFIRMED kills (the killing test or cell fails on the unmutated copy too): {unconfirmed}")
-    return 1 if unconfirmed or not_run or not all(r.killed for r in ordered) else 0
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            for future in [pool.submit(one, m) for m in chosen]:
+                future.result()                        # a SuiteError stops the run here, loudly
+        ordered = [results[m.name] for m in chosen if m.name in results]
+        not_run = [m.name for m in chosen if m.name not in results]
+        confirm_killers(list(workers.queue), ordered, args.timeout)
+        wall = time.monotonic() - start
+        print_table(ordered)
+        s = scores(ordered)
+        if not_run:
+            print(f"\n--stop-after: {len(not_run)} mutant(s) not run: {' '.join(not_run)}")
+        print(f"\nkilled by the whole suite: {s['suite']['killed']}/{s['suite']['total']} ({s['suite']['percent']} %)")
+        print(f"killed by the notebooks alone: {s['notebooks']['killed']}/{s['notebooks']['total']} "
+              f"({s['notebooks']['percent']} %)")
+        print(f"wall time {wall / 60:.1f} min, load average (1 min) {loads[0][0]:.1f} at start, "
+              f"{max(load[0] for load in loads):.1f} at most, {os.cpu_count()} cores")
+        if not args.only and not args.no_save:
+            seed = None if args.seed == -1 else args.seed
+            print(f"saved to {save(ordered, wall, loads, args.jobs, baseline, not_run, seed)}")
+        unconfirmed = [r.mutant.name for r in ordered if r.confirmed is False]
+        if unconfirmed:
+            print(f"UNCONFIRMED kills (the killing test or cell fails on the unmutated copy too): {unconfirmed}")
+        return 1 if unconfirmed or not_run or not all(r.killed for r in ordered) else 0
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def run_baseline(scratch: Scratch, timeout: float) -> dict:
