@@ -7,7 +7,8 @@ one at the next step (continuous batching over the paged cache). ``run_hf_serial
 transformers ``generate`` on each request in turn. ``run_hf_static``: the requests in
 consecutive batches of ``concurrency``, each left-padded to its longest prompt and generating its
 longest output for every member (the static batch waits for its longest member; its cache holds
-``concurrency x (padded prompt + longest output)`` tokens). Each returns wall and CPU seconds
+``concurrency x (padded prompt + longest output)`` tokens); ``run_kvlab(..., static=True)`` makes kvlab's
+engine batch that way too, so that the two ways of batching meet on one engine. Each returns wall and CPU seconds
 (``time.process_time``: every thread of this process), the useful tokens (what was asked for,
 not the padding) and the mean time per output token of a request. Timings belong in
 ``benchmarks/bench_throughput.py`` and never in a test.
