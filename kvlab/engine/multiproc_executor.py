@@ -156,12 +156,9 @@ class MultiprocExecutor:
 
     def inject_fault(self, rank: int, kind: str = "raise") -> None:
         """Make ``rank`` raise inside (``"raise"``), exit at (``"exit"``) or hang in (``"hang"``) its next step."""
-        from kvlab._validate import one_of
-        from kvlab.engine.worker import FAULTS
+        from kvlab.engine.worker import check_fault  # here: the worker imports torch, this module does not
 
-        one_of("kind", kind, FAULTS)
-        if not 0 <= rank < self.world_size:
-            raise RankFailedError(None, f"rank={rank} is not one of the {self.world_size} ranks")
+        check_fault(self.world_size, rank, kind)
         self.collective_rpc("inject_fault", rank, kind)
 
     # ------------------------------------------------------------- waiting, failing, stopping
@@ -210,8 +207,8 @@ class MultiprocExecutor:
         """
         reports = {m[1]: (m[2], m[3]) for m in messages if m[0] == "failed"}
         tracebacks = {m[1]: m[4] for m in messages if m[0] == "failed"}
-        deadline = time.monotonic() + FAILURE_GRACE_S
-        while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+
+        def collect() -> None:  # every failure report waiting in the pipes (a rank's first report stands)
             for conn in self.conns:
                 with contextlib.suppress(EOFError, OSError):
                     while conn.poll(0):
@@ -219,14 +216,12 @@ class MultiprocExecutor:
                         if m[0] == "failed":
                             reports.setdefault(m[1], (m[2], m[3]))
                             tracebacks.setdefault(m[1], m[4])
+
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            collect()
             time.sleep(0.05)
-        for conn in self.conns:  # what the last ones to exit wrote
-            with contextlib.suppress(EOFError, OSError):
-                while conn.poll(0):
-                    m = conn.recv()
-                    if m[0] == "failed":
-                        reports.setdefault(m[1], (m[2], m[3]))
-                        tracebacks.setdefault(m[1], m[4])
+        collect()  # what the last ones to exit wrote
         crashed = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0) and r not in reports]
         hung = [r for r, p in enumerate(self.procs) if p.is_alive() and r not in reports]
         for p in self.procs:

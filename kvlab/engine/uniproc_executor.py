@@ -17,7 +17,7 @@ from typing import Any
 from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvlab.distributed.parallel_state import destroy_distributed_environment, launcher_env
 from kvlab.engine.engine_config import EngineConfig
-from kvlab.engine.worker import FAULTS, Driver, start_rank
+from kvlab.engine.worker import Driver, check_fault, start_rank
 from kvlab.errors import KvlabValueError, RankFailedError
 
 
@@ -59,8 +59,8 @@ class ExecutorWithExternalLauncher:
         return self.kv_cache_reports
 
     def inject_fault(self, rank: int, kind: str = "raise") -> None:
-        if kind not in FAULTS:
-            raise KvlabValueError(f"kind={kind!r}: one of {FAULTS}")
+        """Make ``rank`` raise inside (``"raise"``), exit at (``"exit"``) or hang in (``"hang"``) its next step."""
+        check_fault(self.world_size, rank, kind)
         self.collective_rpc("inject_fault", rank, kind)
 
     def shutdown(self) -> None:

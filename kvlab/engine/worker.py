@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvlab._validate import non_negative_int, one_of
 from kvlab.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvlab.distributed.parallel_state import (
     CollectiveStats,
@@ -53,12 +54,22 @@ from kvlab.engine.kv_connector_model_runner import KVOutputAggregator
 from kvlab.engine.kv_pool import allocate_kv_caches, kv_cache_bytes, layer_groups
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.registry import load_model
+from kvlab.errors import KvlabValueError
 from kvlab.kv_cache_interface import KVCacheGroupSpec
 
 #: Methods whose every rank's answer is gathered on rank 0 (the others' answer is theirs alone).
 GATHERED = ("initialize_kv_cache", "load_report", "kv_cache_report", "collective_stats", "inject_fault", "kv_blocks")
 #: What ``inject_fault`` can make a rank do at its next step (for tests and notebook 11).
 FAULTS = ("raise", "exit", "hang")
+
+
+def check_fault(world_size: int, rank: int, kind: str) -> None:
+    """The door of every executor's ``inject_fault``: ``rank`` one of the ``world_size`` ranks, ``kind`` one of
+    ``FAULTS``; checked before anything is sent, so a refused call arms nothing."""
+    non_negative_int("rank", rank)
+    if rank >= world_size:
+        raise KvlabValueError(f"rank={rank}: the ranks are 0 to {world_size - 1} (tensor_parallel_size={world_size})")
+    one_of("kind", kind, FAULTS)
 
 
 class InjectedFault(RuntimeError):

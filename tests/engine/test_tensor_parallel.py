@@ -133,6 +133,19 @@ def test_the_hybrid_model_generates_the_same_tokens_on_two_ranks_with_half_the_k
     assert rank_bytes_per_token(hybrid_tp2) == [rank_bytes_per_token(one_engine)[0] / 2] * 2  # a KV head each
 
 
+@pytest.mark.parametrize(("rank", "kind", "named"), [
+    (2, "raise", r"rank=2: the ranks are 0 to 1"),
+    (-1, "raise", r"rank must be a non-negative integer"),
+    (True, "raise", r"rank must be a non-negative integer"),
+    (1, "crash", r"kind"),
+])
+def test_a_fault_for_a_rank_or_of_a_kind_there_is_not_is_refused_by_name_and_arms_nothing(
+        hybrid_tp2, rank, kind, named):
+    with pytest.raises(KvlabValueError, match=named):
+        hybrid_tp2.rank_executor.inject_fault(rank, kind)
+    assert len(hybrid_tp2.generate([[5, 6, 7, 8]], max_tokens=2)[0]) == 2  # both ranks step as before
+
+
 def test_a_rank_that_hangs_is_caught_by_the_collectives_timeout(hybrid_tp2):
     pids = hybrid_tp2.rank_executor.pids
     hybrid_tp2.rank_executor.inject_fault(1, "hang")
