@@ -15,7 +15,8 @@ splits each ratio against transformers into two factors that multiply to it: con
 static batching on kvlab's one engine (what the scheduling buys: the lesson), and kvlab's static
 batches against transformers' (what kvlab's step costs against ``generate``'s on the same batches).
 Each system is warmed up untimed; every figure is the median of ``--repeats`` runs (systems
-interleaved, so each sees the same load), wall time (``time.perf_counter``) and process CPU time
+interleaved, so each sees the same load; each goal's ratio is also saved repeat by repeat, with how many repeats
+met it, since the machine's speed drifts between repeats), wall time (``time.perf_counter``) and process CPU time
 (``time.process_time``), with torch on ``--threads`` threads. Tokens count what each request asked
 for, never padding. Time per output token is a request's mean (kvlab: its decode time over its
 tokens after the first, vLLM's ``request_time_per_output_token``; transformers: its batch's time over
@@ -53,6 +54,10 @@ GOALS = {
                  f"batch of {NO_QUEUE}", 1.1),
     "queued": (f"{NUM_REQUESTS} queued at 16 concurrent: kvlab against padded static batches of 16", 2.0),
 }
+#: name -> the runs (system, concurrency) whose tokens per second each goal divides
+GOAL_RUNS = {"one_at_a_time": (("kvlab", 1), ("one_at_a_time", 0)),
+             "no_queue": (("no_queue_kvlab", NO_QUEUE), ("no_queue_static_batch", NO_QUEUE)),
+             "queued": (("kvlab", 16), ("static_batch", 16))}
 #: the cases whose ratio against transformers is split in two (``split``), and the concurrency of each
 SPLIT = {"queued": 16, "no_queue": NO_QUEUE}
 
@@ -105,8 +110,12 @@ def measure(workload: Workload, concurrency: tuple[int, ...], repeats: int) -> d
                     "kvlab_static": median_run(runs[("no_queue_kvlab_static", NO_QUEUE)]),
                     "kvlab_vs_static_batch": kvlab["tokens_per_s"] / static["tokens_per_s"],
                     "kvlab_vs_static_batch_cpu": kvlab["tokens_per_cpu_s"] / static["tokens_per_cpu_s"]}
+    # each goal's ratio in every repeat apart (the two runs of a repeat ran one after the other, under the same load)
+    by_repeat = {name: [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[mine], runs[theirs], strict=True)]
+                 for name, (mine, theirs) in GOAL_RUNS.items()}
     return {"rows": rows, "no_queue": no_queue_row, "kvlab_static": median_run(runs[("kvlab_static", SPLIT["queued"])]),
-            "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}}
+            "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+            "ratios_by_repeat": by_repeat}
 
 
 def goals(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -116,8 +125,10 @@ def goals(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "no_queue": (result["no_queue"]["kvlab_vs_static_batch"],
                              result["no_queue"]["kvlab_vs_static_batch_cpu"]),
                 "queued": (at[16]["kvlab_vs_static_batch"], at[16]["kvlab_vs_static_batch_cpu"])}
+    by_repeat = result["ratios_by_repeat"]
     return {name: {"what": what, "target": target, "ratio": measured[name][0], "ratio_cpu": measured[name][1],
-                   "met_wall": measured[name][0] >= target, "met_cpu": measured[name][1] >= target}
+                   "met_wall": measured[name][0] >= target, "met_cpu": measured[name][1] >= target,
+                   "ratio_by_repeat": by_repeat[name], "met_repeats": sum(r >= target for r in by_repeat[name])}
             for name, (what, target) in GOALS.items()}
 
 
@@ -164,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
             ("kvlab", "static_batch", "one_at_a_time")))
     for name, g in result["goals"].items():
         print(f"goal {name}: {g['what']}: {g['ratio']:.2f}x wall, {g['ratio_cpu']:.2f}x CPU (>= {g['target']}x: "
-              f"{'met' if g['met_wall'] else 'not met'} in wall time, {'met' if g['met_cpu'] else 'not met'} in CPU)")
+              f"{'met' if g['met_wall'] else 'not met'} in wall time, {'met' if g['met_cpu'] else 'not met'} in CPU); "
+              f"repeat by repeat {min(g['ratio_by_repeat']):.2f}x to {max(g['ratio_by_repeat']):.2f}x wall, met in "
+              f"{g['met_repeats']} of {len(g['ratio_by_repeat'])}")
     for name, f in result["split"].items():
         print(f"goal {name} = continuous/static batching on kvlab {f['batching']:.2f}x (steps "
               f"{f['steps']['static']} -> {f['steps']['continuous']}) x kvlab's static batches/transformers' "
